@@ -1,0 +1,1 @@
+"""meshpar's runtime: executes what the passes emit."""
