@@ -1,0 +1,1 @@
+"""Runnable benchmarks: `python -m benchmarks.<name> --help`."""

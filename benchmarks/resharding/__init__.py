@@ -1,0 +1,1 @@
+"""Cross-mesh resharding benchmarks: the paper's Table 2 and Fig. 5 cases."""
