@@ -24,7 +24,8 @@ from .strategies import send_resource
 
 __all__ = ["dfs_search"]
 
-_EPS = 1e-12
+# Relative slack so float noise never counts as an improvement.
+_SLACK = 1 - 1e-12
 
 
 def dfs_search(
@@ -124,7 +125,7 @@ def dfs_search(
             continue
         stack[-1] = (kids, pos + 1)
         end, start, c, k = kids[pos]
-        if end >= best_value - _EPS * max(1.0, best_value):
+        if end >= best_value * _SLACK:
             # Children are sorted by finish time: the rest can only be later.
             stack[-1] = (kids, len(kids))
             continue
@@ -142,11 +143,11 @@ def dfs_search(
         if is_networked[i]:
             rest_min_total -= problem.min_duration(i)
         if len(order) == n:
-            if makespan < best_value - _EPS * max(1.0, best_value):
+            if makespan < best_value * _SLACK:
                 best_value = makespan
                 best = TaskOrder(tuple(order), tuple(choice))
             stack.append(([], 0))  # leaf: popped (and undone) next iteration
-        elif lower_bound() >= best_value - _EPS * max(1.0, best_value):
+        elif lower_bound() >= best_value * _SLACK:
             stack.append(([], 0))
         else:
             stack.append((children(), 0))
