@@ -24,7 +24,12 @@ def _sim(args: argparse.Namespace) -> int:
         case = sim.scale_case()
         print(f"scale case: {case.task.src_spec}{case.task.src_mesh.shape} -> {case.task.dst_spec}{case.task.dst_mesh.shape}, "
               f"{case.cluster.num_devices} devices", flush=True)
-        records += sim.run_sim([case], ["broadcast"], ["greedy_random", "load_balance"])
+        scale = sim.run_sim([case], ["broadcast"], ["greedy_random", "load_balance"])
+        for r in scale:
+            print(f"  {r['strategy']}/{r['balancer']}: planned {r['unit_tasks']} unit tasks in {r['planner_s']:.2f} s, "
+                  f"{r['rounds']} rounds, estimated {r['estimated_s'] * 1e3:.1f} ms (lower bound {r['lower_bound_s'] * 1e3:.1f} ms)",
+                  flush=True)
+        records += scale
     print("\nEstimated time / lower bound (1.00x = optimal); last column: Alpa's time over broadcast+ensemble's.\n")
     print(sim.headline_table(records))
     if args.full:

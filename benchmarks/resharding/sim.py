@@ -31,6 +31,7 @@ def run_sim(cases: Sequence[Case], strategies: Sequence[str] = tuple(STRATEGIES)
                         "lower_bound_s": plan.lower_bound,
                         "planner_s": time.perf_counter() - start,
                         "unit_tasks": len(plan.tasks),
+                        "rounds": plan.num_rounds,
                     }
                 )
     return records
