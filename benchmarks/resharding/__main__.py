@@ -31,7 +31,7 @@ def _sim(args: argparse.Namespace) -> int:
                   flush=True)
         records += scale
     print("\nEstimated time / lower bound (1.00x = optimal); last column: Alpa's time over broadcast+ensemble's.\n")
-    print(sim.headline_table(records))
+    print(sim.headline_table([r for r in records if r["suite"] != "scale"]))
     if args.full:
         print("\nAll strategies x balancers, estimated time / lower bound:\n")
         print(sim.full_table(records))
