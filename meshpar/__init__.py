@@ -4,6 +4,7 @@ from meshpar.cluster import Cluster
 from meshpar.mesh import DeviceMesh
 from meshpar.sharding_spec import ShardingSpec
 from meshpar.tiles import Tile, tiles
+from meshpar.reshard import plan_for, reshard
 from meshpar.passes import (
     ALPA_BASELINE,
     BALANCERS,
@@ -27,6 +28,8 @@ __all__ = [
     "STRATEGIES",
     "ShardingSpec",
     "Tile",
+    "plan_for",
     "plan_resharding",
+    "reshard",
     "tiles",
 ]

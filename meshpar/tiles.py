@@ -114,7 +114,7 @@ def tiles(
             raise ValueError(
                 f"{arg}: {str(spec)!r} cuts dimension {dim} (size {length}) into {n} shards over "
                 f"mesh axes {spec.dims[dim]} of the {mesh.shape} mesh, which does not divide it; "
-                f"choose a divisible size or ask for padding (pad=True)"
+                f"choose a divisible size or another spec (the planner alone also accepts pad=True)"
             )
         per_dim.append(split_bounds(length, n, pad=pad))
     holders: dict[tuple[int, ...], list[int]] = {}

@@ -77,6 +77,7 @@ class TransferProgram:
         runtime needs layouts that divide the tensor).
       src_devices, dst_devices: device ids of each mesh, in mesh order.
       steps: run in sequence.
+      round_ends: index of the last step of each plan round.
       fingerprint: the plan's fingerprint.
     """
 
@@ -85,6 +86,7 @@ class TransferProgram:
     src_devices: tuple[int, ...]
     dst_devices: tuple[int, ...]
     steps: tuple[Step, ...]
+    round_ends: tuple[int, ...]
     fingerprint: str
 
     @property
@@ -169,6 +171,7 @@ def lower_plan(plan: ReshardingPlan) -> TransferProgram:
         )
 
     steps: list[Step] = []
+    round_ends: list[int] = []
     for round_tasks in plan.rounds:
         # Chains in plan order: the planner's priority decides who goes first
         # when two chains want the same device in the same step.
@@ -188,12 +191,14 @@ def lower_plan(plan: ReshardingPlan) -> TransferProgram:
                 chain.done += 1
             steps.append(Step(tuple(t for _, t in moved)))
             pending = [c for c in pending if c.done < len(c.devices) - 1]
+        round_ends.append(len(steps) - 1)
     return TransferProgram(
         src_tile_shape=task.src_tiles[0].shape,
         dst_tile_shape=task.dst_tiles[0].shape,
         src_devices=task.src_mesh.devices,
         dst_devices=task.dst_mesh.devices,
         steps=tuple(steps),
+        round_ends=tuple(round_ends),
         fingerprint=plan.fingerprint,
     )
 
