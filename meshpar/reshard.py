@@ -119,7 +119,7 @@ def reshard(
     """
     executable, plan = _prepare(x, dst, strategy=strategy, balancer=balancer, chunks=chunks, cluster=cluster)
     if not executable.participates:
-        return jax.make_array_from_single_device_arrays(x.shape, dst, [])
+        return jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype)
     if jax.process_count() > 1:
         key = (id(executable),)
         if key not in _agreed:

@@ -208,7 +208,9 @@ class ReshardingExecutable:
                 if d.id not in self._placeholders:
                     self._placeholders[d.id] = _placeholder(d, self.program.src_tile_shape, self.dtype)
                 buffers.append(self._placeholders[d.id])
-        union_in = jax.make_array_from_single_device_arrays(self._in_shape, self._union_sharding, buffers)
+        union_in = jax.make_array_from_single_device_arrays(
+            self._in_shape, self._union_sharding, buffers, dtype=self.dtype
+        )
         union_out = self._compiled(union_in)
         mine = [s.data for s in union_out.addressable_shards if s.device.id in self._dst_ids]
-        return jax.make_array_from_single_device_arrays(self.shape, self.dst, mine)
+        return jax.make_array_from_single_device_arrays(self.shape, self.dst, mine, dtype=self.dtype)
