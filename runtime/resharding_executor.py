@@ -13,11 +13,14 @@ send/recv on GPUs and to gloo across processes on CPUs. Destination devices'
 shards of the output are their final tiles and are re-wrapped onto the
 destination sharding without copies.
 
-Memory per device: the source tile (input), the destination tile (output)
-and one box per step in flight. A destination device also maps a
-source-tile-sized placeholder whose pages are never touched; a source
-device also produces a destination-tile-sized output shard that is dropped.
-No device ever holds more than its own tiles.
+Memory per device: the source tile (input) and the destination tile
+(output); XLA's temporaries stay within one destination tile plus four boxes
+(the payload cut out, the one arriving, and their selects), whatever the
+tensor size (``tests/test_reshard.py`` checks this against
+``memory_analysis``). A destination device also maps a source-tile-sized
+placeholder whose pages are never touched; a source device also produces a
+destination-tile-sized output shard that is dropped. No device ever holds
+more than its own tiles.
 """
 
 from __future__ import annotations

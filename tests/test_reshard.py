@@ -159,3 +159,28 @@ def test_bad_arguments_name_themselves():
         meshpar.reshard(x, ok, balancer="magic")
     with pytest.raises(TypeError, match="cluster"):
         meshpar.reshard(x, ok, cluster="aws")
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_device_memory_stays_within_one_tile_plus_four_boxes(seed):
+    """Per-device program memory (XLA's own accounting): inputs are the source tile, outputs the
+    destination tile, temporaries at most one destination tile plus four transfer boxes."""
+    from meshpar.reshard import _prepare
+
+    rng = random.Random(seed)
+    sm = Mesh(np.array(DEVICES[:4]).reshape(2, 2), ("a", "b"))
+    dm = Mesh(np.array(DEVICES[4:]).reshape(rng.choice([(2, 2), (1, 4), (4, 1)])), ("a", "b"))
+    ss, ds = random_spec(rng, 2, 2), random_spec(rng, 2, 2)
+    shape = tuple(int(np.lcm(a, b)) * 32 for a, b in zip(ss.num_shards(sm.devices.shape), ds.num_shards(dm.devices.shape)))
+    x = jax.device_put(np.zeros(shape, np.float32), NamedSharding(sm, ss.to_partition_spec(("a", "b"))))
+    dst = NamedSharding(dm, ds.to_partition_spec(("a", "b")))
+    for strategy in STRATEGIES:
+        executable, _ = _prepare(x, dst, strategy=strategy, chunks=rng.choice([None, 4]))
+        stats = executable._compiled.memory_analysis()
+        program = executable.program
+        src_tile = int(np.prod(program.src_tile_shape)) * 4
+        dst_tile = int(np.prod(program.dst_tile_shape)) * 4
+        box = max(int(np.prod(t.shape)) for step in program.steps for t in step.transfers) * 4
+        assert stats.argument_size_in_bytes == src_tile
+        assert stats.output_size_in_bytes == dst_tile
+        assert stats.temp_size_in_bytes <= dst_tile + 4 * box + 1024, strategy
