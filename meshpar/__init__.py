@@ -4,7 +4,10 @@ from meshpar.cluster import Cluster
 from meshpar.mesh import DeviceMesh
 from meshpar.sharding_spec import ShardingSpec
 from meshpar.tiles import Tile, tiles
-from meshpar.reshard import plan_for, reshard
+from meshpar.autodiff import grad, value_and_grad
+from meshpar.parallelize import ParallelizedStep, PipeshardParallel, parallelize
+from meshpar.reshard import plan_between, plan_for, reshard
+from meshpar.stage_boundary import mark_stage_boundary
 from meshpar.passes import (
     ALPA_BASELINE,
     BALANCERS,
@@ -22,14 +25,21 @@ __all__ = [
     "BALANCERS",
     "BalancerOptions",
     "Cluster",
+    "ParallelizedStep",
+    "PipeshardParallel",
     "DeviceMesh",
     "ReshardingPlan",
     "ReshardingTask",
     "STRATEGIES",
     "ShardingSpec",
     "Tile",
+    "grad",
+    "mark_stage_boundary",
+    "parallelize",
+    "plan_between",
     "plan_for",
     "plan_resharding",
     "reshard",
     "tiles",
+    "value_and_grad",
 ]

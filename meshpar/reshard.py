@@ -21,7 +21,7 @@ from meshpar.runtime.coordination import agree
 from meshpar.runtime.resharding_executor import ReshardingExecutable
 from meshpar.sharding_spec import ShardingSpec
 
-__all__ = ["reshard", "plan_for"]
+__all__ = ["reshard", "plan_for", "plan_between"]
 
 
 def _named(sharding: Any, ndim: int, arg: str) -> NamedSharding:
@@ -58,6 +58,19 @@ def plan_for(x: jax.Array, dst: NamedSharding, **kwargs: Any):
     return _prepare(x, dst, **kwargs)[1]
 
 
+def plan_between(shape, dtype, src: NamedSharding, dst: NamedSharding, *, strategy="broadcast",
+                 balancer="ensemble", chunks=None, cluster=None):
+    """The plan ``reshard`` would use for a ``shape``/``dtype`` array from ``src`` to ``dst``."""
+    cluster = cluster if cluster is not None else _default_cluster(src, dst)
+    task = _task(tuple(shape), np.dtype(dtype), src, dst, cluster)
+    return plan_resharding(task, cluster, strategy=strategy, balancer=balancer, chunks=chunks)
+
+
+def _default_cluster(src: NamedSharding, dst: NamedSharding) -> Cluster:
+    devices = {d.id: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
+    return Cluster.from_devices(list(devices.values()))
+
+
 def _prepare(x, dst, *, strategy="broadcast", balancer="ensemble", chunks=None, cluster=None):
     if not isinstance(x, jax.Array):
         raise TypeError(f"x: expected a jax.Array, got {type(x).__name__}")
@@ -69,8 +82,7 @@ def _prepare(x, dst, *, strategy="broadcast", balancer="ensemble", chunks=None, 
     if x.ndim == 0:
         raise ValueError("x: a 0-d array has nothing to reshard; use jax.device_put")
     if cluster is None:
-        devices = {d.id: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
-        cluster = Cluster.from_devices(list(devices.values()))
+        cluster = _default_cluster(src, dst)
     elif not isinstance(cluster, Cluster):
         raise TypeError(f"cluster: expected a meshpar.Cluster, got {type(cluster).__name__}")
     return _executable(tuple(x.shape), np.dtype(x.dtype), src, dst, cluster, strategy, balancer, chunks)

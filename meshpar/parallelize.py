@@ -1,0 +1,258 @@
+"""``@meshpar.parallelize``: run a train step as an MPMD pipeline over stage meshes."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshpar.autodiff import tracing_pipeline
+from meshpar.cluster import Cluster
+from meshpar.passes.apply_split import OuterRef, split_apply
+from meshpar.passes.balancers import get_balancer
+from meshpar.passes.mesh_assignment import assign_stage_meshes, param_sharding
+from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.stage_graph import Ref, StageMarkerError, split_stages
+from meshpar.passes.strategies import get_strategy
+from meshpar.reshard import plan_between, reshard
+from meshpar.runtime.pipeline_executor import PipelineExecutable, Placement
+
+__all__ = ["PipeshardParallel", "parallelize", "ParallelizedStep"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeshardParallel:
+    """Inter-op (pipeline) plus intra-op (sharded) parallelism.
+
+    Attributes:
+      num_micro_batches: micro-batches per step; must divide the batch.
+      stage_meshes: one ``jax.sharding.Mesh`` per stage, disjoint; by default
+        the devices are cut evenly, host-major.
+      num_stages: expected number of stages (stage markers + 1); checked.
+      stage_mesh_shape: ``(data, model)`` shape of each cut mesh; default all
+        devices of a stage on ``data``.
+      schedule: ``gpipe`` or ``1f1b``.
+      resharding, balancer: strategy and balancer of cross-mesh transfers.
+      cluster: hosts and bandwidths for planning transfers; default one host
+        per process.
+      batch_argnums: positional arguments holding the batch (cut into
+        micro-batches along dimension 0).
+      devices: devices to use; default ``jax.devices()``.
+    """
+
+    num_micro_batches: int = 1
+    stage_meshes: Sequence[Mesh] | None = None
+    num_stages: int | None = None
+    stage_mesh_shape: tuple[int, int] | None = None
+    schedule: str = "1f1b"
+    resharding: str = "broadcast"
+    balancer: str = "ensemble"
+    cluster: Cluster | None = None
+    batch_argnums: tuple[int, ...] = (1,)
+    devices: Sequence[Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches: expected a positive integer, got {self.num_micro_batches!r}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"num_stages: expected a positive integer, got {self.num_stages!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: unknown {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
+        get_strategy(self.resharding)
+        get_balancer(self.balancer)
+
+
+def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = PipeshardParallel()) -> Any:
+    """Decorates a train step ``(state, batch, ...) -> outputs`` to run as a pipeline.
+
+    The step calls ``meshpar.value_and_grad`` (or ``meshpar.grad``) once on a
+    loss whose model calls ``meshpar.mark_stage_boundary()`` between stages.
+    Returns a callable taking and returning the same pytrees; state arrays
+    stay sharded on their stage meshes between calls.
+    """
+    if fun is None:
+        return functools.partial(parallelize, method=method)
+    if not isinstance(method, PipeshardParallel):
+        raise TypeError(f"method: expected meshpar.PipeshardParallel, got {type(method).__name__}")
+    return ParallelizedStep(fun, method)
+
+
+def _flax_specs(args: Any) -> list[P | None]:
+    try:
+        import flax.linen as nn
+    except ImportError:  # flax is a dependency, but the specs are optional
+        return [None] * len(jax.tree.leaves(args))
+    specs = nn.get_partition_spec(args)
+    return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+class ParallelizedStep:
+    """The decorated step: compiles on first call per input structure, then runs."""
+
+    def __init__(self, fun: Callable, method: PipeshardParallel) -> None:
+        self.fun = fun
+        self.method = method
+        self._cache: dict[Any, PipelineExecutable] = {}
+        functools.update_wrapper(self, fun)
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, in_tree = jax.tree.flatten(args)
+        executable = self.get_executable(*args)
+        return jax.tree.unflatten(executable.out_tree, executable(leaves))
+
+    def get_executable(self, *args: Any) -> PipelineExecutable:
+        """The compiled pipeline for these arguments (compiling it if needed)."""
+        leaves, in_tree = jax.tree.flatten(args)
+        key = (in_tree, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        if key not in self._cache:
+            self._cache[key] = self._compile(args, leaves, in_tree)
+        return self._cache[key]
+
+    def _compile(self, args: tuple, leaves: list, in_tree: Any) -> PipelineExecutable:
+        method = self.method
+        # 1. Trace to a jaxpr (abstract evaluation only) at micro-batch shapes,
+        # so every stage computes on one micro-batch.
+        arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+        batch_leaves = {i for i, a in enumerate(arg_of_leaf) if a in method.batch_argnums}
+        sizes = {np.shape(leaves[i])[:1] for i in batch_leaves}
+        if len(sizes) != 1 or sizes == {()}:
+            raise ValueError(
+                f"batch_argnums: the batch arguments {method.batch_argnums} have leaves with leading "
+                f"dimensions {sorted(sizes)}; expected one shared batch dimension"
+            )
+        ((batch_size,),) = sizes
+        M = method.num_micro_batches
+        if batch_size % M:
+            raise ValueError(f"num_micro_batches: {M} does not divide the batch size {batch_size}")
+        micro_batch_size = batch_size // M
+        abstract = [
+            jax.ShapeDtypeStruct(
+                (micro_batch_size, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), np.result_type(x)
+            )
+            for i, x in enumerate(leaves)
+        ]
+        try:
+            with tracing_pipeline():
+                outer, out_shapes = jax.make_jaxpr(
+                    lambda *ls: self.fun(*jax.tree.unflatten(in_tree, ls)), return_shape=True
+                )(*abstract)
+        except StageMarkerError:
+            raise
+        except Exception as e:
+            raise TypeError(f"{getattr(self.fun, '__name__', 'step')}: cannot be traced by meshpar.parallelize: {e}") from e
+        out_tree = jax.tree.structure(out_shapes)
+        # 2. Cut the loss into stages.
+        grad_eqns = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
+        if len(grad_eqns) != 1:
+            raise ValueError(
+                f"{getattr(self.fun, '__name__', 'step')}: must call meshpar.value_and_grad or meshpar.grad "
+                f"exactly once, found {len(grad_eqns)}"
+            )
+        (grad_eqn,) = grad_eqns
+        graph = split_stages(grad_eqn.params["loss_jaxpr"], grad_eqn.params["num_diff"])
+        S = graph.num_stages
+        if method.num_stages is not None and method.num_stages != S:
+            if S == 1:
+                raise StageMarkerError(
+                    f"num_stages: {method.num_stages} stages asked for, but the model calls "
+                    f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends"
+                )
+            raise StageMarkerError(
+                f"num_stages: {method.num_stages} stages asked for, but the model's "
+                f"{S - 1} stage markers make {S} stages"
+            )
+        # 3. Meshes, and where every leaf lives.
+        devices = list(method.devices) if method.devices is not None else jax.devices()
+        meshes = assign_stage_meshes(devices, S, method.stage_meshes, method.stage_mesh_shape)
+        _, split = split_apply(outer, graph.param_owner, graph.loss.index, S)
+        batch_inputs = frozenset(
+            k for k, r in enumerate(split.loss_inputs) if r.kind == "in" and r.index in batch_leaves
+        )
+        for mesh in meshes:
+            data = mesh.shape.get("data", 1)
+            if micro_batch_size % data:
+                raise ValueError(
+                    f"num_micro_batches: micro-batches of {micro_batch_size} examples do not split over "
+                    f"the {data}-way 'data' axis of the stage meshes"
+                )
+
+        in_placements = _input_placements(graph, split, meshes, leaves, _flax_specs(args), batch_leaves)
+        out_placements = _output_placements(in_tree, out_tree, in_placements, len(leaves))
+        schedule = make_schedule(method.schedule, S, M, [(p, c) for p, c, _ in graph.edges()])
+        cluster = method.cluster
+
+        def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
+            return reshard(x, dst, strategy=method.resharding, balancer=method.balancer, cluster=cluster)
+
+        executable = PipelineExecutable(
+            graph, split, schedule, meshes, in_placements, out_placements, batch_inputs, M,
+            micro_batch_size, transfer, out_tree,
+        )
+        executable.describe = functools.partial(_describe, executable, method)  # type: ignore[attr-defined]
+        return executable
+
+
+def _input_placements(graph, split, meshes, leaves, specs, batch_leaves) -> list[Placement]:
+    needs: list[set[int]] = [set() for _ in leaves]
+    for k, leaf in enumerate(split.param_inputs):
+        needs[leaf].add(graph.param_owner(k))
+    for stage in graph.stages:
+        for r in stage.inputs:
+            if r.kind == "input":
+                ref = split.loss_inputs[r.index]
+                if ref.kind == "in" and ref.index not in batch_leaves:
+                    needs[ref.index].add(stage.index)
+    for apply in split.stages:
+        for r in apply.inputs:
+            if r.kind == "in":
+                needs[r.index].add(apply.mesh)
+    placements = []
+    for i, (x, spec) in enumerate(zip(leaves, specs)):
+        where = tuple(sorted(needs[i])) or (0,)
+        shape = tuple(np.shape(x))
+        if len(where) == 1:
+            shardings = (param_sharding(meshes[where[0]], spec, shape),)
+        else:
+            shardings = tuple(NamedSharding(meshes[m], P()) for m in where)
+        placements.append(Placement(shardings, where))
+    return placements
+
+
+def _output_placements(in_tree, out_tree, in_placements, num_in) -> list[Placement | None]:
+    """The step's new state lives where its old state did, so the next step moves nothing."""
+    outs: list[Placement | None] = [None] * out_tree.num_leaves
+    in_children, out_children = in_tree.children(), out_tree.children()
+    if in_children and out_children and in_children[0] == out_children[0]:
+        for j in range(in_children[0].num_leaves):
+            outs[j] = in_placements[j]
+    return outs
+
+
+def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
+    """Stages, meshes, shardings, each cross-mesh transfer's plan, and the schedule."""
+    lines = [f"pipeline: {executable.graph.num_stages} stages, {executable.num_micro_batches} micro-batches "
+             f"of {executable.micro_batch_size}, schedule {executable.schedule.name}"]
+    for stage in executable.graph.stages:
+        mesh = executable.meshes[stage.index]
+        params = len(stage.param_inputs)
+        lines.append(
+            f"  stage {stage.index}: mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}, "
+            f"{params} parameter leaves, reads {', '.join(map(str, stage.inputs))}"
+        )
+        for k in stage.param_inputs[:4]:
+            lines.append(f"    param{k}: {executable.input_sharding(Ref('param', k), stage.index).spec}")
+    for p, c, ref in executable.edges:
+        aval = executable.graph.stages[p].jaxpr.out_avals[ref.slot]
+        for direction, (a, b) in (("activation", (p, c)), ("gradient", (c, p))):
+            plan = plan_between(
+                aval.shape, aval.dtype, executable.act_sharding(ref, a), executable.act_sharding(ref, b),
+                strategy=method.resharding, balancer=method.balancer, cluster=method.cluster,
+            )
+            lines.append(f"  {direction} {ref} stage {a} -> {b}: {plan.summary()}")
+    lines.append("  launch order: " + " ".join(map(str, executable.schedule.order)))
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""Pass: cut the loss function's jaxpr at stage markers into forward stages.
+
+Input: the ``loss_jaxpr`` carried by ``meshpar.value_and_grad`` (operands:
+the differentiated parameter leaves, then every other input). Output: a
+``StageGraph``: one forward ``Stage`` per segment between markers, each a
+closed jaxpr from the values it reads to the values later stages (or the
+loss) read. Backward stages are the VJPs of these forward stages, so they
+read exactly the cotangents of a stage's outputs and produce those of its
+inputs: the transposed markers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from jax._src import core
+
+__all__ = ["Ref", "Stage", "StageGraph", "split_stages", "verify_stage_graph", "StageMarkerError"]
+
+MARKER = "meshpar_stage_boundary"
+
+
+class StageMarkerError(ValueError):
+    """A stage marker where the compiler cannot cut, or too few of them."""
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Ref:
+    """Names a value of the loss function.
+
+    ``kind`` is ``"param"`` (differentiated leaf ``index``), ``"input"``
+    (other operand ``index``) or ``"act"`` (a value computed by stage
+    ``index`` and numbered ``slot`` among that stage's outputs).
+    """
+
+    kind: str
+    index: int
+    slot: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.index}" + (f".{self.slot}" if self.kind == "act" else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A forward stage: ``jaxpr(*inputs) -> outputs``.
+
+    Attributes:
+      index: position in the pipeline.
+      jaxpr: closed jaxpr with ``len(inputs)`` inputs and ``len(outputs)`` outputs.
+      inputs: what each jaxpr input is.
+      outputs: ``Ref("act", index, k)`` for output ``k``.
+    """
+
+    index: int
+    jaxpr: core.ClosedJaxpr
+    inputs: tuple[Ref, ...]
+    outputs: tuple[Ref, ...]
+
+    @property
+    def param_inputs(self) -> tuple[int, ...]:
+        return tuple(r.index for r in self.inputs if r.kind == "param")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageGraph:
+    """Forward stages of a loss and where its value comes from.
+
+    Attributes:
+      stages: in pipeline order.
+      num_params, num_inputs: operand counts of the loss function.
+      loss: the ``act`` value that is the loss.
+    """
+
+    stages: tuple[Stage, ...]
+    num_params: int
+    num_inputs: int
+    loss: Ref
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def producer(self, ref: Ref) -> int | None:
+        return ref.index if ref.kind == "act" else None
+
+    def consumers(self, ref: Ref) -> tuple[int, ...]:
+        return tuple(s.index for s in self.stages if ref in s.inputs)
+
+    def param_owner(self, k: int) -> int:
+        """The first stage that reads parameter leaf ``k`` (its home mesh)."""
+        users = self.consumers(Ref("param", k))
+        return users[0] if users else self.num_stages - 1
+
+    def edges(self) -> tuple[tuple[int, int, Ref], ...]:
+        """(producer, consumer, value) for every activation crossing stages."""
+        return tuple(
+            (r.index, s.index, r) for s in self.stages for r in s.inputs if r.kind == "act"
+        )
+
+
+def _subjaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, core.Jaxpr):
+                yield v
+
+
+def _find_nested_marker(jaxpr: core.Jaxpr) -> bool:
+    return any(
+        e.primitive.name == MARKER or any(_find_nested_marker(j) for j in _subjaxprs(e)) for e in jaxpr.eqns
+    )
+
+
+def _where(eqn: core.JaxprEqn) -> str:
+    info = eqn.source_info
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(info)
+    except Exception:  # source info is best effort
+        return "unknown location"
+
+
+def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
+    """Cuts ``loss_jaxpr`` at its top-level stage markers.
+
+    Raises:
+      StageMarkerError: a marker inside a control-flow or call body (scan,
+        cond, while, a nested jit), naming where in the user's code.
+    """
+    jaxpr = loss_jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != MARKER and any(_find_nested_marker(j) for j in _subjaxprs(eqn)):
+            raise StageMarkerError(
+                f"mark_stage_boundary() is called inside a `{eqn.primitive.name}` body at {_where(eqn)}; "
+                f"meshpar can only cut straight-line code between stages (move the marker out of the "
+                f"scan/cond/while/jit, e.g. unroll that loop)"
+            )
+    segments: list[list[core.JaxprEqn]] = [[]]
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == MARKER:
+            segments.append([])
+        else:
+            segments[-1].append(eqn)
+
+    ref_of: dict[core.Var, Ref] = {}
+    for k, v in enumerate(jaxpr.invars):
+        ref_of[v] = Ref("param", k) if k < num_params else Ref("input", k - num_params)
+    stage_of: dict[core.Var, int] = {}
+    for s, eqns in enumerate(segments):
+        for e in eqns:
+            for v in e.outvars:
+                stage_of[v] = s
+
+    # Which values each segment reads from outside itself.
+    reads: list[list[core.Var]] = []
+    for s, eqns in enumerate(segments):
+        seen: dict[core.Var, None] = {}
+        for e in eqns:
+            for v in e.invars:
+                if isinstance(v, core.Var) and stage_of.get(v) != s:
+                    seen.setdefault(v)
+        reads.append(list(seen))
+    loss_var = jaxpr.outvars[0]
+    if not isinstance(loss_var, core.Var) or loss_var not in stage_of:
+        raise StageMarkerError("the loss is a constant or an input; there is nothing to pipeline")
+
+    exported: list[list[core.Var]] = [[] for _ in segments]
+    for s in range(len(segments)):
+        wanted = {v for t in range(s + 1, len(segments)) for v in reads[t] if stage_of.get(v) == s}
+        if stage_of[loss_var] == s:
+            wanted.add(loss_var)
+        exported[s] = [v for e in segments[s] for v in e.outvars if v in wanted]
+        for k, v in enumerate(exported[s]):
+            ref_of[v] = Ref("act", s, k)
+
+    stages = []
+    for s, eqns in enumerate(segments):
+        invars = reads[s]
+        inner = core.Jaxpr(
+            constvars=(),
+            invars=invars,
+            outvars=exported[s],
+            eqns=eqns,
+            effects=core.join_effects(*(e.effects for e in eqns)),
+        )
+        stages.append(
+            Stage(
+                index=s,
+                jaxpr=core.ClosedJaxpr(inner, ()),
+                inputs=tuple(ref_of[v] for v in invars),
+                outputs=tuple(ref_of[v] for v in exported[s]),
+            )
+        )
+    graph = StageGraph(tuple(stages), num_params, len(jaxpr.invars) - num_params, ref_of[loss_var])
+    verify_stage_graph(graph)
+    return graph
+
+
+def verify_stage_graph(graph: StageGraph) -> None:
+    """Every stage's jaxpr type-checks; activations flow forward only; the loss is a scalar.
+
+    Raises:
+      AssertionError subclass ``PlanVerificationError`` on a broken invariant.
+    """
+    from .unit_tasks import PlanVerificationError
+
+    for stage in graph.stages:
+        try:
+            core.check_jaxpr(stage.jaxpr.jaxpr)
+        except Exception as e:
+            raise PlanVerificationError(f"stage {stage.index} does not type-check: {e}") from e
+        for r in stage.inputs:
+            if r.kind == "act" and not r.index < stage.index:
+                raise PlanVerificationError(f"stage {stage.index} reads {r} from a later stage")
+        if len(stage.inputs) != len(stage.jaxpr.in_avals) or len(stage.outputs) != len(stage.jaxpr.out_avals):
+            raise PlanVerificationError(f"stage {stage.index}: refs do not match its jaxpr's signature")
+    loss_stage = graph.stages[graph.loss.index]
+    aval = loss_stage.jaxpr.out_avals[graph.loss.slot]
+    if aval.shape != ():
+        raise PlanVerificationError(f"the loss must be a scalar, got {aval}")

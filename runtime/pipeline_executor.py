@@ -1,0 +1,371 @@
+"""Runs a compiled pipeline: stage executables, cross-mesh transfers, gradient
+accumulation and the per-mesh update, in the schedule's launch order.
+
+Every process runs the same loop over the same launch order (multi-
+controller); work for meshes a process does not own is skipped by JAX itself
+(the arrays have no local shards) and transfers go through
+``meshpar.reshard``, whose programs only the owning processes join. Launches
+are asynchronous, so stages on different meshes overlap as the schedule
+allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshpar.passes.apply_split import ApplySplit, OuterRef
+from meshpar.passes.mesh_assignment import batch_sharding, param_sharding
+from meshpar.passes.pipeline_schedule import PipelineSchedule, Task
+from meshpar.passes.stage_graph import Ref, StageGraph
+
+__all__ = ["Placement", "PipelineExecutable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a step input or output leaf lives: one sharding per mesh it is on.
+
+    A leaf on several meshes is one array replicated over all their devices.
+    """
+
+    shardings: tuple[NamedSharding, ...]
+    meshes: tuple[int, ...]
+
+    def on(self, mesh: int) -> NamedSharding:
+        return self.shardings[self.meshes.index(mesh)]
+
+
+def _union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
+    devices = [d for s in shardings for d in s.mesh.devices.flat]
+    return NamedSharding(Mesh(np.array(devices), ("union",)), P())
+
+
+def _fits(x: Any, sharding: NamedSharding) -> bool:
+    return isinstance(x, jax.Array) and x.sharding == sharding
+
+
+def _put(value: Any, sharding: NamedSharding) -> jax.Array:
+    """``value`` (host data, or an array anywhere) placed with ``sharding``, in any process."""
+    if _fits(value, sharding):
+        return value
+    if isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
+
+
+def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """The part of a union-replicated array that lives on ``sharding``'s mesh, without copies."""
+    wanted = {d.id for d in sharding.mesh.devices.flat}
+    shards = [s.data for s in x.addressable_shards if s.device.id in wanted]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards, dtype=x.dtype)
+
+
+def _join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> jax.Array:
+    """Per-mesh replicated copies of one value, as one array over all their devices."""
+    union = _union_sharding(shardings)
+    shards = [s.data for x in parts for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(parts[0].shape, union, shards, dtype=parts[0].dtype)
+
+
+class PipelineExecutable:
+    """A traced, split and scheduled train step, ready to run.
+
+    Args:
+      graph: forward stages of the loss.
+      split: the gradient equation's operands and the per-mesh update.
+      schedule: launch order and per-mesh instruction lists.
+      meshes: one mesh per stage.
+      in_placements: where each flattened step input leaf lives.
+      out_placements: where each flattened step output leaf should live
+        (``None``: where it is computed).
+      batch_inputs: loss operand indices that are batch leaves (cut into
+        micro-batches along dimension 0).
+      num_micro_batches: micro-batches per step.
+      reshard: ``(x, dst_sharding) -> x on dst`` for cross-mesh transfers.
+      out_tree: the step's output treedef.
+    """
+
+    def __init__(
+        self,
+        graph: StageGraph,
+        split: ApplySplit,
+        schedule: PipelineSchedule,
+        meshes: Sequence[Mesh],
+        in_placements: Sequence[Placement],
+        out_placements: Sequence[Placement | None],
+        batch_inputs: frozenset[int],
+        num_micro_batches: int,
+        micro_batch_size: int,
+        reshard: Callable[[jax.Array, NamedSharding], jax.Array],
+        out_tree: Any,
+    ) -> None:
+        self.graph, self.split, self.schedule = graph, split, schedule
+        self.meshes = tuple(meshes)
+        self.in_placements = tuple(in_placements)
+        self.out_placements = tuple(out_placements)
+        self.batch_inputs = batch_inputs
+        self.num_micro_batches = num_micro_batches
+        self.micro_batch_size = micro_batch_size
+        self._reshard = reshard
+        self.out_tree = out_tree
+        self.edges = graph.edges()
+        self._stage_fns = [self._compile_stage(s) for s in graph.stages]
+        self._apply_fns = {a.mesh: self._compile_apply(a) for a in split.stages}
+        self._frees = self._free_lists()
+
+    # -- shardings ------------------------------------------------------------
+
+    def act_sharding(self, ref: Ref, mesh: int) -> NamedSharding:
+        """Sharding of an activation (or its cotangent) on ``mesh``."""
+        aval = self.graph.stages[ref.index].jaxpr.out_avals[ref.slot]
+        return batch_sharding(self.meshes[mesh], aval.shape, self.micro_batch_size)
+
+    def input_sharding(self, ref: Ref, stage: int) -> NamedSharding:
+        """Sharding of a loss operand (parameter or input) on ``stage``'s mesh."""
+        if ref.kind == "param":
+            leaf = self.split.param_inputs[ref.index]
+            placement = self.in_placements[leaf]
+            if stage in placement.meshes:
+                return placement.on(stage)
+            owner = placement.meshes[0]
+            spec = placement.on(owner).spec
+            aval = self.graph.stages[stage].jaxpr.in_avals[self.graph.stages[stage].inputs.index(ref)]
+            return param_sharding(self.meshes[stage], spec, aval.shape)
+        aval = self.graph.stages[stage].jaxpr.in_avals[self.graph.stages[stage].inputs.index(ref)]
+        if ref.index in self.batch_inputs:
+            return batch_sharding(self.meshes[stage], aval.shape, self.micro_batch_size)
+        return NamedSharding(self.meshes[stage], P())
+
+    # -- compilation ------------------------------------------------------------
+
+    def _compile_stage(self, stage) -> tuple[Callable, Callable]:
+        fn = core.jaxpr_as_fun(stage.jaxpr)
+        diff = [k for k, r in enumerate(stage.inputs) if r.kind in ("param", "act")]
+        out_shardings = [self.act_sharding(r, stage.index) for r in stage.outputs]
+
+        def forward(diff_args, other_args):
+            def f(d):
+                args = list(other_args)
+                for k, v in zip(diff, d):
+                    args.insert(k, v)
+                return fn(*args)
+
+            outs, vjp = jax.vjp(f, list(diff_args))
+            outs = [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, out_shardings)]
+            return outs, vjp
+
+        def backward(vjp, cotangents, grads):
+            (d_args,) = vjp(list(cotangents))
+            param_slots = [j for j, k in enumerate(diff) if stage.inputs[k].kind == "param"]
+            act_slots = [j for j, k in enumerate(diff) if stage.inputs[k].kind == "act"]
+            new_grads = [g + d_args[j] for g, j in zip(grads, param_slots)]
+            return [d_args[j] for j in act_slots], new_grads
+
+        return jax.jit(forward), jax.jit(backward, donate_argnums=(2,))
+
+    def _compile_apply(self, apply) -> Callable:
+        fn = core.jaxpr_as_fun(apply.jaxpr)
+        targets = [self.out_placements[j] for j in apply.outputs]
+
+        def run(*args):
+            outs = fn(*args)
+            return [
+                o if t is None or apply.mesh not in t.meshes else jax.lax.with_sharding_constraint(o, t.on(apply.mesh))
+                for o, t in zip(outs, targets)
+            ]
+
+        return jax.jit(run)
+
+    def _free_lists(self) -> dict[Task, list[str]]:
+        """Buffers to drop after each task, from every mesh's instruction list."""
+        out: dict[Task, list[str]] = {}
+        for instructions in self.schedule.per_mesh:
+            last = None
+            for ins in instructions:
+                if ins.op == "free":
+                    out.setdefault(last, []).append(ins.buffer)
+                else:
+                    last = ins.task
+        return out
+
+    # -- execution ------------------------------------------------------------
+
+    def _place_inputs(self, leaves: Sequence[Any]) -> list[dict[int, jax.Array]]:
+        """Per input leaf, its array on each mesh it is needed on."""
+        placed = []
+        for value, placement in zip(leaves, self.in_placements):
+            if len(placement.meshes) == 1:
+                (m,) = placement.meshes
+                placed.append({m: _put(value, placement.shardings[0])})
+            else:
+                union = _put(value, _union_sharding(placement.shardings))
+                placed.append({m: _view(union, placement.on(m)) for m in placement.meshes})
+        return placed
+
+    def __call__(self, leaves: Sequence[Any]) -> list[Any]:
+        graph, split, M = self.graph, self.split, self.num_micro_batches
+        placed = self._place_inputs(leaves)
+        consts = split.consts
+
+        def operand(ref: OuterRef, mesh: int, sharding: NamedSharding, micro_batch: int | None = None) -> jax.Array:
+            if ref.kind == "const":
+                value = consts[ref.index]
+            else:
+                arrays = placed[ref.index]
+                value = arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
+            if micro_batch is not None:
+                size = self.micro_batch_size
+                value = np.asarray(leaves[ref.index])[micro_batch * size : (micro_batch + 1) * size]
+            if _fits(value, sharding):
+                return value
+            if isinstance(value, jax.Array) and not value.is_fully_addressable:
+                return self._reshard(value, sharding)
+            return _put(value, sharding)
+
+        # Loss operands each stage reads: parameters once per step, batch
+        # leaves per micro-batch.
+        stage_args: list[dict[Ref, Any]] = []
+        for stage in graph.stages:
+            args: dict[Ref, Any] = {}
+            for r in stage.inputs:
+                if r.kind == "param":
+                    leaf = split.param_inputs[r.index]
+                    args[r] = operand(OuterRef("in", leaf), stage.index, self.input_sharding(r, stage.index))
+                elif r.kind == "input" and r.index not in self.batch_inputs:
+                    args[r] = operand(split.loss_inputs[r.index], stage.index, self.input_sharding(r, stage.index))
+            stage_args.append(args)
+        micro: dict[tuple[int, int], dict[Ref, jax.Array]] = {}
+
+        grads = [
+            [jnp.zeros(stage.jaxpr.in_avals[stage.inputs.index(Ref("param", k))].shape,
+                       stage.jaxpr.in_avals[stage.inputs.index(Ref("param", k))].dtype,
+                       device=self.input_sharding(Ref("param", k), stage.index))
+             for k in stage.param_inputs]
+            for stage in graph.stages
+        ]
+        buffers: dict[str, Any] = {}
+        loss_parts = []
+        loss_stage = graph.loss.index
+        seed = None
+
+        for task in self.schedule.order:
+            m = task.micro_batch
+            if task.kind == "forward":
+                stage = graph.stages[task.where]
+                args = []
+                for r in stage.inputs:
+                    if r.kind == "act":
+                        e = next(i for i, (p, c, ref) in enumerate(self.edges) if c == stage.index and ref == r)
+                        args.append(buffers[f"act{e}.{m}@in"])
+                    elif r.kind == "input" and r.index in self.batch_inputs:
+                        key = (stage.index, m)
+                        if key not in micro:
+                            micro[key] = {}
+                        args.append(operand(split.loss_inputs[r.index], stage.index,
+                                            self.input_sharding(r, stage.index), micro_batch=m))
+                    else:
+                        args.append(stage_args[stage.index][r])
+                diff = [a for a, r in zip(args, stage.inputs) if r.kind in ("param", "act")]
+                other = [a for a, r in zip(args, stage.inputs) if r.kind not in ("param", "act")]
+                outs, vjp = self._stage_fns[stage.index][0](diff, other)
+                buffers[f"res{stage.index}.{m}"] = vjp
+                buffers[f"out{stage.index}.{m}"] = outs
+                if stage.index == loss_stage:
+                    loss_parts.append(outs[graph.loss.slot])
+            elif task.kind == "send_act":
+                p, c, ref = self.edges[task.where]
+                value = buffers[f"out{p}.{m}"][ref.slot]
+                buffers[f"act{task.where}.{m}@in"] = self._reshard(value, self.act_sharding(ref, c))
+            elif task.kind == "backward":
+                s = task.where
+                stage = graph.stages[s]
+                cts = []
+                for ref in stage.outputs:
+                    sharding = self.act_sharding(ref, s)
+                    ct = None
+                    if ref == graph.loss:
+                        if seed is None:
+                            seed = jnp.full((), 1.0 / M, stage.jaxpr.out_avals[ref.slot].dtype, device=sharding)
+                        ct = seed
+                    for e, (p, c, r) in enumerate(self.edges):
+                        if p == s and r == ref:
+                            got = buffers[f"ct{e}.{m}@in"]
+                            ct = got if ct is None else ct + got
+                    cts.append(ct)
+                act_cts, grads[s] = self._stage_fns[s][1](buffers[f"res{s}.{m}"], cts, grads[s])
+                act_inputs = [r for r in stage.inputs if r.kind == "act"]
+                for e, (p, c, r) in enumerate(self.edges):
+                    if c == s:
+                        buffers[f"ct{e}.{m}@out"] = act_cts[act_inputs.index(r)]
+            else:  # send_grad
+                p, c, ref = self.edges[task.where]
+                buffers[f"ct{task.where}.{m}@in"] = self._reshard(buffers[f"ct{task.where}.{m}@out"], self.act_sharding(ref, p))
+            for name in self._frees.get(task, ()):
+                buffers.pop(name, None)
+
+        loss = loss_parts[0]
+        for part in loss_parts[1:]:
+            loss = loss + part
+        loss = loss / M
+
+        # Gradients of a parameter several stages read go home and add up.
+        param_grad: dict[int, jax.Array] = {}
+        for stage, gs in zip(graph.stages, grads):
+            for k, g in zip(stage.param_inputs, gs):
+                owner = graph.param_owner(k)
+                home = self.input_sharding(Ref("param", k), owner)
+                g = g if stage.index == owner else self._reshard(g, home)
+                param_grad[k] = g if k not in param_grad else param_grad[k] + g
+
+        def apply_operand(ref: OuterRef, mesh: int) -> Any:
+            if ref.kind == "grad":
+                return param_grad[ref.index]
+            if ref.kind == "loss":
+                return loss if mesh == loss_stage else self._reshard(loss, NamedSharding(self.meshes[mesh], P()))
+            if ref.kind == "const":
+                return consts[ref.index]
+            arrays = placed[ref.index]
+            return arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
+
+        computed: dict[int, dict[int, jax.Array]] = {}
+        for apply in split.stages:
+            outs = self._apply_fns[apply.mesh](*[apply_operand(r, apply.mesh) for r in apply.inputs])
+            for j, value in zip(apply.outputs, outs):
+                computed.setdefault(j, {})[apply.mesh] = value
+
+        results = []
+        for j, source in enumerate(split.sources):
+            if source is None:
+                parts = computed[j]
+                placement = self.out_placements[j]
+                if len(parts) == 1:
+                    results.append(next(iter(parts.values())))
+                else:
+                    meshes = sorted(parts)
+                    results.append(_join([parts[m] for m in meshes], [NamedSharding(self.meshes[m], P()) for m in meshes]))
+            elif source.kind == "loss":
+                results.append(loss)
+            elif source.kind == "grad":
+                results.append(param_grad[source.index])
+            elif source.kind == "in":
+                arrays = placed[source.index]
+                if len(arrays) == 1:
+                    results.append(next(iter(arrays.values())))
+                else:
+                    meshes = sorted(arrays)
+                    results.append(_join([arrays[m] for m in meshes], [self.in_placements[source.index].on(m) for m in meshes]))
+            elif source.kind == "const":
+                results.append(consts[source.index])
+            else:
+                raise AssertionError(f"unexpected output source {source}")
+        return results
