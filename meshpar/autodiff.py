@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 from jax._src import core
+from jax._src import linear_util as lu
 
 __all__ = ["grad", "value_and_grad", "pipeline_grad_p", "tracing_pipeline"]
 
@@ -83,7 +84,10 @@ def value_and_grad(fun: Callable[..., Any], argnums: int = 0) -> Callable[..., t
             outvars=jaxpr.outvars,
             eqns=jaxpr.eqns,
             effects=jaxpr.effects,
-            debug_info=jaxpr.debug_info,
+            debug_info=lu.DebugInfo(
+                "meshpar.value_and_grad", getattr(fun, "__name__", "loss"),
+                tuple(f"arg{i}" for i in range(len(jaxpr.invars) + len(jaxpr.constvars))), ("loss",),
+            ),
         )
         value, *grads = pipeline_grad_p.bind(
             *leaves, *closed.consts, *consts, loss_jaxpr=core.ClosedJaxpr(reordered, ()), num_diff=n

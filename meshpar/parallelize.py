@@ -82,6 +82,11 @@ def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = Pipe
     return ParallelizedStep(fun, method)
 
 
+def _dtype(x: Any) -> np.dtype:
+    """The dtype JAX gives ``x`` (Python scalars and int64 numpy data canonicalised)."""
+    return jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
+
+
 def _flax_specs(args: Any) -> list[P | None]:
     try:
         import flax.linen as nn
@@ -108,7 +113,7 @@ class ParallelizedStep:
     def get_executable(self, *args: Any) -> PipelineExecutable:
         """The compiled pipeline for these arguments (compiling it if needed)."""
         leaves, in_tree = jax.tree.flatten(args)
-        key = (in_tree, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        key = (in_tree, tuple((np.shape(x), _dtype(x)) for x in leaves))
         if key not in self._cache:
             self._cache[key] = self._compile(args, leaves, in_tree)
         return self._cache[key]
@@ -132,7 +137,7 @@ class ParallelizedStep:
         micro_batch_size = batch_size // M
         abstract = [
             jax.ShapeDtypeStruct(
-                (micro_batch_size, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), np.result_type(x)
+                (micro_batch_size, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), _dtype(x)
             )
             for i, x in enumerate(leaves)
         ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax._src import core
+from jax._src import linear_util as lu
 
 __all__ = ["OuterRef", "ApplyStage", "ApplySplit", "split_apply", "GradCallError"]
 
@@ -209,6 +210,9 @@ def split_apply(outer: core.ClosedJaxpr, owner_of_param, loss_mesh: int, num_mes
             outvars=[jaxpr.outvars[j] for j in outs],
             eqns=eqns,
             effects=core.join_effects(*(e.effects for e in eqns)),
+            debug_info=lu.DebugInfo(
+                "meshpar apply", f"update on mesh {mesh}", tuple(map(str, inputs)), tuple(f"out{j}" for j in outs)
+            ),
         )
         core.check_jaxpr(inner)
         stages.append(ApplyStage(mesh, core.ClosedJaxpr(inner, ()), tuple(inputs), tuple(outs)))

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from jax._src import core
+from jax._src import linear_util as lu
 
 __all__ = ["Ref", "Stage", "StageGraph", "split_stages", "verify_stage_graph", "StageMarkerError"]
 
@@ -187,6 +188,10 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
             outvars=exported[s],
             eqns=eqns,
             effects=core.join_effects(*(e.effects for e in eqns)),
+            debug_info=lu.DebugInfo(
+                "meshpar stage", f"forward stage {s}",
+                tuple(str(ref_of[v]) for v in invars), tuple(str(ref_of[v]) for v in exported[s]),
+            ),
         )
         stages.append(
             Stage(

@@ -1,0 +1,38 @@
+"""Train steps for the pipeline equality tests: the same step under jax.jit and meshpar.parallelize."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+import meshpar
+
+
+def make_step(loss_of_output):
+    def train_step(state, batch):
+        def loss_fn(params):
+            return loss_of_output(state.apply_fn(params, batch["x"]), batch["y"])
+
+        loss, grads = meshpar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return train_step
+
+
+def make_state(model, example_x, learning_rate=1e-3):
+    params = model.init(jax.random.PRNGKey(0), example_x)
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(learning_rate))
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
+    for path, (a, e) in zip(
+        jax.tree_util.tree_leaves_with_path(expected), zip(jax.tree.leaves(actual), jax.tree.leaves(expected))
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=str(path[0]))

@@ -1,0 +1,146 @@
+"""meshpar.parallelize against the same step under plain jax.jit, in one process with 8 devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshpar
+from examples.mlp import MLP
+from pipeline_models import assert_trees_close, make_state, make_step, mse
+
+CONFIGS = [(2, 2, 2), (4, 1, 2), (1, 2, 4), (1, 1, 8), (2, 1, 4)]  # (data, model, pipeline)
+
+
+def _run_both(model, batch, loss, config, schedule, steps=3, num_micro_batches=4):
+    data, op, pp = config
+    state = make_state(model, batch["x"][:1])
+    step = make_step(loss)
+    method = meshpar.PipeshardParallel(
+        num_micro_batches=num_micro_batches, num_stages=pp, stage_mesh_shape=(data, op), schedule=schedule
+    )
+    parallel = meshpar.parallelize(step, method=method)
+    reference = jax.jit(step)
+    ref_state, par_state = state, state
+    for _ in range(steps):
+        ref_state, ref_loss = reference(ref_state, batch)
+        par_state, par_loss = parallel(par_state, batch)
+        np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
+    return ref_state, par_state, parallel
+
+
+def _mlp_batch(n=16, d=6, k=4):
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((n, d)).astype(np.float32), "y": rng.standard_normal((n, k)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_mlp_matches_single_device_jit(config, schedule):
+    model = MLP(features=(16, 16, 16, 16, 16, 16, 16, 4), num_stages=config[2])
+    ref_state, par_state, parallel = _run_both(model, _mlp_batch(), mse, config, schedule)
+    assert_trees_close(par_state.params, ref_state.params)
+    assert_trees_close(par_state.opt_state, ref_state.opt_state)
+    assert int(par_state.step) == int(ref_state.step) == 3
+
+
+def test_state_stays_on_stage_meshes_and_nothing_recompiles():
+    model = MLP(features=(16, 16, 4), num_stages=2)
+    batch = _mlp_batch()
+    _, state, parallel = _run_both(model, batch, mse, (2, 2, 2), "1f1b", steps=2)
+    executable = parallel.get_executable(state, batch)
+    meshes = [set(m.devices.flat) for m in executable.meshes]
+    for leaf in jax.tree.leaves(state.params):
+        assert set(leaf.sharding.device_set) in meshes, "a parameter left its stage mesh"
+    sizes = [f._cache_size() for pair in executable._stage_fns for f in pair]
+    state, _ = parallel(state, batch)
+    assert [f._cache_size() for pair in executable._stage_fns for f in pair] == sizes
+    assert all(s == 1 for s in sizes), sizes
+    assert parallel.get_executable(state, batch) is executable
+
+
+def test_describe_shows_stages_plans_and_schedule():
+    model = MLP(features=(16, 16, 4), num_stages=2)
+    batch = _mlp_batch()
+    state = make_state(model, batch["x"][:1])
+    parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 2)))
+    text = parallel.get_executable(state, batch).describe()
+    assert "stage 0: mesh {'data': 2, 'model': 2}" in text and "stage 1:" in text
+    assert "activation act0.0 stage 0 -> 1" in text and "broadcast/ensemble" in text
+    assert "launch order: F0.0" in text
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+
+def test_num_stages_without_markers():
+    model = MLP(features=(16, 4), num_stages=1)
+    batch = _mlp_batch()
+    state = make_state(model, batch["x"][:1])
+    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(num_stages=2))
+    with pytest.raises(ValueError, match="num_stages: 2 stages asked for, but the model calls meshpar.mark_stage_boundary"):
+        step(state, batch)
+
+
+def test_micro_batches_must_divide_the_batch():
+    model = MLP(features=(16, 4), num_stages=2)
+    batch = _mlp_batch(n=10)
+    state = make_state(model, batch["x"][:1])
+    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=4))
+    with pytest.raises(ValueError, match="num_micro_batches: 4 does not divide the batch size 10"):
+        step(state, batch)
+
+
+def test_overlapping_or_too_many_meshes():
+    devices = np.array(jax.devices())
+    model = MLP(features=(16, 4), num_stages=2)
+    batch = _mlp_batch()
+    state = make_state(model, batch["x"][:1])
+    a = jax.sharding.Mesh(devices[:4].reshape(2, 2), ("data", "model"))
+    b = jax.sharding.Mesh(devices[2:6].reshape(2, 2), ("data", "model"))
+    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(stage_meshes=[a, b]))
+    with pytest.raises(ValueError, match="stage_meshes: meshes 0 and 1 overlap on device"):
+        step(state, batch)
+    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(stage_meshes=[a, b, a]))
+    with pytest.raises(ValueError, match="stage_meshes: 3 meshes for a model with 2 stages"):
+        step(state, batch)
+    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(stage_mesh_shape=(4, 2)))
+    with pytest.raises(ValueError, match=r"stage_mesh_shape: \(4, 2\) does not hold the 4 devices"):
+        step(state, batch)
+
+
+def test_marker_inside_scan_is_rejected_with_location():
+    def loss(params, batch):
+        def body(h, _):
+            meshpar.mark_stage_boundary()
+            return jnp.tanh(h @ params["w"]), None
+
+        h, _ = jax.lax.scan(body, batch["x"], None, length=2)
+        return jnp.mean(h)
+
+    def step(params, batch):
+        value, grads = meshpar.value_and_grad(loss)(params, batch)
+        return jax.tree.map(lambda p, g: p - g, params, grads), value
+
+    params = {"w": jnp.ones((6, 6))}
+    with pytest.raises(ValueError, match=r"mark_stage_boundary\(\) is called inside a `scan` body at .*test_parallelize.py"):
+        meshpar.parallelize(step)(params, _mlp_batch())
+
+
+def test_untraceable_step():
+    def step(state, batch):
+        if float(batch["x"].sum()) > 0:  # concrete value needed: not traceable
+            return state
+        return state
+
+    with pytest.raises(TypeError, match="cannot be traced by meshpar.parallelize"):
+        meshpar.parallelize(step)({"w": jnp.ones(2)}, _mlp_batch())
+
+
+def test_bad_method_arguments():
+    with pytest.raises(ValueError, match="num_micro_batches"):
+        meshpar.PipeshardParallel(num_micro_batches=0)
+    with pytest.raises(ValueError, match="schedule: unknown 'zigzag'"):
+        meshpar.PipeshardParallel(schedule="zigzag")
+    with pytest.raises(ValueError, match="strategy: unknown"):
+        meshpar.PipeshardParallel(resharding="nccl")
