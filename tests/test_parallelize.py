@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 import meshpar
+from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.mlp import MLP
+from examples.u_transformer import UTransformer, ut_batch, ut_loss
 from pipeline_models import assert_trees_close, make_state, make_step, mse
 
 CONFIGS = [(2, 2, 2), (4, 1, 2), (1, 2, 4), (1, 1, 8), (2, 1, 4)]  # (data, model, pipeline)
@@ -42,6 +44,24 @@ def test_mlp_matches_single_device_jit(config, schedule):
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
     assert int(par_state.step) == int(ref_state.step) == 3
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_gpt_matches_single_device_jit(config, schedule):
+    ref_state, par_state, _ = _run_both(GPT(num_stages=config[2]), gpt_batch(0, 16, 8, 64), gpt_loss, config, schedule)
+    assert_trees_close(par_state.params, ref_state.params)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_u_transformer_matches_single_device_jit(config, schedule):
+    """U-Transformer's long skips cross stages: stage i feeds stage n-1-i."""
+    model = UTransformer(num_stages=config[2])
+    ref_state, par_state, parallel = _run_both(model, ut_batch(0, 16), ut_loss, config, schedule)
+    assert_trees_close(par_state.params, ref_state.params)
+    edges = parallel.get_executable(par_state, ut_batch(0, 16)).edges
+    assert any(c - p > 1 for p, c, _ in edges), "expected skip connections between non-adjacent stages"
 
 
 def test_state_stays_on_stage_meshes_and_nothing_recompiles():

@@ -1,0 +1,1 @@
+"""Example flax.linen models with pipeline-stage markers, for meshpar."""
