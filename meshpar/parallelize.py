@@ -196,7 +196,7 @@ class ParallelizedStep:
 
         executable = PipelineExecutable(
             graph, split, schedule, meshes, in_placements, out_placements, batch_inputs, M,
-            micro_batch_size, transfer, out_tree,
+            micro_batch_size, transfer, out_tree, jax.tree.leaves(out_shapes),
         )
         executable.describe = functools.partial(_describe, executable, method)  # type: ignore[attr-defined]
         return executable

@@ -70,6 +70,12 @@ def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(x.shape, sharding, shards, dtype=x.dtype)
 
 
+def _absent(aval: Any, sharding: NamedSharding) -> jax.Array:
+    """An array whose shards all live in other processes: what this process holds of a
+    value computed on a mesh it does not own (it still takes part in moving it)."""
+    return jax.make_array_from_single_device_arrays(aval.shape, sharding, [], dtype=aval.dtype)
+
+
 def _join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> jax.Array:
     """Per-mesh replicated copies of one value, as one array over all their devices."""
     union = _union_sharding(shardings)
@@ -93,6 +99,7 @@ class PipelineExecutable:
       num_micro_batches: micro-batches per step.
       reshard: ``(x, dst_sharding) -> x on dst`` for cross-mesh transfers.
       out_tree: the step's output treedef.
+      out_avals: the step's output shapes and dtypes.
     """
 
     def __init__(
@@ -108,6 +115,7 @@ class PipelineExecutable:
         micro_batch_size: int,
         reshard: Callable[[jax.Array, NamedSharding], jax.Array],
         out_tree: Any,
+        out_avals: Sequence[Any],
     ) -> None:
         self.graph, self.split, self.schedule = graph, split, schedule
         self.meshes = tuple(meshes)
@@ -118,7 +126,12 @@ class PipelineExecutable:
         self.micro_batch_size = micro_batch_size
         self._reshard = reshard
         self.out_tree = out_tree
+        self.out_avals = tuple(out_avals)
         self.edges = graph.edges()
+        me = jax.process_index()
+        # Stages whose mesh has a device here; the rest are skipped, except
+        # that this process still joins transfers touching its devices.
+        self.local = [any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
         self._stage_fns = [self._compile_stage(s) for s in graph.stages]
         self._apply_fns = {a.mesh: self._compile_apply(a) for a in split.stages}
         self._frees = self._free_lists()
@@ -186,6 +199,21 @@ class PipelineExecutable:
 
         return jax.jit(run)
 
+    def _param_aval(self, stage, k: int) -> Any:
+        return stage.jaxpr.in_avals[stage.inputs.index(Ref("param", k))]
+
+    def _output_elsewhere(self, j: int, parts: dict[int, jax.Array]) -> jax.Array:
+        """Output ``j`` when some of the meshes computing it belong to other processes."""
+        meshes = self.split.producers[j]
+        placement = self.out_placements[j]
+        shardings = [placement.on(m) if placement and m in placement.meshes else NamedSharding(self.meshes[m], P())
+                     for m in meshes]
+        if len(meshes) == 1:
+            return _absent(self.out_avals[j], shardings[0])
+        union = _union_sharding(shardings)
+        shards = [s.data for x in parts.values() for s in x.addressable_shards]
+        return jax.make_array_from_single_device_arrays(self.out_avals[j].shape, union, shards, dtype=self.out_avals[j].dtype)
+
     def _free_lists(self) -> dict[Task, list[str]]:
         """Buffers to drop after each task, from every mesh's instruction list."""
         out: dict[Task, list[str]] = {}
@@ -244,13 +272,11 @@ class PipelineExecutable:
                 elif r.kind == "input" and r.index not in self.batch_inputs:
                     args[r] = operand(split.loss_inputs[r.index], stage.index, self.input_sharding(r, stage.index))
             stage_args.append(args)
-        micro: dict[tuple[int, int], dict[Ref, jax.Array]] = {}
 
         grads = [
-            [jnp.zeros(stage.jaxpr.in_avals[stage.inputs.index(Ref("param", k))].shape,
-                       stage.jaxpr.in_avals[stage.inputs.index(Ref("param", k))].dtype,
+            [jnp.zeros(self._param_aval(stage, k).shape, self._param_aval(stage, k).dtype,
                        device=self.input_sharding(Ref("param", k), stage.index))
-             for k in stage.param_inputs]
+             for k in stage.param_inputs] if self.local[stage.index] else None
             for stage in graph.stages
         ]
         buffers: dict[str, Any] = {}
@@ -258,9 +284,17 @@ class PipelineExecutable:
         loss_stage = graph.loss.index
         seed = None
 
+        def value_of(name: str, slot: int | None, aval: Any, sharding: NamedSharding) -> jax.Array:
+            value = buffers.get(name)
+            if value is None:  # computed on a mesh of another process
+                return _absent(aval, sharding)
+            return value if slot is None else value[slot]
+
         for task in self.schedule.order:
             m = task.micro_batch
-            if task.kind == "forward":
+            if task.kind in ("forward", "backward") and not self.local[task.where]:
+                pass
+            elif task.kind == "forward":
                 stage = graph.stages[task.where]
                 args = []
                 for r in stage.inputs:
@@ -268,9 +302,6 @@ class PipelineExecutable:
                         e = next(i for i, (p, c, ref) in enumerate(self.edges) if c == stage.index and ref == r)
                         args.append(buffers[f"act{e}.{m}@in"])
                     elif r.kind == "input" and r.index in self.batch_inputs:
-                        key = (stage.index, m)
-                        if key not in micro:
-                            micro[key] = {}
                         args.append(operand(split.loss_inputs[r.index], stage.index,
                                             self.input_sharding(r, stage.index), micro_batch=m))
                     else:
@@ -284,7 +315,8 @@ class PipelineExecutable:
                     loss_parts.append(outs[graph.loss.slot])
             elif task.kind == "send_act":
                 p, c, ref = self.edges[task.where]
-                value = buffers[f"out{p}.{m}"][ref.slot]
+                aval = graph.stages[p].jaxpr.out_avals[ref.slot]
+                value = value_of(f"out{p}.{m}", ref.slot, aval, self.act_sharding(ref, p))
                 buffers[f"act{task.where}.{m}@in"] = self._reshard(value, self.act_sharding(ref, c))
             elif task.kind == "backward":
                 s = task.where
@@ -309,29 +341,46 @@ class PipelineExecutable:
                         buffers[f"ct{e}.{m}@out"] = act_cts[act_inputs.index(r)]
             else:  # send_grad
                 p, c, ref = self.edges[task.where]
-                buffers[f"ct{task.where}.{m}@in"] = self._reshard(buffers[f"ct{task.where}.{m}@out"], self.act_sharding(ref, p))
+                aval = graph.stages[p].jaxpr.out_avals[ref.slot]
+                value = value_of(f"ct{task.where}.{m}@out", None, aval, self.act_sharding(ref, c))
+                buffers[f"ct{task.where}.{m}@in"] = self._reshard(value, self.act_sharding(ref, p))
             for name in self._frees.get(task, ()):
                 buffers.pop(name, None)
 
-        loss = loss_parts[0]
-        for part in loss_parts[1:]:
-            loss = loss + part
-        loss = loss / M
+        loss_sharding = NamedSharding(self.meshes[loss_stage], P())
+        loss_aval = graph.stages[loss_stage].jaxpr.out_avals[graph.loss.slot]
+        if loss_parts:
+            loss = loss_parts[0]
+            for part in loss_parts[1:]:
+                loss = loss + part
+            loss = loss / M
+        else:
+            loss = _absent(loss_aval, loss_sharding)
 
         # Gradients of a parameter several stages read go home and add up.
         param_grad: dict[int, jax.Array] = {}
         for stage, gs in zip(graph.stages, grads):
-            for k, g in zip(stage.param_inputs, gs):
+            for n, k in enumerate(stage.param_inputs):
                 owner = graph.param_owner(k)
                 home = self.input_sharding(Ref("param", k), owner)
-                g = g if stage.index == owner else self._reshard(g, home)
-                param_grad[k] = g if k not in param_grad else param_grad[k] + g
+                if stage.index == owner:
+                    g = gs[n] if gs is not None else _absent(self._param_aval(stage, k), home)
+                else:
+                    here = self.input_sharding(Ref("param", k), stage.index)
+                    g = self._reshard(gs[n] if gs is not None else _absent(self._param_aval(stage, k), here), home)
+                param_grad[k] = g if k not in param_grad or not self.local[owner] else param_grad[k] + g
+
+        # Every process joins the loss's moves before any update runs.
+        loss_on = {loss_stage: loss}
+        for apply in split.stages:
+            if OuterRef("loss") in apply.inputs and apply.mesh not in loss_on:
+                loss_on[apply.mesh] = self._reshard(loss, NamedSharding(self.meshes[apply.mesh], P()))
 
         def apply_operand(ref: OuterRef, mesh: int) -> Any:
             if ref.kind == "grad":
                 return param_grad[ref.index]
             if ref.kind == "loss":
-                return loss if mesh == loss_stage else self._reshard(loss, NamedSharding(self.meshes[mesh], P()))
+                return loss_on[mesh]
             if ref.kind == "const":
                 return consts[ref.index]
             arrays = placed[ref.index]
@@ -339,6 +388,8 @@ class PipelineExecutable:
 
         computed: dict[int, dict[int, jax.Array]] = {}
         for apply in split.stages:
+            if not self.local[apply.mesh]:
+                continue
             outs = self._apply_fns[apply.mesh](*[apply_operand(r, apply.mesh) for r in apply.inputs])
             for j, value in zip(apply.outputs, outs):
                 computed.setdefault(j, {})[apply.mesh] = value
@@ -346,9 +397,10 @@ class PipelineExecutable:
         results = []
         for j, source in enumerate(split.sources):
             if source is None:
-                parts = computed[j]
-                placement = self.out_placements[j]
-                if len(parts) == 1:
+                parts = computed.get(j, {})
+                if len(split.producers[j]) != len(parts):
+                    results.append(self._output_elsewhere(j, parts))
+                elif len(parts) == 1:
                     results.append(next(iter(parts.values())))
                 else:
                     meshes = sorted(parts)

@@ -1,4 +1,4 @@
-"""meshpar.reshard across two local processes (gloo over localhost), 4 CPU devices each."""
+"""meshpar across two local processes (gloo over localhost), 4 CPU devices each."""
 
 import os
 import socket
@@ -46,3 +46,14 @@ def test_reshard_across_two_processes():
         assert r.returncode == 0, "\n".join(f"--- process {i} ---\n{q.stdout[-4000:]}" for i, q in enumerate(results))
         assert f"process {pid}: ALL OK" in r.stdout
         assert "reshard checks passed" in r.stdout
+
+
+@pytest.mark.multiprocess
+def test_pipeline_across_two_processes():
+    """(data, model, pipeline) = (2, 2, 2) with one stage per process, against jax.jit."""
+    results = run_processes("mp_pipeline_worker.py", 2, timeout_s=600)
+    output = "\n".join(f"--- process {i} ---\n{r.stdout[-4000:]}" for i, r in enumerate(results))
+    for pid, r in enumerate(results):
+        assert r.returncode == 0, output
+        assert f"process {pid}: ALL OK" in r.stdout, output
+    assert "step 2 loss" in results[1].stdout, output
