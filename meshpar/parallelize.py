@@ -244,13 +244,14 @@ def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
              f"of {executable.micro_batch_size}, schedule {executable.schedule.name}"]
     for stage in executable.graph.stages:
         mesh = executable.meshes[stage.index]
-        params = len(stage.param_inputs)
+        specs = [executable.input_sharding(Ref("param", k), stage.index).spec for k in stage.param_inputs]
+        sharded = sum(1 for spec in specs if any(e is not None for e in spec))
+        others = [str(r) for r in stage.inputs if r.kind != "param"]
         lines.append(
-            f"  stage {stage.index}: mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}, "
-            f"{params} parameter leaves, reads {', '.join(map(str, stage.inputs))}"
+            f"  stage {stage.index}: mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}; "
+            f"{len(specs)} parameter leaves ({sharded} sharded over 'model', the rest replicated); "
+            f"also reads {', '.join(others) or 'nothing else'}"
         )
-        for k in stage.param_inputs[:4]:
-            lines.append(f"    param{k}: {executable.input_sharding(Ref('param', k), stage.index).spec}")
     for p, c, ref in executable.edges:
         aval = executable.graph.stages[p].jaxpr.out_avals[ref.slot]
         for direction, (a, b) in (("activation", (p, c)), ("gradient", (c, p))):
