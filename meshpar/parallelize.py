@@ -15,7 +15,7 @@ from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.passes.apply_split import OuterRef, split_apply
 from meshpar.passes.balancers import get_balancer
-from meshpar.passes.mesh_assignment import assign_stage_meshes, param_sharding
+from meshpar.passes.mesh_assignment import DEFAULT_AXES, assign_stage_meshes, param_sharding
 from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.stage_graph import Ref, StageMarkerError, split_stages
 from meshpar.passes.strategies import get_strategy
@@ -82,6 +82,23 @@ def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = Pipe
     return ParallelizedStep(fun, method)
 
 
+def _trace_mesh(method: PipeshardParallel) -> Any:
+    """A mesh context for tracing, so ``with_sharding_constraint(x, PartitionSpec(...))`` in the
+    step means "on my stage's mesh": every stage mesh has the same shape, and the constraint is
+    recorded against that abstract shape, then lowered on each stage's own mesh."""
+    import contextlib
+
+    if method.stage_meshes:
+        shapes = {(tuple(m.axis_names), tuple(m.devices.shape)) for m in method.stage_meshes}
+        if len(shapes) == 1:
+            return jax.set_mesh(method.stage_meshes[0])
+    elif method.stage_mesh_shape is not None:
+        devices = list(method.devices) if method.devices is not None else jax.devices()
+        n = int(np.prod(method.stage_mesh_shape))
+        return jax.set_mesh(Mesh(np.array(devices[:n]).reshape(method.stage_mesh_shape), DEFAULT_AXES))
+    return contextlib.nullcontext()
+
+
 def _dtype(x: Any) -> np.dtype:
     """The dtype JAX gives ``x`` (Python scalars and int64 numpy data canonicalised)."""
     return jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
@@ -142,7 +159,7 @@ class ParallelizedStep:
             for i, x in enumerate(leaves)
         ]
         try:
-            with tracing_pipeline():
+            with tracing_pipeline(), _trace_mesh(method):
                 outer, out_shapes = jax.make_jaxpr(
                     lambda *ls: self.fun(*jax.tree.unflatten(in_tree, ls)), return_shape=True
                 )(*abstract)

@@ -83,6 +83,18 @@ def _join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> jax
     return jax.make_array_from_single_device_arrays(parts[0].shape, union, shards, dtype=parts[0].dtype)
 
 
+def _on_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """``fn`` traced with ``mesh`` in context: bare ``PartitionSpec`` constraints in the user's
+    step resolve to the stage's own mesh."""
+
+    def run(*args):
+        with jax.set_mesh(mesh):
+            return fn(*args)
+
+    run._cache_size = fn._cache_size  # type: ignore[attr-defined]
+    return run
+
+
 class PipelineExecutable:
     """A traced, split and scheduled train step, ready to run.
 
@@ -184,7 +196,9 @@ class PipelineExecutable:
             new_grads = [g + d_args[j] for g, j in zip(grads, param_slots)]
             return [d_args[j] for j in act_slots], new_grads
 
-        return jax.jit(forward), jax.jit(backward, donate_argnums=(2,))
+        return _on_mesh(jax.jit(forward), self.meshes[stage.index]), _on_mesh(
+            jax.jit(backward, donate_argnums=(2,)), self.meshes[stage.index]
+        )
 
     def _compile_apply(self, apply) -> Callable:
         fn = core.jaxpr_as_fun(apply.jaxpr)
@@ -197,7 +211,7 @@ class PipelineExecutable:
                 for o, t in zip(outs, targets)
             ]
 
-        return jax.jit(run)
+        return _on_mesh(jax.jit(run), self.meshes[apply.mesh])
 
     def _param_aval(self, stage, k: int) -> Any:
         return stage.jaxpr.in_avals[stage.inputs.index(Ref("param", k))]

@@ -12,6 +12,19 @@ from examples.u_transformer import UTransformer, ut_batch, ut_loss
 from pipeline_models import assert_trees_close, make_state, make_step, mse
 
 CONFIGS = [(2, 2, 2), (4, 1, 2), (1, 2, 4), (1, 1, 8), (2, 1, 4)]  # (data, model, pipeline)
+# The large models compile 20-60 s per configuration on 2 cores: CI runs a
+# spread of them (every config and both schedules appear across the two
+# models), the full grid runs with -m slow.
+CI_GRID = {("gpt", (2, 2, 2), "1f1b"), ("gpt", (1, 1, 8), "gpipe"), ("gpt", (4, 1, 2), "gpipe"),
+           ("ut", (2, 1, 4), "1f1b"), ("ut", (1, 2, 4), "gpipe")}
+
+
+def _grid(model):
+    return [
+        pytest.param(config, schedule, id=f"{'x'.join(map(str, config))}-{schedule}",
+                     marks=() if (model, config, schedule) in CI_GRID else pytest.mark.slow)
+        for config in CONFIGS for schedule in ("gpipe", "1f1b")
+    ]
 
 
 def _run_both(model, batch, loss, config, schedule, steps=3, num_micro_batches=4):
@@ -46,15 +59,13 @@ def test_mlp_matches_single_device_jit(config, schedule):
     assert int(par_state.step) == int(ref_state.step) == 3
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("config, schedule", _grid("gpt"))
 def test_gpt_matches_single_device_jit(config, schedule):
     ref_state, par_state, _ = _run_both(GPT(num_stages=config[2]), gpt_batch(0, 16, 8, 64), gpt_loss, config, schedule)
     assert_trees_close(par_state.params, ref_state.params)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("config, schedule", _grid("ut"))
 def test_u_transformer_matches_single_device_jit(config, schedule):
     """U-Transformer's long skips cross stages: stage i feeds stage n-1-i."""
     model = UTransformer(num_stages=config[2])
@@ -164,3 +175,24 @@ def test_bad_method_arguments():
         meshpar.PipeshardParallel(schedule="zigzag")
     with pytest.raises(ValueError, match="strategy: unknown"):
         meshpar.PipeshardParallel(resharding="nccl")
+
+
+def test_bare_partition_spec_constraints_apply_within_each_stage():
+    import flax.linen as nn
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    class Constrained(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = jax.lax.with_sharding_constraint(nn.Dense(16)(x), P("data", "model"))
+            meshpar.mark_stage_boundary()
+            return nn.Dense(4)(jax.lax.with_sharding_constraint(x, P("data", None)))
+
+    batch = _mlp_batch()
+    with jax.set_mesh(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))):
+        state = make_state(Constrained(), batch["x"][:2])
+        ref_state, ref_loss = jax.jit(make_step(mse))(state, batch)
+    method = meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 2))
+    par_state, par_loss = meshpar.parallelize(make_step(mse), method=method)(state, batch)
+    np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(par_state.params, ref_state.params)
