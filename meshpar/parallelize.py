@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
-from meshpar.passes.apply_split import OuterRef, split_apply
+from meshpar.passes.apply_split import split_apply
 from meshpar.passes.balancers import get_balancer
 from meshpar.passes.mesh_assignment import DEFAULT_AXES, assign_stage_meshes, param_sharding
 from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
