@@ -72,7 +72,8 @@ def test_u_transformer_matches_single_device_jit(config, schedule):
     ref_state, par_state, parallel = _run_both(model, ut_batch(0, 16), ut_loss, config, schedule)
     assert_trees_close(par_state.params, ref_state.params)
     edges = parallel.get_executable(par_state, ut_batch(0, 16)).edges
-    assert any(c - p > 1 for p, c, _ in edges), "expected skip connections between non-adjacent stages"
+    if config[2] > 2:
+        assert any(c - p > 1 for p, c, _ in edges), "expected skip connections between non-adjacent stages"
 
 
 def test_state_stays_on_stage_meshes_and_nothing_recompiles():
