@@ -1,6 +1,7 @@
 """Cross-mesh resharding benchmarks.
 
     python -m benchmarks.resharding sim [--json PATH] [--scale]
+    python -m benchmarks.resharding real [--link-gbit G] [--devices-per-host D] [--repeat N] [--json PATH]
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 from meshpar.passes import BALANCERS, STRATEGIES
 
-from . import sim
+from . import real, sim
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -45,6 +46,31 @@ def _sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _real(args: argparse.Namespace) -> int:
+    records, errors = real.run_real(args)
+    emulated = [r for r in records if r["suite"] != "single_host"]
+    if emulated:
+        print("\nEmulated cluster: median time / link lower bound (1.00x = the measured link's best); "
+              "last column: Alpa's time over broadcast+ensemble's.\n")
+        print(real.table(emulated))
+    if len(emulated) < len(records):
+        print("\nSingle host, 8 virtual CPU devices in one process (median):\n")
+        print(real.single_host_table(records))
+    lines = real.targets(records)
+    if lines:
+        print("\nTargets:")
+        print("\n".join(lines))
+    unverified = [r for r in records if not r["verified"]]
+    for r in unverified:
+        print(f"ERROR: {r['suite']} {r['case']} {r['strategy']}/{r['balancer']}: result did not match numpy",
+              file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 1 if errors or unverified or not records else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.resharding", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,6 +82,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", action="store_true", help="also plan a 1,024-device, 32,768-unit-task resharding")
     p.add_argument("--full", action="store_true", help="also print the full strategy x balancer table")
     p.set_defaults(func=_sim)
+    p = sub.add_parser("real", help="time reshard on an emulated multi-host cluster (root; network namespaces)",
+                       description=real.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--link-gbit", type=float, default=1.0, help="shaped link rate per host NIC (default 1)")
+    p.add_argument("--devices-per-host", type=int, default=4, help="CPU devices per emulated host (default 4)")
+    p.add_argument("--repeat", type=int, default=3, help="timed calls per case x method (default 3)")
+    p.add_argument("--json", help="write the records here")
+    p.add_argument("--cases", nargs="+", help="case names, e.g. case1 case3 2x2 (default: all)")
+    p.add_argument("--suites", nargs="+", choices=[*real.SUITES, "single_host"],
+                   help="default: n_to_m one_to_m single_host")
+    p.add_argument("--methods", nargs="+", metavar="STRATEGY/BALANCER",
+                   choices=[f"{s}/{b}" for s in STRATEGIES for b in BALANCERS],
+                   help="default: broadcast, send_recv, local_allgather x naive, load_balance, ensemble")
+    p.add_argument("--mib", type=float, default=32.0, help="tensor size in MiB (default 32)")
+    p.add_argument("--chunks", type=int, help="force the broadcast chunk count (default: the planner's)")
+    p.add_argument("--plan-gbit", type=float,
+                   help="plan for links of this rate instead of --link-gbit (same payload efficiency as measured)")
+    p.add_argument("--latency", type=float, default=1e-3, help="planner's per-message latency, s (default 1e-3)")
+    p.add_argument("--intra-rate", type=float, default=2e9, help="planner's intra-host bytes/s (default 2e9)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="bound on each run of the workers, s")
+    p.add_argument("--step-timeout", type=float, default=300.0, help="bound on each barrier / plan agreement, s")
+    p.set_defaults(func=_real)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     code = args.func(args)
