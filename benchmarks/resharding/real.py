@@ -195,7 +195,7 @@ class _Progress(threading.Thread):
         self._printed: set[tuple[str, str]] = set()
 
     def run(self) -> None:
-        while not self.stop.wait(0.5):
+        while not self.stop.wait(1.0):
             self.poll()
 
     def poll(self) -> None:

@@ -11,9 +11,15 @@ For each case x method, every process: builds the source array once per case
 (``jax.make_array_from_callback``; processes without a source device hold no
 shard), makes one warm-up call (compile, plan agreement), checks its shards
 of the result against numpy, then times ``--repeat`` calls of ``reshard`` +
-``block_until_ready``, each preceded by a barrier across all processes.
-Processes owning no device of either mesh get an empty array back at once;
-the parent takes the max over processes of each repeat.
+``block_until_ready``, each preceded by a barrier across all processes, and
+meets the others at one more barrier before moving on (senders return while
+their receivers are still receiving; their next setup must not steal CPU
+from the last repeat). A process owning no device of either mesh takes no
+part, as ``reshard``'s contract allows: it only joins the barriers (calling
+``reshard`` there would compile the whole program for nothing). The parent
+takes the max over processes of each repeat. On a single host the source
+array is rebuilt (untimed) before every call: ``jax.device_put`` of an array
+it has already put can return in ~0.5 ms.
 
 Each process appends JSON lines to ``<--out>/p<process>.jsonl`` as it goes
 (flushed per record, so the parent can report progress and keep partial
@@ -217,6 +223,9 @@ def _run(args: argparse.Namespace, out: _Out) -> None:
                 y = call()
                 times.append(time.perf_counter() - t0)
                 del y
+            # Senders return before their receivers finish (sockets buffer);
+            # nobody may start the next case's setup while the last repeat runs.
+            barrier(f"{tag}/end")
             cpu1 = resource.getrusage(resource.RUSAGE_SELF)
             cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
             machine = (_machine_busy_s() - busy0) / max(time.perf_counter() - wall0, 1e-9)
