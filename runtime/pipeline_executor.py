@@ -258,6 +258,9 @@ class PipelineExecutable:
         graph, split, M = self.graph, self.split, self.num_micro_batches
         placed = self._place_inputs(leaves)
         consts = split.consts
+        # Batch leaves come to the host once per step, not once per micro-batch and stage.
+        host_batch = {split.loss_inputs[k].index: np.asarray(leaves[split.loss_inputs[k].index])
+                      for k in self.batch_inputs}
 
         def operand(ref: OuterRef, mesh: int, sharding: NamedSharding, micro_batch: int | None = None) -> jax.Array:
             if ref.kind == "const":
@@ -267,7 +270,7 @@ class PipelineExecutable:
                 value = arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
             if micro_batch is not None:
                 size = self.micro_batch_size
-                value = np.asarray(leaves[ref.index])[micro_batch * size : (micro_batch + 1) * size]
+                value = host_batch[ref.index][micro_batch * size : (micro_batch + 1) * size]
             if _fits(value, sharding):
                 return value
             if isinstance(value, jax.Array) and not value.is_fully_addressable:
