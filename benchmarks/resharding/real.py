@@ -21,8 +21,9 @@ measured rate and whose latency is 0. ``bytes_moved`` is the least number of
 bytes that must cross host NICs: per unit slice, its size times the number
 of destination hosts that need it and do not already hold it.
 
-This module imports neither JAX nor meshpar at import time, so the worker
-can import its case definitions before JAX is configured.
+Importing this module touches no JAX backend (``cases`` imports meshpar,
+hence JAX, but nothing here creates devices), so the worker can import its
+case definitions before it configures JAX.
 """
 
 from __future__ import annotations
@@ -40,7 +41,18 @@ from collections.abc import Iterable, Sequence
 
 from .cases import FIG5, TABLE2
 
-__all__ = ["METHODS", "RealCase", "real_cases", "single_host_cases", "run_real", "aggregate", "table"]
+__all__ = [
+    "METHODS",
+    "RealCase",
+    "aggregate",
+    "machine_busy_cores",
+    "real_cases",
+    "run_real",
+    "single_host_cases",
+    "single_host_table",
+    "table",
+    "targets",
+]
 
 STRATEGIES = ("broadcast", "send_recv", "local_allgather")
 BALANCERS = ("naive", "load_balance", "ensemble")
