@@ -83,9 +83,6 @@ class StageGraph:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def producer(self, ref: Ref) -> int | None:
-        return ref.index if ref.kind == "act" else None
-
     def consumers(self, ref: Ref) -> tuple[int, ...]:
         return tuple(s.index for s in self.stages if ref in s.inputs)
 
