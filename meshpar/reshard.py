@@ -16,12 +16,16 @@ from meshpar.passes.balancers import get_balancer
 from meshpar.passes.plan_resharding import plan_resharding
 from meshpar.passes.resharding_task import ReshardingTask
 from meshpar.passes.strategies import get_strategy
+from meshpar.passes.hop_program import lower_to_hops, replicate_scalar, verify_hop_program
 from meshpar.passes.transfer_program import lower_plan, verify_program
 from meshpar.runtime.coordination import agree
+from meshpar.runtime.p2p_executor import ORDERS, P2PReshardExecutable
 from meshpar.runtime.resharding_executor import ReshardingExecutable
 from meshpar.sharding_spec import ShardingSpec
 
-__all__ = ["reshard", "plan_for", "plan_between"]
+__all__ = ["EXECUTORS", "reshard", "plan_for", "plan_between", "prepare_reshard"]
+
+EXECUTORS = ("auto", "p2p", "collective")
 
 
 def _named(sharding: Any, ndim: int, arg: str) -> NamedSharding:
@@ -45,16 +49,29 @@ def _task(shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst: NamedShar
 
 
 @functools.lru_cache(maxsize=256)
-def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks) -> tuple[ReshardingExecutable, Any]:
+def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, executor, order, timeout_s):
+    if shape == ():
+        if executor == "collective":
+            raise ValueError("x: a 0-d array has nothing to reshard with executor='collective'; use executor='p2p'")
+        ids = lambda s: tuple(d.id for d in s.mesh.devices.flat)  # noqa: E731
+        hops = replicate_scalar(ids(src), ids(dst))
+        verify_hop_program(hops)
+        return P2PReshardExecutable(hops, dtype, src, dst, order=order, timeout_s=timeout_s), None
     task = _task(shape, dtype, src, dst, cluster)
     plan = plan_resharding(task, cluster, strategy=strategy, balancer=balancer, chunks=chunks)
-    program = lower_plan(plan)
-    verify_program(program)
-    return ReshardingExecutable(program, shape, dtype, src, dst), plan
+    if executor == "collective":
+        program = lower_plan(plan)
+        verify_program(program)
+        return ReshardingExecutable(program, shape, dtype, src, dst), plan
+    hops = lower_to_hops(plan)
+    verify_hop_program(hops)
+    return P2PReshardExecutable(hops, dtype, src, dst, order=order, timeout_s=timeout_s), plan
 
 
 def plan_for(x: jax.Array, dst: NamedSharding, **kwargs: Any):
     """The ``ReshardingPlan`` that ``reshard(x, dst, **kwargs)`` executes."""
+    if getattr(x, "ndim", None) == 0:
+        raise ValueError("x: a 0-d array is replicated to every destination device, without a plan")
     return _prepare(x, dst, **kwargs)[1]
 
 
@@ -71,24 +88,36 @@ def _default_cluster(src: NamedSharding, dst: NamedSharding) -> Cluster:
     return Cluster.from_devices(list(devices.values()))
 
 
-def _prepare(x, dst, *, strategy="broadcast", balancer="ensemble", chunks=None, cluster=None):
-    if not isinstance(x, jax.Array):
-        raise TypeError(f"x: expected a jax.Array, got {type(x).__name__}")
+def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, strategy="broadcast",
+                    balancer="ensemble", chunks=None, cluster=None, executor="auto", order="eager",
+                    timeout_s=120.0):
+    """Plans, lowers and compiles the move of a ``shape``/``dtype`` array from ``src`` to
+    ``dst``, once: returns ``(executable, plan)``; ``executable(x)`` runs it (``plan`` is
+    ``None`` for a 0-d value, which is replicated without one)."""
     if not isinstance(dst, NamedSharding):
         raise TypeError(f"dst: expected a jax.sharding.NamedSharding, got {type(dst).__name__}")
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
     get_strategy(strategy)
     get_balancer(balancer)
-    src = _named(x.sharding, x.ndim, "x")
-    if x.ndim == 0:
-        raise ValueError("x: a 0-d array has nothing to reshard; use jax.device_put")
     if cluster is None:
         cluster = _default_cluster(src, dst)
     elif not isinstance(cluster, Cluster):
         raise TypeError(f"cluster: expected a meshpar.Cluster, got {type(cluster).__name__}")
-    return _executable(tuple(x.shape), np.dtype(x.dtype), src, dst, cluster, strategy, balancer, chunks)
+    executor = "p2p" if executor == "auto" else executor
+    return _executable(tuple(shape), np.dtype(dtype), src, dst, cluster, strategy, balancer, chunks, executor,
+                       order, float(timeout_s))
 
 
-_agreed: set[tuple] = set()
+def _prepare(x, dst, **kwargs):
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"x: expected a jax.Array, got {type(x).__name__}")
+    return prepare_reshard(x.shape, x.dtype, _named(x.sharding, x.ndim, "x"), dst, **kwargs)
+
+
+_agreed: set[int] = set()
 
 
 def reshard(
@@ -99,14 +128,15 @@ def reshard(
     balancer: str = "ensemble",
     chunks: int | None = None,
     cluster: Cluster | None = None,
+    executor: str = "auto",
+    order: str = "eager",
     timeout_s: float = 120.0,
 ) -> jax.Array:
     """``x`` moved onto ``dst``, a sharding on a mesh disjoint from ``x``'s.
 
-    Plans the move (``meshpar.plan_resharding``), lowers it to device-to-device
-    transfers and runs them as one compiled SPMD program over both meshes;
-    works within a process and across processes (``jax.distributed``), where
-    ``jax.device_put`` cannot.
+    Plans the move (``meshpar.plan_resharding``) and lowers it to
+    device-to-device moves; works within a process and across processes
+    (``jax.distributed``), where ``jax.device_put`` cannot change layouts.
 
     Args:
       x: a ``jax.Array`` sharded by a ``NamedSharding`` (or on one device).
@@ -119,30 +149,46 @@ def reshard(
       chunks: chunks per broadcast; ``None`` lets the cost model choose.
       cluster: hosts and bandwidths for the planner; defaults to one host per
         process with default link speeds.
-      timeout_s: how long processes wait for each other to agree on the plan.
+      executor: ``"p2p"`` (``"auto"``, the default): asynchronous
+        point-to-point ``jax.device_put`` moves that overlap with compute
+        (``meshpar.runtime.p2p_executor``); ``"collective"``: one compiled
+        ``ppermute`` program over both meshes, a rendezvous of all their
+        devices (``meshpar.runtime.resharding_executor``).
+      order: p2p only: ``"eager"`` (every hop in flight at once, never
+        blocks the caller) or ``"rounds"`` (waits for each plan round's
+        arrivals before the next).
+      timeout_s: how long processes wait for each other to agree on the
+        plan, and ``"rounds"`` for a round's arrivals.
 
     Returns:
-      An array equal to ``x`` bit for bit with sharding ``dst``. On a process
-      that owns no device of either mesh it has no addressable shards.
+      An array equal to ``x`` bit for bit with sharding ``dst``; with p2p it
+      is returned at once and becomes ready when its data has arrived. On a
+      process that owns no device of ``dst`` it has no addressable shards.
+      A 0-d ``x`` (p2p only) is replicated onto every device of ``dst``.
 
-    Every process owning a device of either mesh must call ``reshard`` with
+    Which processes call: with p2p every process of the job (JAX numbers
+    cross-process transfers by a counter every process advances); with
+    collective every process owning a device of either mesh. They call with
     the same arguments in the same order; the first call of each plan checks
     that they agree, and raises (never hangs) when they do not.
     """
-    executable, plan = _prepare(x, dst, strategy=strategy, balancer=balancer, chunks=chunks, cluster=cluster)
-    if not executable.participates:
+    executable, plan = _prepare(x, dst, strategy=strategy, balancer=balancer, chunks=chunks, cluster=cluster,
+                                executor=executor, order=order, timeout_s=timeout_s)
+    p2p = isinstance(executable, P2PReshardExecutable)
+    if not p2p and not executable.participates:
         return jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype)
-    if jax.process_count() > 1:
-        key = (id(executable),)
-        if key not in _agreed:
-            participants = sorted({d.process_index for d in executable.union})
-            topic = "reshard/" + hashlib.sha256(repr((x.shape, plan.task)).encode()).hexdigest()[:16]
-            agree(
-                topic,
-                {"fingerprint": plan.fingerprint, "strategy": strategy, "balancer": balancer},
-                participants,
-                timeout_s=timeout_s,
-                what=f"meshpar.reshard of {x.shape} {x.dtype}",
-            )
-            _agreed.add(key)
+    if jax.process_count() > 1 and id(executable) not in _agreed:
+        participants = (list(range(jax.process_count())) if p2p
+                        else sorted({d.process_index for d in executable.union}))
+        what = plan.task if plan is not None else (x.shape, str(x.sharding), str(dst))
+        topic = "reshard/" + hashlib.sha256(repr((x.shape, what)).encode()).hexdigest()[:16]
+        agree(
+            topic,
+            {"fingerprint": executable.program.fingerprint, "strategy": strategy, "balancer": balancer,
+             "executor": "p2p" if p2p else "collective", "order": order},
+            participants,
+            timeout_s=timeout_s,
+            what=f"meshpar.reshard of {x.shape} {x.dtype}",
+        )
+        _agreed.add(id(executable))
     return executable(x)

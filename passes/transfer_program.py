@@ -29,7 +29,8 @@ import dataclasses
 from .resharding_plan import ReshardingPlan, ScheduledTask
 from .unit_tasks import PlanVerificationError
 
-__all__ = ["Transfer", "Step", "TransferProgram", "lower_plan", "verify_program"]
+__all__ = ["Chain", "Transfer", "Step", "TransferProgram", "lower_plan", "pack_steps", "plan_chains", "split_box",
+           "split_box_exact", "verify_program"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -94,11 +95,13 @@ class TransferProgram:
         return sum(len(s.transfers) for s in self.steps)
 
 
-@dataclasses.dataclass
-class _Chain:
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """A box of the tensor that starts on ``devices[0]`` (in its source tile) and
+    hops along ``devices[1:]``, each of which keeps it in its destination tile."""
+
     box: Box  # global bounds
-    devices: list[int]  # devices[0] holds the box in its source tile
-    done: int = 0  # hops finished
+    devices: tuple[int, ...]
 
 
 def split_box(box: Box, parts: int) -> list[Box]:
@@ -121,12 +124,27 @@ def split_box(box: Box, parts: int) -> list[Box]:
     return out
 
 
-def _chains(t: ScheduledTask, strategy: str, host_of) -> list[_Chain]:
+def split_box_exact(box: Box, parts: int) -> list[Box]:
+    """Up to ``parts`` disjoint pieces covering ``box`` along its longest dimension,
+    their lengths differing by at most one (for runtimes without static shapes)."""
+    lengths = [b - a for a, b in box]
+    d = max(range(len(box)), key=lambda i: (lengths[i], -i))
+    count = max(1, min(parts, lengths[d]))
+    out = []
+    for p in range(count):
+        piece = list(box)
+        piece[d] = (box[d][0] + p * lengths[d] // count, box[d][0] + (p + 1) * lengths[d] // count)
+        out.append(tuple(piece))
+    return out
+
+
+def plan_chains(t: ScheduledTask, strategy: str, host_of, split=split_box) -> list[Chain]:
+    """The chains that carry scheduled task ``t`` under ``strategy``; ``split`` cuts boxes."""
     box = t.unit.bounds
     if strategy == "broadcast":
-        return [_Chain(piece, [t.sender, *t.route]) for piece in split_box(box, t.chunks)]
+        return [Chain(piece, (t.sender, *t.route)) for piece in split(box, t.chunks)]
     if strategy == "send_recv":
-        return [_Chain(box, [t.sender, r]) for r in t.route]
+        return [Chain(box, (t.sender, r)) for r in t.route]
     if strategy == "local_allgather":
         groups: dict[int, list[int]] = {}
         for r in t.route:
@@ -138,9 +156,37 @@ def _chains(t: ScheduledTask, strategy: str, host_of) -> list[_Chain]:
         raise ValueError(f"strategy: no lowering for {strategy!r}")
     chains = []
     for ring in rings:
-        for q, piece in enumerate(split_box(box, len(ring))):
-            chains.append(_Chain(piece, [t.sender, *ring[q:], *ring[:q]]))
+        for q, piece in enumerate(split(box, len(ring))):
+            chains.append(Chain(piece, (t.sender, *ring[q:], *ring[:q])))
     return chains
+
+
+def pack_steps(chains: list[Chain]) -> list[list[tuple[Chain, int]]]:
+    """Packs the hops of ``chains`` into steps: per step a device sends at most one
+    box and receives at most one, and a hop runs after the hop that brought its box.
+
+    Chains are taken in the given order, so earlier chains win contested devices.
+    Returns, per step, ``(chain, hop index)`` pairs.
+    """
+    done = [0] * len(chains)
+    pending = list(range(len(chains)))
+    steps: list[list[tuple[Chain, int]]] = []
+    while pending:
+        sending: set[int] = set()
+        receiving: set[int] = set()
+        moved: list[int] = []
+        for c in pending:
+            s, r = chains[c].devices[done[c]], chains[c].devices[done[c] + 1]
+            if s in sending or r in receiving:
+                continue
+            sending.add(s)
+            receiving.add(r)
+            moved.append(c)
+        steps.append([(chains[c], done[c]) for c in moved])
+        for c in moved:
+            done[c] += 1
+        pending = [c for c in pending if done[c] < len(chains[c].devices) - 1]
+    return steps
 
 
 def lower_plan(plan: ReshardingPlan) -> TransferProgram:
@@ -156,8 +202,7 @@ def lower_plan(plan: ReshardingPlan) -> TransferProgram:
     src_origin = {d: tuple(a for a, _ in t.bounds) for t in task.src_tiles for d in t.devices}
     dst_origin = {d: tuple(a for a, _ in t.bounds) for t in task.dst_tiles for d in t.devices}
 
-    def hop(chain: _Chain) -> Transfer:
-        j = chain.done
+    def hop(chain: Chain, j: int) -> Transfer:
         sender, receiver = chain.devices[j], chain.devices[j + 1]
         start = tuple(a for a, _ in chain.box)
         origin = src_origin[sender] if j == 0 else dst_origin[sender]
@@ -175,22 +220,8 @@ def lower_plan(plan: ReshardingPlan) -> TransferProgram:
     for round_tasks in plan.rounds:
         # Chains in plan order: the planner's priority decides who goes first
         # when two chains want the same device in the same step.
-        pending = [c for t in round_tasks for c in _chains(t, plan.strategy, task.host_of)]
-        while pending:
-            sending: set[int] = set()
-            receiving: set[int] = set()
-            moved: list[tuple[_Chain, Transfer]] = []
-            for chain in pending:
-                s, r = chain.devices[chain.done], chain.devices[chain.done + 1]
-                if s in sending or r in receiving:
-                    continue
-                sending.add(s)
-                receiving.add(r)
-                moved.append((chain, hop(chain)))
-            for chain, _ in moved:
-                chain.done += 1
-            steps.append(Step(tuple(t for _, t in moved)))
-            pending = [c for c in pending if c.done < len(c.devices) - 1]
+        chains = [c for t in round_tasks for c in plan_chains(t, plan.strategy, task.host_of)]
+        steps += [Step(tuple(hop(chain, j) for chain, j in step)) for step in pack_steps(chains)]
         round_ends.append(len(steps) - 1)
     return TransferProgram(
         src_tile_shape=task.src_tiles[0].shape,

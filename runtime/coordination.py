@@ -9,11 +9,12 @@ timeout and says which processes did not answer or disagreed.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 
 import jax
 
-__all__ = ["CoordinationError", "agree", "kv_client"]
+__all__ = ["CoordinationError", "agree", "kv_client", "wait_ready"]
 
 
 class CoordinationError(RuntimeError):
@@ -72,3 +73,28 @@ def agree(topic: str, value: dict, participants: Sequence[int], *, timeout_s: fl
     if disagree:
         lines = "; ".join(f"process {p} has {v}" for p, v in disagree)
         raise CoordinationError(f"{what}: processes disagree: process {me} has {value}; {lines}")
+
+
+def wait_ready(arrays: Sequence[jax.Array], timeout_s: float, what: str) -> None:
+    """Waits until every array in ``arrays`` is computed or has arrived.
+
+    Unlike ``block_until_ready`` this gives up: a transfer whose sender never
+    sends (a peer that crashed, or skipped the call) raises instead of hanging.
+
+    Raises:
+      CoordinationError: naming ``what`` and how many arrays were still missing.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = list(arrays)
+    pause = 1e-4
+    while pending:
+        pending = [a for a in pending if not a.is_ready()]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise CoordinationError(
+                f"{what}: {len(pending)} of {len(arrays)} arrays did not arrive within {timeout_s:g} s "
+                f"(process {jax.process_index()} is waiting; did every process make the same meshpar calls?)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)

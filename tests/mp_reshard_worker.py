@@ -7,10 +7,11 @@ import sys
 
 import jax
 
+import meshpar.distributed
+
 jax.config.update("jax_num_cpu_devices", 4)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
 pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid, initialization_timeout=60)
+meshpar.distributed.initialize(f"127.0.0.1:{port}", nproc, pid, initialization_timeout=60)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -26,6 +27,7 @@ checks = 0
 def check(y, expected, dst):
     global checks
     assert y.sharding == dst
+    expected = np.asarray(expected)
     for shard in y.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index])
     checks += 1
@@ -41,16 +43,26 @@ def run(src_devices, dst_devices, src_spec, dst_spec, shape, dtype, **kwargs):
 
 
 # Source mesh on process 0, destination on process 1: every byte crosses processes.
-for strategy in meshpar.STRATEGIES:
-    for src_spec, dst_spec in [(P("x"), P(None, "y")), (P(None, ("x", "y")), P()), (P(), P(("x", "y")))]:
-        run(by_process[0], by_process[1], src_spec, dst_spec, (8, 8, 2), np.float32, strategy=strategy)
-for dtype in (jnp.bfloat16, np.int8, np.bool_, np.uint32):
-    run(by_process[0], by_process[1], P("x", "y"), P("y"), (4, 6), dtype, chunks=3)
-# Meshes spanning both processes (two devices of each on either side).
 half = [by_process[0][:2] + by_process[1][:2], by_process[0][2:] + by_process[1][2:]]
-for strategy in meshpar.STRATEGIES:
-    run(half[0], half[1], P("x"), P(None, "x"), (8, 8), np.float32, strategy=strategy)
-    run(half[1], half[0], P(("x", "y")), P("y", "x"), (8, 8), np.int32, strategy=strategy)
+for executor in ("p2p", "collective"):
+    for strategy in meshpar.STRATEGIES:
+        for src_spec, dst_spec in [(P("x"), P(None, "y")), (P(None, ("x", "y")), P()), (P(), P(("x", "y")))]:
+            run(by_process[0], by_process[1], src_spec, dst_spec, (8, 8, 2), np.float32, strategy=strategy,
+                executor=executor)
+    for dtype in (jnp.bfloat16, np.int8, np.bool_, np.uint32, np.float16):
+        run(by_process[0], by_process[1], P("x", "y"), P("y"), (4, 6), dtype, chunks=3, executor=executor)
+    # Meshes spanning both processes (two devices of each on either side).
+    for strategy in meshpar.STRATEGIES:
+        run(half[0], half[1], P("x"), P(None, "x"), (8, 8), np.float32, strategy=strategy, executor=executor)
+        run(half[1], half[0], P(("x", "y")), P("y", "x"), (8, 8), np.int32, strategy=strategy, executor=executor)
+# p2p extras: gated rounds, a destination within the sender's own process, uneven chunks, scalars.
+run(by_process[0], by_process[1], P("x"), P(None, "y"), (8, 10), np.float32, order="rounds", chunks=3)
+run(half[0], half[1], P(None, "y"), P("x"), (6, 14), np.float32, chunks=4)
+run(by_process[1], by_process[0], P("x", "y"), P(), (6, 10), np.int32, strategy="send_recv")
+scalar_src = NamedSharding(Mesh(np.array(by_process[0][:1]), ("x",)), P())
+scalar_dst = NamedSharding(Mesh(np.array(half[1]).reshape(2, 2), ("x", "y")), P())
+s = jax.make_array_from_callback((), scalar_src, lambda index: np.float32(7.5), dtype=np.float32)
+check(meshpar.reshard(s, scalar_dst), np.float32(7.5), scalar_dst)
 print(f"process {pid}: {checks} reshard checks passed", flush=True)
 
 # A plan the processes disagree on fails fast on both sides, naming both plans.

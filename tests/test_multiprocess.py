@@ -49,6 +49,14 @@ def test_reshard_across_two_processes():
 
 
 @pytest.mark.multiprocess
+def test_p2p_without_a_transfer_server_names_the_fix():
+    results = run_processes("mp_no_transfer_server_worker.py", 2, timeout_s=300)
+    for pid, r in enumerate(results):
+        assert r.returncode == 0, "\n".join(f"--- process {i} ---\n{q.stdout[-4000:]}" for i, q in enumerate(results))
+        assert f"process {pid}: ALL OK" in r.stdout
+
+
+@pytest.mark.multiprocess
 def test_pipeline_across_two_processes():
     """(data, model, pipeline) = (2, 2, 2) with one stage per process, against jax.jit."""
     results = run_processes("mp_pipeline_worker.py", 2, timeout_s=600)

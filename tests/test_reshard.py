@@ -1,5 +1,6 @@
 """meshpar.reshard on 8 virtual CPU devices in one process, against numpy."""
 
+import logging
 import random
 
 import jax
@@ -14,6 +15,7 @@ from random_tasks import random_spec
 
 DEVICES = jax.devices()
 STRATEGIES = list(meshpar.STRATEGIES)
+EXECUTORS = ["p2p", "collective"]
 
 
 def _cluster(hosts_of):
@@ -43,9 +45,10 @@ def _spec_text_to_pspec(text, names):
     return meshpar.ShardingSpec.parse(text).to_partition_spec(names)
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("case", TABLE2, ids=[c[0] for c in TABLE2])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_paper_table2_cases_scaled_down(case, strategy):
+def test_paper_table2_cases_scaled_down(case, strategy, executor):
     """Table 2 on 8 devices: meshes of up to 4 devices each, 2 devices per emulated host."""
     name, src_spec, dst_spec, src_shape, dst_shape = case
     # Scale (hosts, devices/host) down so both meshes fit in 8 devices.
@@ -61,13 +64,14 @@ def test_paper_table2_cases_scaled_down(case, strategy):
     x = jax.device_put(expected, src)
     # Rows of each mesh are hosts, as in the paper's (hosts, devices/host).
     hosts = {d.id: k for k, row in enumerate([*src_devs, *dst_devs]) for d in row}
-    y = meshpar.reshard(x, dst, strategy=strategy, cluster=_cluster(hosts))
+    y = meshpar.reshard(x, dst, strategy=strategy, cluster=_cluster(hosts), executor=executor)
     _check(y, expected, dst)
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("receivers", FIG5, ids=[f"{a}x{b}" for a, b in FIG5])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_paper_fig5_one_to_many_scaled_down(receivers, strategy):
+def test_paper_fig5_one_to_many_scaled_down(receivers, strategy, executor):
     hosts, per_host = receivers
     if hosts * per_host > 7:
         hosts, per_host = 3, 2  # 4x2 needs 8 receivers; keep one device for the sender
@@ -80,15 +84,16 @@ def test_paper_fig5_one_to_many_scaled_down(receivers, strategy):
     for chunks in (None, 5):
         if chunks and strategy != "broadcast":
             continue
-        y = meshpar.reshard(x, dst, strategy=strategy, chunks=chunks, cluster=_cluster(host_of))
+        y = meshpar.reshard(x, dst, strategy=strategy, chunks=chunks, cluster=_cluster(host_of), executor=executor)
         _check(y, expected, dst)
 
 
 DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int8, np.int32, np.uint8, np.uint32, np.bool_]
 
 
+@pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("seed", range(24))
-def test_random_shapes_meshes_specs_dtypes(seed):
+def test_random_shapes_meshes_specs_dtypes(seed, executor):
     rng = random.Random(seed)
     perm = rng.sample(range(8), 8)
     n_src = rng.randrange(1, 8)
@@ -111,7 +116,10 @@ def test_random_shapes_meshes_specs_dtypes(seed):
     x = jax.device_put(expected, src)
     hosts = {d.id: rng.randrange(3) for d in DEVICES}
     strategy = STRATEGIES[seed % 4]
-    y = meshpar.reshard(x, dst, strategy=strategy, cluster=_cluster(hosts), chunks=rng.choice([None, 1, 3]))
+    chunks = rng.choice([None, 1, 3])
+    order = rng.choice(["eager", "rounds"])
+    kwargs = {"order": order} if executor == "p2p" else {}
+    y = meshpar.reshard(x, dst, strategy=strategy, cluster=_cluster(hosts), chunks=chunks, executor=executor, **kwargs)
     _check(y, np.asarray(expected), dst)
 
 
@@ -159,6 +167,51 @@ def test_bad_arguments_name_themselves():
         meshpar.reshard(x, ok, balancer="magic")
     with pytest.raises(TypeError, match="cluster"):
         meshpar.reshard(x, ok, cluster="aws")
+    with pytest.raises(ValueError, match="executor: expected one of"):
+        meshpar.reshard(x, ok, executor="nccl")
+    with pytest.raises(ValueError, match="order: expected one of"):
+        meshpar.reshard(x, ok, order="random")
+    scalar = jax.device_put(np.float32(2), DEVICES[0])
+    with pytest.raises(ValueError, match="0-d.*executor='p2p'"):
+        meshpar.reshard(scalar, NamedSharding(Mesh(np.array(DEVICES[4:6]), ("x",)), P()), executor="collective")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_])
+def test_scalars_are_replicated_onto_every_destination_device(dtype):
+    expected = np.asarray(_values((), dtype, 3))
+    src = NamedSharding(Mesh(np.array(DEVICES[:2]), ("x",)), P())
+    dst = NamedSharding(Mesh(np.array(DEVICES[4:8]).reshape(2, 2), ("x", "y")), P())
+    x = jax.device_put(expected, src)
+    y = meshpar.reshard(x, dst)
+    assert y.shape == () and len(y.addressable_shards) == 4
+    _check(y, expected, dst)
+
+
+def test_p2p_pieces_leave_the_source_tile_untouched_and_reuse_compiled_programs():
+    """Sources stay valid after a move, and a second call compiles nothing new."""
+    from meshpar.reshard import _prepare
+
+    src = NamedSharding(Mesh(np.array(DEVICES[:4]).reshape(2, 2), ("x", "y")), P("x", "y"))
+    dst = NamedSharding(Mesh(np.array(DEVICES[4:]).reshape(1, 4), ("x", "y")), P(None, "y"))
+    expected = _values((8, 16), np.float32)
+    x = jax.device_put(expected, src)
+    executable, _ = _prepare(x, dst, chunks=2)
+    first = executable(x)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("jax").addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            second = executable(x)
+            jax.jit(lambda v: v * 3)(x)  # the one compile this block may log
+    finally:
+        logging.getLogger("jax").removeHandler(handler)
+    compiles = [r.getMessage() for r in records if "Compiling" in r.getMessage()]
+    assert len(compiles) == 1 and "<lambda>" in compiles[0], compiles
+    _check(first, expected, dst)
+    _check(second, expected, dst)
+    np.testing.assert_array_equal(np.asarray(x), expected)
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -175,7 +228,7 @@ def test_device_memory_stays_within_one_tile_plus_four_boxes(seed):
     x = jax.device_put(np.zeros(shape, np.float32), NamedSharding(sm, ss.to_partition_spec(("a", "b"))))
     dst = NamedSharding(dm, ds.to_partition_spec(("a", "b")))
     for strategy in STRATEGIES:
-        executable, _ = _prepare(x, dst, strategy=strategy, chunks=rng.choice([None, 4]))
+        executable, _ = _prepare(x, dst, strategy=strategy, chunks=rng.choice([None, 4]), executor="collective")
         stats = executable._compiled.memory_analysis()
         program = executable.program
         src_tile = int(np.prod(program.src_tile_shape)) * 4

@@ -1,0 +1,82 @@
+"""``meshpar.distributed.initialize``: join a multi-process job ready for meshpar's transfers."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import jax
+
+__all__ = ["initialize", "own_address"]
+
+
+def own_address(coordinator_address: str) -> str:
+    """This machine's IP address on the route to the coordinator (no packet is sent)."""
+    host = coordinator_address.rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def _free_port(address: str) -> int:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def initialize(
+    coordinator_address: str,
+    num_processes: int,
+    process_id: int,
+    *,
+    transfer_address: str | None = None,
+    **kwargs: Any,
+) -> None:
+    """``jax.distributed.initialize`` with what meshpar's cross-process moves need.
+
+    Call it in every process before anything else touches JAX's backend. It
+    sets the CPU collectives to gloo, and the address of this process's
+    cross-host transfer server (``jax_cross_host_transfer_socket_address``):
+    CPUs move arrays between processes through it; GPU clients move them
+    natively and start the server only if ever asked to fall back. Then it
+    calls ``jax.distributed.initialize``.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordinator.
+      num_processes: processes in the job.
+      process_id: this process's index.
+      transfer_address: ``ip:port`` for this process's transfer server;
+        default this machine's address towards the coordinator and a free
+        port. ``""`` leaves the setting alone.
+      **kwargs: passed on to ``jax.distributed.initialize``.
+
+    Raises:
+      ValueError: an argument of the wrong kind.
+      RuntimeError: JAX's backend has already started in this process.
+    """
+    if not isinstance(coordinator_address, str) or ":" not in coordinator_address:
+        raise ValueError(f"coordinator_address: expected 'host:port', got {coordinator_address!r}")
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes: expected a positive integer, got {num_processes!r}")
+    if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id: expected an integer in [0, {num_processes}), got {process_id!r}")
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "meshpar.distributed.initialize: JAX's backend has already started in this process; "
+            "call it first, before any jax.devices(), array creation or computation"
+        )
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if transfer_address is None:
+        # Port 0 does not work: the transfer server publishes the address it
+        # was given, not the port it bound.
+        address = own_address(coordinator_address)
+        transfer_address = f"{address}:{_free_port(address)}" if ":" not in address else f"[{address}]:{_free_port(address)}"
+    if transfer_address:
+        jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id, **kwargs
+    )

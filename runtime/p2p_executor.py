@@ -1,0 +1,233 @@
+"""Executes a ``HopProgram`` with asynchronous point-to-point ``jax.device_put`` moves.
+
+Nothing here spans both meshes, so no device waits for another to reach a
+common program: a source device runs one small compiled *cut* program (its
+pieces out of its tile), each hop is a ``jax.device_put`` of one
+single-device array onto another single-device sharding (a local copy inside
+a process; JAX's cross-host transfer path across processes: NCCL-backed in
+the GPU client, the DCN transfer server on CPU), and each destination device
+runs one small compiled *assemble* program (its pieces into its tile). A
+relay forwards the array it received. All of it is dispatched
+asynchronously: calling the executable returns as soon as the work is
+enqueued, each hop starts when its source piece exists, and only a caller
+that reads the result waits for it. So the moves overlap with whatever else
+the devices run.
+
+Dispatch order: ``"eager"`` (default) enqueues every hop at once, step by
+step; ``"rounds"`` waits, before each
+plan round, for this process's arrivals of the previous round (receivers
+pull across processes, so that keeps the planner's rounds apart on the
+wire), and therefore blocks the calling thread; it exists to be measured
+against ``"eager"``.
+
+Multi-process rule (JAX's): cross-process transfers are numbered by a
+per-process counter that every process advances on every cross-process
+``device_put``, so every process of the job calls the executable, in the
+same order, including processes that own no device of either mesh (they
+name the hops with arrays that have no local shards).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshpar.passes.hop_program import HopProgram
+from meshpar.runtime.coordination import wait_ready
+
+__all__ = ["ORDERS", "P2PReshardExecutable", "device_sharding", "require_cross_host_transfers"]
+
+ORDERS = ("eager", "rounds")
+
+
+@functools.lru_cache(maxsize=None)
+def device_sharding(device: Any) -> NamedSharding:
+    """The sharding of an array that lives whole on ``device``, in any process
+    (a ``NamedSharding``: ``SingleDeviceSharding`` cannot name a remote device
+    for the cross-host path)."""
+    return NamedSharding(Mesh(np.array([device]), ("device",)), P())
+
+
+def require_cross_host_transfers(what: str) -> None:
+    """Raises a ``RuntimeError`` naming ``meshpar.distributed.initialize`` when this
+    process cannot move arrays to other processes with ``jax.device_put``."""
+    from jax._src import xla_bridge
+
+    native = getattr(xla_bridge.get_backend(), "supports_cross_host_transfers", False)
+    if native and not xla_bridge.FORCE_DCN_CROSS_HOST_TRANSFERS.value:
+        return
+    if not xla_bridge.CROSS_HOST_TRANSFER_SOCKET_ADDRESS.value:
+        raise RuntimeError(
+            f"{what} moves data between processes with jax.device_put, which on "
+            f"{jax.default_backend()} needs a cross-host transfer server: start every process with "
+            f"meshpar.distributed.initialize(coordinator_address, num_processes, process_id) instead of "
+            f"jax.distributed.initialize (or use executor='collective')"
+        )
+
+
+def _cut_fn(slices: tuple[tuple[slice, ...], ...]):
+    def cut(tile: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(tile[s] for s in slices)
+
+    return cut
+
+
+def _assemble_fn(tile: tuple[int, ...], offsets: tuple[tuple[int, ...], ...], dtype: Any):
+    def assemble(*pieces: jax.Array) -> jax.Array:
+        out = jax.numpy.zeros(tile, dtype)
+        for offset, piece in zip(offsets, pieces):
+            out = jax.lax.dynamic_update_slice(out, piece, offset)
+        return out
+
+    return assemble
+
+
+class P2PReshardExecutable:
+    """A ``HopProgram`` prepared for one dtype and pair of shardings.
+
+    Args:
+      program: the lowered plan (``lower_to_hops`` or ``replicate_scalar``).
+      dtype: the array's dtype.
+      src, dst: source and destination ``NamedSharding``.
+      order: ``"eager"`` or ``"rounds"`` (see the module docstring).
+      timeout_s: how long ``"rounds"`` waits for one round's arrivals.
+
+    Compiles this process's cut and assemble programs when constructed, so
+    calls do no tracing, planning or compiling.
+    """
+
+    def __init__(
+        self,
+        program: HopProgram,
+        dtype: Any,
+        src: NamedSharding,
+        dst: NamedSharding,
+        *,
+        order: str = "eager",
+        timeout_s: float = 120.0,
+    ) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+        self.program = program
+        self.shape = tuple(program.shape)
+        self.dtype = np.dtype(dtype)
+        self.src, self.dst = src, dst
+        self.order, self.timeout_s = order, timeout_s
+        devices = {d.id: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
+        me = jax.process_index()
+        local = {i for i, d in devices.items() if d.process_index == me}
+        self._devices = devices
+        src_tiles, dst_tiles = dict(program.src_tiles), dict(program.dst_tiles)
+        self.cross_process = any(
+            devices[h.src_device].process_index != devices[h.dst_device].process_index
+            for step in program.steps for h in step
+        )
+        if self.cross_process:
+            require_cross_host_transfers("this resharding")
+
+        # Cuts: one compiled program per local source device; a piece that is
+        # the whole tile is the tile itself.
+        self._cuts: list[tuple[int, Any, tuple[int, ...]]] = []
+        self._whole: list[tuple[int, int]] = []
+        by_device: dict[int, list] = {}
+        for c in program.cuts:
+            if c.device in local:
+                by_device.setdefault(c.device, []).append(c)
+        for d, cuts in sorted(by_device.items()):
+            tile = src_tiles[d]
+            sliced = []
+            for c in cuts:
+                shape = program.piece_shapes[c.piece]
+                if shape == tile:
+                    self._whole.append((d, c.piece))
+                else:
+                    sliced.append(c)
+            if sliced:
+                slices = tuple(tuple(slice(o, o + n) for o, n in zip(c.offset, program.piece_shapes[c.piece])) for c in sliced)
+                fn = jax.jit(_cut_fn(slices)).lower(
+                    jax.ShapeDtypeStruct(tile, self.dtype, sharding=device_sharding(devices[d]))
+                ).compile()
+                self._cuts.append((d, fn, tuple(c.piece for c in sliced)))
+
+        # Hops: per step, the ones this process calls: its own local copies
+        # (one batched device_put), and every cross-process hop (every process
+        # numbers those), each in a device_put of its own: JAX groups a batch
+        # by device pair in a hash map whose order differs between processes,
+        # so two cross-process groups in one call would take their transfer
+        # numbers in different orders on the two sides.
+        self._steps: list[tuple[list[tuple[int, int, int]], list[tuple[int, int, int, bool]]]] = []
+        for step in program.steps:
+            local_hops, cross_hops = [], []
+            for h in step:
+                s, r = devices[h.src_device], devices[h.dst_device]
+                if s.process_index != r.process_index:
+                    cross_hops.append((h.piece, h.src_device, h.dst_device, h.dst_device in local))
+                elif s.process_index == me:
+                    local_hops.append((h.piece, h.src_device, h.dst_device))
+            self._steps.append((local_hops, cross_hops))
+        self._round_of_step = [r for r, (a, b) in enumerate(program.rounds) for _ in range(a, b)]
+        self._absent: dict[tuple[int, int], jax.Array] = {}
+        for _, cross_hops in self._steps:
+            for piece, s, _, _ in cross_hops:
+                if s not in local:
+                    self._absent[(s, piece)] = jax.make_array_from_single_device_arrays(
+                        program.piece_shapes[piece], device_sharding(devices[s]), [], dtype=self.dtype
+                    )
+
+        # Assembly: one compiled program per local destination device; a
+        # device receiving one piece that is its whole tile keeps it as is.
+        self._assembles: list[tuple[int, Any, tuple[int, ...]]] = []
+        pieces_at: dict[int, list] = {}
+        for p in program.places:
+            if p.device in local:
+                pieces_at.setdefault(p.device, []).append(p)
+        for d in sorted(pieces_at):
+            tile, places = dst_tiles[d], pieces_at[d]
+            if len(places) == 1 and program.piece_shapes[places[0].piece] == tile:
+                self._assembles.append((d, None, (places[0].piece,)))
+                continue
+            fn = jax.jit(_assemble_fn(tile, tuple(p.offset for p in places), self.dtype)).lower(
+                *[jax.ShapeDtypeStruct(program.piece_shapes[p.piece], self.dtype, sharding=device_sharding(devices[d]))
+                  for p in places]
+            ).compile()
+            self._assembles.append((d, fn, tuple(p.piece for p in places)))
+        self._dst_order = [d.id for d in dst.mesh.devices.flat if d.id in local]
+        self.participates = bool(local)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``x`` (sharded as ``src``) moved onto ``dst``; returns without waiting (``"eager"``)."""
+        have: dict[tuple[int, int], jax.Array] = {}
+        if self._whole or self._cuts:
+            shards = {s.device.id: s.data for s in x.addressable_shards}
+            for d, piece in self._whole:
+                have[(d, piece)] = shards[d]
+            for d, fn, pieces in self._cuts:
+                for piece, value in zip(pieces, fn(shards[d])):
+                    have[(d, piece)] = value
+        arrivals: list[jax.Array] = []
+        for k, (local_hops, cross_hops) in enumerate(self._steps):
+            if self.order == "rounds" and k and self._round_of_step[k] != self._round_of_step[k - 1]:
+                wait_ready(arrivals, self.timeout_s, f"round {self._round_of_step[k - 1]} of a p2p resharding")
+                arrivals = []
+            if local_hops:
+                moved = jax.device_put([have[(s, piece)] for piece, s, _ in local_hops],
+                                       [device_sharding(self._devices[r]) for _, _, r in local_hops])
+                for (piece, _, r), value in zip(local_hops, moved):
+                    have[(r, piece)] = value
+                    arrivals.append(value)
+            for piece, s, r, here in cross_hops:
+                value = have[(s, piece)] if (s, piece) in have else self._absent[(s, piece)]
+                moved = jax.device_put(value, device_sharding(self._devices[r]))
+                if here:
+                    have[(r, piece)] = moved
+                    arrivals.append(moved)
+        tiles = {}
+        for d, fn, pieces in self._assembles:
+            tiles[d] = have[(d, pieces[0])] if fn is None else fn(*[have[(d, p)] for p in pieces])
+        return jax.make_array_from_single_device_arrays(
+            self.shape, self.dst, [tiles[d] for d in self._dst_order], dtype=self.dtype
+        )
