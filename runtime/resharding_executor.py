@@ -104,8 +104,12 @@ def _kernel(steps: list[list[_Op]], round_ends: frozenset[int], out_shape: tuple
         i = jax.lax.axis_index(_AXIS)
         out = jnp.zeros(out_shape, dtype)
         for k, ops in enumerate(steps):
-            # All reads of a step see the buffers as they were before it.
-            payloads = []
+            # One op at a time: read, permute, write. Reading all of a step's
+            # payloads first kept them live across the other ops' writes and
+            # made XLA copy the whole destination tile per extra op. Sequential
+            # is safe: in a step a device sends at most one box and receives at
+            # most one, a relay sends a box received in an earlier step, and a
+            # non-receiver's zero write is guarded wherever it could clobber.
             for op in ops:
                 offset = tuple(jnp.asarray(op.send_offset)[i])
                 if op.reads_source and op.reads_relay:
@@ -116,8 +120,6 @@ def _kernel(steps: list[list[_Op]], round_ends: frozenset[int], out_shape: tuple
                     )
                 else:
                     payload = jax.lax.dynamic_slice(out if op.reads_relay else x, offset, op.shape)
-                payloads.append(payload)
-            for op, payload in zip(ops, payloads):
                 got = jax.lax.ppermute(payload, _AXIS, op.pairs)
                 offset = tuple(jnp.asarray(op.recv_offset)[i])
                 if op.guarded:
