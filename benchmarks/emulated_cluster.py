@@ -118,8 +118,11 @@ def initialize_from_env() -> None:
     """Joins this process to the emulated cluster described by the MESHPAR_* variables.
 
     Must run before anything touches a JAX backend. Sets ``jax_num_cpu_devices``
-    to the devices per host and gloo as the CPU collectives, then calls
-    ``jax.distributed.initialize`` against the coordinator on host 0.
+    to the devices per host, then calls :func:`meshpar.distributed.initialize`
+    against the coordinator on host 0: gloo as the CPU collectives, and a
+    cross-host transfer server on this host's emulated address, so both
+    ``meshpar.reshard`` executors (``"collective"`` and ``"p2p"``) and
+    cross-host ``jax.device_put`` work.
     """
     # Imported here so the parent side (which only manages namespaces) never
     # pays for, or depends on, importing JAX.
@@ -135,12 +138,20 @@ def initialize_from_env() -> None:
         raise RuntimeError(
             f"initialize_from_env: {e.args[0]} is not set; run this under EmulatedCluster.run"
         ) from None
+    import meshpar.distributed
+
     jax.config.update("jax_num_cpu_devices", devices_per_host)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=num_processes,
-        process_id=process_id,
+    # The transfer server's bulk (data) sockets default to 0.0.0.0:0, and a
+    # peer is told to connect to that literal address: itself, so every
+    # cross-host transfer dies with "Connection refused". Bind them to this
+    # host's emulated address instead (port 0 is fine for these; JAX's default
+    # is four sockets).
+    address = meshpar.distributed.own_address(coordinator)
+    jax.config.update("jax_cross_host_transport_addresses", ",".join([f"{address}:0"] * 4))
+    meshpar.distributed.initialize(
+        coordinator,
+        num_processes,
+        process_id,
         initialization_timeout=init_timeout_s,
     )
 

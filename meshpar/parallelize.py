@@ -19,7 +19,9 @@ from meshpar.passes.mesh_assignment import DEFAULT_AXES, assign_stage_meshes, pa
 from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.stage_graph import Ref, StageMarkerError, split_stages
 from meshpar.passes.strategies import get_strategy
-from meshpar.reshard import plan_between, reshard
+from meshpar.passes.edge_transfer import EXECUTORS, TransferKind
+from meshpar.reshard import plan_between, prepare_reshard
+from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable, Placement
 
 __all__ = ["PipeshardParallel", "parallelize", "ParallelizedStep"]
@@ -38,8 +40,14 @@ class PipeshardParallel:
         devices of a stage on ``data``.
       schedule: ``gpipe`` or ``1f1b``.
       resharding, balancer: strategy and balancer of cross-mesh transfers.
+      executor: how values cross meshes: ``"auto"`` (``jax.device_put``
+        when one process owns both meshes, else asynchronous p2p moves that
+        overlap with compute), ``"p2p"``, or ``"collective"`` (one
+        ``ppermute`` program over both meshes: the no-overlap baseline).
       cluster: hosts and bandwidths for planning transfers; default one host
         per process.
+      timeout_s: how long a process waits for its peers (agreeing on the
+        compiled pipeline, values other processes send it) before raising.
       batch_argnums: positional arguments holding the batch (cut into
         micro-batches along dimension 0).
       devices: devices to use; default ``jax.devices()``.
@@ -55,6 +63,8 @@ class PipeshardParallel:
     cluster: Cluster | None = None
     batch_argnums: tuple[int, ...] = (1,)
     devices: Sequence[Any] | None = None
+    executor: str = "auto"
+    timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
@@ -65,6 +75,10 @@ class PipeshardParallel:
             raise ValueError(f"schedule: unknown {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
         get_strategy(self.resharding)
         get_balancer(self.balancer)
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor: expected one of {EXECUTORS}, got {self.executor!r}")
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
 
 
 def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = PipeshardParallel()) -> Any:
@@ -206,15 +220,34 @@ class ParallelizedStep:
         in_placements = _input_placements(graph, split, meshes, leaves, _flax_specs(args), batch_leaves)
         out_placements = _output_placements(in_tree, out_tree, in_placements, len(leaves))
         schedule = make_schedule(method.schedule, S, M, [(p, c) for p, c, _ in graph.edges()])
-        cluster = method.cluster
+        fingerprints: list[str] = []
 
-        def transfer(x: jax.Array, dst: NamedSharding) -> jax.Array:
-            return reshard(x, dst, strategy=method.resharding, balancer=method.balancer, cluster=cluster)
+        def prepare_move(kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding):
+            if kind is TransferKind.DEVICE_PUT:
+                return functools.partial(jax.device_put, device=dst)
+            executable, _ = prepare_reshard(
+                shape, dtype, src, dst, strategy=method.resharding, balancer=method.balancer,
+                cluster=method.cluster, executor=kind.value, timeout_s=method.timeout_s)
+            fingerprints.append(executable.program.fingerprint)
+            if kind is TransferKind.COLLECTIVE and not executable.participates:
+                return lambda x: jax.make_array_from_single_device_arrays(shape, dst, [], dtype=dtype)
+            return executable
 
         executable = PipelineExecutable(
             graph, split, schedule, meshes, in_placements, out_placements, batch_inputs, M,
-            micro_batch_size, transfer, out_tree, jax.tree.leaves(out_shapes),
+            micro_batch_size, prepare_move, method.executor, out_tree, jax.tree.leaves(out_shapes),
+            timeout_s=method.timeout_s,
         )
+        if jax.process_count() > 1:
+            # One agreement for the whole pipeline: every process compiled the
+            # same stages, schedule and moves, or all of them fail here.
+            agree(
+                f"pipeline/{getattr(self.fun, '__name__', 'step')}",
+                {"schedule": [str(t) for t in schedule.order], "moves": fingerprints},
+                list(range(jax.process_count())),
+                timeout_s=method.timeout_s,
+                what=f"meshpar.parallelize({getattr(self.fun, '__name__', 'step')})",
+            )
         executable.describe = functools.partial(_describe, executable, method)  # type: ignore[attr-defined]
         return executable
 
@@ -235,6 +268,10 @@ def _input_placements(graph, split, meshes, leaves, specs, batch_leaves) -> list
                 needs[r.index].add(apply.mesh)
     placements = []
     for i, (x, spec) in enumerate(zip(leaves, specs)):
+        if i in batch_leaves and not needs[i]:
+            # Read only per micro-batch, each going straight to its stage.
+            placements.append(Placement((), ()))
+            continue
         where = tuple(sorted(needs[i])) or (0,)
         shape = tuple(np.shape(x))
         if len(where) == 1:

@@ -75,25 +75,33 @@ def agree(topic: str, value: dict, participants: Sequence[int], *, timeout_s: fl
         raise CoordinationError(f"{what}: processes disagree: process {me} has {value}; {lines}")
 
 
-def wait_ready(arrays: Sequence[jax.Array], timeout_s: float, what: str) -> None:
+def wait_ready(arrays: Sequence[jax.Array], timeout_s: float, what: str, names: Sequence[str] | None = None) -> None:
     """Waits until every array in ``arrays`` is computed or has arrived.
 
     Unlike ``block_until_ready`` this gives up: a transfer whose sender never
     sends (a peer that crashed, or skipped the call) raises instead of hanging.
 
+    Args:
+      arrays: what to wait for.
+      timeout_s: for all of them together.
+      what: a description for the error message.
+      names: optional, one per array: the error names the first missing one.
+
     Raises:
-      CoordinationError: naming ``what`` and how many arrays were still missing.
+      CoordinationError: naming ``what``, how many arrays were still missing
+        and (with ``names``) the first of them.
     """
     deadline = time.monotonic() + timeout_s
-    pending = list(arrays)
+    pending = list(range(len(arrays)))
     pause = 1e-4
     while pending:
-        pending = [a for a in pending if not a.is_ready()]
+        pending = [k for k in pending if not arrays[k].is_ready()]
         if not pending:
             return
         if time.monotonic() > deadline:
+            first = f", the first being {names[pending[0]]}" if names else ""
             raise CoordinationError(
-                f"{what}: {len(pending)} of {len(arrays)} arrays did not arrive within {timeout_s:g} s "
+                f"{what}: {len(pending)} of {len(arrays)} did not arrive within {timeout_s:g} s{first} "
                 f"(process {jax.process_index()} is waiting; did every process make the same meshpar calls?)"
             )
         time.sleep(pause)

@@ -2,11 +2,13 @@
 accumulation and the per-mesh update, in the schedule's launch order.
 
 Every process runs the same loop over the same launch order (multi-
-controller); work for meshes a process does not own is skipped by JAX itself
-(the arrays have no local shards) and transfers go through
-``meshpar.reshard``, whose programs only the owning processes join. Launches
-are asynchronous, so stages on different meshes overlap as the schedule
-allows.
+controller); work for meshes a process does not own is skipped, and every
+process calls every cross-mesh move (p2p moves need that; the others skip
+themselves where they have no part). Each move was chosen and prepared when
+the pipeline compiled (``passes.edge_transfer``): ``jax.device_put`` inside
+one process, asynchronous point-to-point moves across processes. Launches
+are asynchronous, so stages on different meshes, and the moves between
+them, overlap as the schedule allows.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.apply_split import ApplySplit, OuterRef
+from meshpar.passes.edge_transfer import TransferKind, choose_transfer
 from meshpar.passes.mesh_assignment import batch_sharding, param_sharding
 from meshpar.passes.pipeline_schedule import PipelineSchedule, Task
 from meshpar.passes.stage_graph import Ref, StageGraph
+from meshpar.runtime.coordination import wait_ready
 
-__all__ = ["Placement", "PipelineExecutable"]
+__all__ = ["Placement", "PipelineExecutable", "PrepareMove"]
+
+# (kind, shape, dtype, src, dst) -> a callable moving such a value from src to dst.
+PrepareMove = Callable[[TransferKind, tuple, Any, NamedSharding, NamedSharding], Callable[[jax.Array], jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +116,13 @@ class PipelineExecutable:
       batch_inputs: loss operand indices that are batch leaves (cut into
         micro-batches along dimension 0).
       num_micro_batches: micro-batches per step.
-      reshard: ``(x, dst_sharding) -> x on dst`` for cross-mesh transfers.
+      prepare_move: builds each cross-mesh move once, at construction.
+      executor: ``"auto"``, ``"p2p"`` or ``"collective"``
+        (``passes.edge_transfer.choose_transfer``).
       out_tree: the step's output treedef.
       out_avals: the step's output shapes and dtypes.
+      timeout_s: how long a process waits, at the end of a step, for values
+        other processes send it (multi-process runs only).
     """
 
     def __init__(
@@ -125,9 +136,11 @@ class PipelineExecutable:
         batch_inputs: frozenset[int],
         num_micro_batches: int,
         micro_batch_size: int,
-        reshard: Callable[[jax.Array, NamedSharding], jax.Array],
+        prepare_move: PrepareMove,
+        executor: str,
         out_tree: Any,
         out_avals: Sequence[Any],
+        timeout_s: float = 120.0,
     ) -> None:
         self.graph, self.split, self.schedule = graph, split, schedule
         self.meshes = tuple(meshes)
@@ -136,7 +149,9 @@ class PipelineExecutable:
         self.batch_inputs = batch_inputs
         self.num_micro_batches = num_micro_batches
         self.micro_batch_size = micro_batch_size
-        self._reshard = reshard
+        self._prepare_move, self.executor, self.timeout_s = prepare_move, executor, timeout_s
+        self._moves: dict[tuple, Callable[[jax.Array], jax.Array]] = {}
+        self.move_kinds: dict[tuple, TransferKind] = {}
         self.out_tree = out_tree
         self.out_avals = tuple(out_avals)
         self.edges = graph.edges()
@@ -147,6 +162,24 @@ class PipelineExecutable:
         self._stage_fns = [self._compile_stage(s) for s in graph.stages]
         self._apply_fns = {a.mesh: self._compile_apply(a) for a in split.stages}
         self._frees = self._free_lists()
+        # Every boundary value's move, both ways, prepared now: nothing is
+        # planned, compiled or looked up by sharding on the hot path.
+        self._edge_moves = []
+        for p, c, ref in self.edges:
+            aval = graph.stages[p].jaxpr.out_avals[ref.slot]
+            forward = self._move(aval, self.act_sharding(ref, p), self.act_sharding(ref, c))
+            backward = self._move(aval, self.act_sharding(ref, c), self.act_sharding(ref, p))
+            self._edge_moves.append((forward, backward))
+
+    def _move(self, aval: Any, src: NamedSharding, dst: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+        """The prepared move of an ``aval`` value from ``src`` to ``dst`` (made on first request)."""
+        key = (tuple(aval.shape), np.dtype(aval.dtype), src, dst)
+        if key not in self._moves:
+            processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]
+            kind = choose_transfer(self.executor, processes, len(aval.shape))
+            self.move_kinds[key] = kind
+            self._moves[key] = self._prepare_move(kind, tuple(aval.shape), aval.dtype, src, dst)
+        return self._moves[key]
 
     # -- shardings ------------------------------------------------------------
 
@@ -243,10 +276,13 @@ class PipelineExecutable:
     # -- execution ------------------------------------------------------------
 
     def _place_inputs(self, leaves: Sequence[Any]) -> list[dict[int, jax.Array]]:
-        """Per input leaf, its array on each mesh it is needed on."""
+        """Per input leaf, its array on each mesh it is needed on (none for a batch leaf
+        only read per micro-batch)."""
         placed = []
         for value, placement in zip(leaves, self.in_placements):
-            if len(placement.meshes) == 1:
+            if not placement.meshes:
+                placed.append({})
+            elif len(placement.meshes) == 1:
                 (m,) = placement.meshes
                 placed.append({m: _put(value, placement.shardings[0])})
             else:
@@ -258,23 +294,29 @@ class PipelineExecutable:
         graph, split, M = self.graph, self.split, self.num_micro_batches
         placed = self._place_inputs(leaves)
         consts = split.consts
-        # Batch leaves come to the host once per step, not once per micro-batch and stage.
-        host_batch = {split.loss_inputs[k].index: np.asarray(leaves[split.loss_inputs[k].index])
-                      for k in self.batch_inputs}
+        # Micro-batches go from where the batch is straight to the stage that
+        # reads them: host data is converted once per step, an array already on
+        # devices is sliced there, never pulled to the host.
+        batch = {}
+        for k in self.batch_inputs:
+            leaf = split.loss_inputs[k].index
+            value = leaves[leaf]
+            on_devices = isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1
+            batch[leaf] = value if on_devices else np.asarray(value)
 
         def operand(ref: OuterRef, mesh: int, sharding: NamedSharding, micro_batch: int | None = None) -> jax.Array:
-            if ref.kind == "const":
+            if micro_batch is not None:
+                size = self.micro_batch_size
+                value = batch[ref.index][micro_batch * size : (micro_batch + 1) * size]
+            elif ref.kind == "const":
                 value = consts[ref.index]
             else:
                 arrays = placed[ref.index]
                 value = arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
-            if micro_batch is not None:
-                size = self.micro_batch_size
-                value = host_batch[ref.index][micro_batch * size : (micro_batch + 1) * size]
             if _fits(value, sharding):
                 return value
             if isinstance(value, jax.Array) and not value.is_fully_addressable:
-                return self._reshard(value, sharding)
+                return self._move(value.aval, value.sharding, sharding)(value)
             return _put(value, sharding)
 
         # Loss operands each stage reads: parameters once per step, batch
@@ -297,6 +339,19 @@ class PipelineExecutable:
             for stage in graph.stages
         ]
         buffers: dict[str, Any] = {}
+        # Values other processes send here, checked before the step returns so
+        # that a peer that never sends makes this process fail, not hang.
+        arriving: list[tuple[jax.Array, str]] = []
+        watch = jax.process_count() > 1
+
+        def received(value: jax.Array, task: Task) -> jax.Array:
+            if watch and value.addressable_shards:
+                p, c, ref = self.edges[task.where]
+                what = (f"activation {ref} stage {p} -> {c}" if task.kind == "send_act"
+                        else f"gradient of {ref} stage {c} -> {p}")
+                arriving.append((value, f"{what}, micro-batch {task.micro_batch}"))
+            return value
+
         loss_parts = []
         loss_stage = graph.loss.index
         seed = None
@@ -334,7 +389,7 @@ class PipelineExecutable:
                 p, c, ref = self.edges[task.where]
                 aval = graph.stages[p].jaxpr.out_avals[ref.slot]
                 value = value_of(f"out{p}.{m}", ref.slot, aval, self.act_sharding(ref, p))
-                buffers[f"act{task.where}.{m}@in"] = self._reshard(value, self.act_sharding(ref, c))
+                buffers[f"act{task.where}.{m}@in"] = received(self._edge_moves[task.where][0](value), task)
             elif task.kind == "backward":
                 s = task.where
                 stage = graph.stages[s]
@@ -360,7 +415,7 @@ class PipelineExecutable:
                 p, c, ref = self.edges[task.where]
                 aval = graph.stages[p].jaxpr.out_avals[ref.slot]
                 value = value_of(f"ct{task.where}.{m}@out", None, aval, self.act_sharding(ref, c))
-                buffers[f"ct{task.where}.{m}@in"] = self._reshard(value, self.act_sharding(ref, p))
+                buffers[f"ct{task.where}.{m}@in"] = received(self._edge_moves[task.where][1](value), task)
             for name in self._frees.get(task, ()):
                 buffers.pop(name, None)
 
@@ -384,14 +439,15 @@ class PipelineExecutable:
                     g = gs[n] if gs is not None else _absent(self._param_aval(stage, k), home)
                 else:
                     here = self.input_sharding(Ref("param", k), stage.index)
-                    g = self._reshard(gs[n] if gs is not None else _absent(self._param_aval(stage, k), here), home)
+                    g = self._move(self._param_aval(stage, k), here, home)(
+                        gs[n] if gs is not None else _absent(self._param_aval(stage, k), here))
                 param_grad[k] = g if k not in param_grad or not self.local[owner] else param_grad[k] + g
 
         # Every process joins the loss's moves before any update runs.
         loss_on = {loss_stage: loss}
         for apply in split.stages:
             if OuterRef("loss") in apply.inputs and apply.mesh not in loss_on:
-                loss_on[apply.mesh] = self._reshard(loss, NamedSharding(self.meshes[apply.mesh], P()))
+                loss_on[apply.mesh] = self._move(loss_aval, loss_sharding, NamedSharding(self.meshes[apply.mesh], P()))(loss)
 
         def apply_operand(ref: OuterRef, mesh: int) -> Any:
             if ref.kind == "grad":
@@ -411,6 +467,9 @@ class PipelineExecutable:
             for j, value in zip(apply.outputs, outs):
                 computed.setdefault(j, {})[apply.mesh] = value
 
+        if arriving:
+            wait_ready([v for v, _ in arriving], self.timeout_s, "pipeline transfers", names=[w for _, w in arriving])
+
         results = []
         for j, source in enumerate(split.sources):
             if source is None:
@@ -428,7 +487,9 @@ class PipelineExecutable:
                 results.append(param_grad[source.index])
             elif source.kind == "in":
                 arrays = placed[source.index]
-                if len(arrays) == 1:
+                if not arrays:  # a batch leaf returned as it came
+                    results.append(leaves[source.index])
+                elif len(arrays) == 1:
                     results.append(next(iter(arrays.values())))
                 else:
                     meshes = sorted(arrays)

@@ -2,23 +2,30 @@
 
 (data, model, pipeline) = (2, 2, 2): stage 0's mesh is process 0's four devices, stage 1's
 process 1's. Each process checks the parameters it holds, and the loss where it lives,
-against the same step under jax.jit on one local device.
+against the same step under jax.jit on one local device: the GPT with the default
+transfers (p2p across processes), an MLP with the collective ones. Then process 1 skips a
+step: process 0 must fail within its timeout naming the transfer it waited for.
 """
 
+import os
 import sys
+import time
 
 import jax
 
+import meshpar.distributed
+
 jax.config.update("jax_num_cpu_devices", 4)
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
 pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid, initialization_timeout=60)
+meshpar.distributed.initialize(f"127.0.0.1:{port}", nproc, pid, initialization_timeout=60)
 
 import numpy as np  # noqa: E402
 
 import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
-from pipeline_models import make_state, make_step  # noqa: E402
+from examples.mlp import MLP  # noqa: E402
+from meshpar.runtime.coordination import CoordinationError, kv_client  # noqa: E402
+from pipeline_models import make_state, make_step, mse  # noqa: E402
 
 model = GPT(num_stages=2)
 batch = gpt_batch(0, 16, 8, 64)
@@ -49,5 +56,46 @@ for got, want in zip(jax.tree.leaves(par_state.params), jax.tree.leaves(ref_stat
         checked += 1
 assert checked > 0, "this process holds no parameters"
 print(f"process {pid}: {checked} parameter shards match", flush=True)
+
+# The collective executor, on a small MLP.
+rng = np.random.default_rng(0)
+mlp_batch = {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
+mlp = MLP(features=(16, 16, 16, 4), num_stages=2)
+with jax.default_device(local):
+    mlp_state = make_state(mlp, mlp_batch["x"][:1])
+    mlp_step = make_step(mse)
+    want_state, want_loss = jax.jit(mlp_step)(mlp_state, mlp_batch)
+collective = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
+    num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), executor="collective"))
+got_state, got_loss = collective(mlp_state, mlp_batch)
+if got_loss.is_fully_addressable:
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
+    for shard in got.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-6)
+print(f"process {pid}: collective transfers match", flush=True)
+
+# A peer that stops joining: process 1 runs one step, then skips the next.
+skipping = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
+    num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), timeout_s=5))
+skipping(mlp_state, mlp_batch)
+client = kv_client()
+if pid == 0:
+    start = time.monotonic()
+    try:
+        jax.block_until_ready(skipping(mlp_state, mlp_batch))
+        raise AssertionError("a step whose peer never sent its gradients returned")
+    except CoordinationError as e:
+        elapsed = time.monotonic() - start
+        assert "pipeline transfers" in str(e) and "gradient of act0.0 stage 1 -> 0" in str(e), e
+        assert elapsed < 30, elapsed
+        print(f"process {pid}: skipped peer detected in {elapsed:.1f} s: {str(e)[:160]}", flush=True)
+    client.key_value_set("mp_pipeline_worker/failed_as_expected", "yes")
+else:
+    client.blocking_key_value_get("mp_pipeline_worker/failed_as_expected", 120_000)
 print(f"process {pid}: ALL OK", flush=True)
-jax.distributed.shutdown()
+# Transfers of the abandoned step stay pending, and jax.distributed.shutdown
+# would wait for them: leave without it, process 1 first.
+if pid == 0:
+    time.sleep(1.0)
+os._exit(0)

@@ -65,3 +65,5 @@ def test_pipeline_across_two_processes():
         assert r.returncode == 0, output
         assert f"process {pid}: ALL OK" in r.stdout, output
     assert "step 2 loss" in results[1].stdout, output
+    assert "collective transfers match" in results[1].stdout, output
+    assert "skipped peer detected" in results[0].stdout, output

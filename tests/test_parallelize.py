@@ -27,12 +27,13 @@ def _grid(model):
     ]
 
 
-def _run_both(model, batch, loss, config, schedule, steps=3, num_micro_batches=4):
+def _run_both(model, batch, loss, config, schedule, steps=3, num_micro_batches=4, executor="auto"):
     data, op, pp = config
     state = make_state(model, batch["x"][:1])
     step = make_step(loss)
     method = meshpar.PipeshardParallel(
-        num_micro_batches=num_micro_batches, num_stages=pp, stage_mesh_shape=(data, op), schedule=schedule
+        num_micro_batches=num_micro_batches, num_stages=pp, stage_mesh_shape=(data, op), schedule=schedule,
+        executor=executor,
     )
     parallel = meshpar.parallelize(step, method=method)
     reference = jax.jit(step)
@@ -49,14 +50,48 @@ def _mlp_batch(n=16, d=6, k=4):
     return {"x": rng.standard_normal((n, d)).astype(np.float32), "y": rng.standard_normal((n, k)).astype(np.float32)}
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "x".join(map(str, c)))
-def test_mlp_matches_single_device_jit(config, schedule):
+# Every transfer path: jax.device_put ("auto" in one process), the p2p
+# executor and the collective one, forced.
+EXECUTOR_GRID = [(c, s, "auto") for c in CONFIGS for s in ("gpipe", "1f1b")] + [
+    (c, "1f1b", "p2p") for c in CONFIGS] + [((2, 2, 2), "gpipe", "collective"), ((1, 1, 8), "1f1b", "collective")]
+
+
+@pytest.mark.parametrize("config, schedule, executor", EXECUTOR_GRID,
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_mlp_matches_single_device_jit_on_every_transfer_path(config, schedule, executor):
     model = MLP(features=(16, 16, 16, 16, 16, 16, 16, 4), num_stages=config[2])
-    ref_state, par_state, parallel = _run_both(model, _mlp_batch(), mse, config, schedule)
+    ref_state, par_state, parallel = _run_both(model, _mlp_batch(), mse, config, schedule, executor=executor)
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
     assert int(par_state.step) == int(ref_state.step) == 3
+    kinds = set(parallel.get_executable(par_state, _mlp_batch()).move_kinds.values())
+    expected = {"auto": "device_put", "p2p": "p2p", "collective": "collective"}[executor]
+    assert config[2] == 1 or {k.value for k in kinds} == {expected}
+
+
+def test_gpt_with_p2p_transfers_matches_single_device_jit():
+    ref_state, par_state, _ = _run_both(GPT(num_stages=2), gpt_batch(0, 16, 8, 64), gpt_loss, (2, 2, 2), "1f1b",
+                                        executor="p2p")
+    assert_trees_close(par_state.params, ref_state.params)
+
+
+def test_batch_goes_per_micro_batch_to_its_stage_and_on_device_batches_stay_there():
+    """No whole-batch upload to mesh 0; a batch already on devices gives the same step."""
+    model = MLP(features=(16, 16, 4), num_stages=2)
+    batch = _mlp_batch()
+    state = make_state(model, batch["x"][:1])
+    step = make_step(mse)
+    parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2))
+    executable = parallel.get_executable(state, batch)
+    batch_leaves = range(len(jax.tree.leaves(state)), len(jax.tree.leaves((state, batch))))
+    assert all(executable.in_placements[i].meshes == () for i in batch_leaves)
+    on_device = jax.device_put(batch, jax.devices()[7])
+    s1, l1 = parallel(state, batch)
+    s2, l2 = parallel(state, on_device)
+    ref_state, ref_loss = jax.jit(step)(state, batch)
+    np.testing.assert_allclose(float(l2), float(ref_loss), rtol=1e-6)
+    assert float(l1) == float(l2)
+    assert_trees_close(s2.params, ref_state.params)
 
 
 @pytest.mark.parametrize("config, schedule", _grid("gpt"))
@@ -176,6 +211,10 @@ def test_bad_method_arguments():
         meshpar.PipeshardParallel(schedule="zigzag")
     with pytest.raises(ValueError, match="strategy: unknown"):
         meshpar.PipeshardParallel(resharding="nccl")
+    with pytest.raises(ValueError, match="executor: expected one of"):
+        meshpar.PipeshardParallel(executor="mpi")
+    with pytest.raises(ValueError, match="timeout_s"):
+        meshpar.PipeshardParallel(timeout_s=0)
 
 
 def test_bare_partition_spec_constraints_apply_within_each_stage():

@@ -1,7 +1,14 @@
 """Cross-mesh resharding benchmarks.
 
     python -m benchmarks.resharding sim [--json PATH] [--scale]
-    python -m benchmarks.resharding real [--link-gbit G] [--devices-per-host D] [--repeat N] [--json PATH]
+    python -m benchmarks.resharding real [--link-gbit G [G ...]] [--mib M] [--devices-per-host D] [--repeat N]
+                                         [--cases C ...] [--grid [collective|p2p]] [--json PATH]
+
+``real`` compares, per link rate, meshpar.reshard's p2p executor (eager and
+rounds order), its collective executor, Alpa's baseline and stock JAX (jit
+to the destination layout, then a cross-host jax.device_put); ``--grid``
+runs the old 9 strategy x balancer grid instead. The overlap benchmark
+(reshard alongside compute) is ``python -m benchmarks.overlap``.
 """
 
 from __future__ import annotations
@@ -49,26 +56,48 @@ def _sim(args: argparse.Namespace) -> int:
 def _real(args: argparse.Namespace) -> int:
     records, errors = real.run_real(args)
     emulated = [r for r in records if r["suite"] != "single_host"]
-    if emulated:
-        print("\nEmulated cluster: median time / link lower bound (1.00x = the measured link's best); "
-              "last column: Alpa's time over broadcast+ensemble's.\n")
-        print(real.table(emulated))
+    comparison = not (args.grid or args.methods)
+    for rate in real._rates(emulated):
+        rows = [r for r in emulated if r.get("link_gbit") == rate]
+        if comparison:
+            print(f"\nEmulated cluster at {rate:g} Gbit/s, {args.mib:g} MiB, {args.devices_per_host} devices per host: "
+                  "median ms over repeats of the slowest process; n/a: stock JAX cannot move between meshes of "
+                  "different device counts.\n")
+            print(real.comparison_table(rows))
+        else:
+            print(f"\nEmulated cluster at {rate:g} Gbit/s: median time / link lower bound (1.00x = the measured "
+                  "link's best); last columns: broadcast/ensemble's (ours) and Alpa's times.\n")
+            print(real.table(rows))
     if len(emulated) < len(records):
         print("\nSingle host, 8 virtual CPU devices in one process (median):\n")
         print(real.single_host_table(records))
-    lines = real.targets(records)
-    if lines:
-        print("\nTargets:")
-        print("\n".join(lines))
+    if comparison:
+        lines = real.targets(records)
+        if lines:
+            print(f"\nTargets (stated for {real.TARGET_GBIT:g} Gbit/s links; other rates for information):")
+            print("\n".join(lines))
     unverified = [r for r in records if not r["verified"]]
     for r in unverified:
-        print(f"ERROR: {r['suite']} {r['case']} {r['strategy']}/{r['balancer']}: result did not match numpy",
+        print(f"ERROR: {r['suite']} {r['case']} {real.method_label(real._method_of(r))}: result did not match numpy",
               file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)
         print(f"wrote {len(records)} records to {args.json}")
     return 1 if errors or unverified or not records else 0
+
+
+def _method(text: str) -> str:
+    try:
+        m = real.Method.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if m.strategy != "stock_jax" and (m.strategy not in STRATEGIES or m.balancer not in BALANCERS
+                                      or m.executor not in real.EXECUTORS):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected strategy in {list(STRATEGIES)}, balancer in {list(BALANCERS)}, "
+            f"executor in {list(real.EXECUTORS)} (or stock_jax/-)")
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,17 +113,22 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_sim)
     p = sub.add_parser("real", help="time reshard on an emulated multi-host cluster (root; network namespaces)",
                        description=real.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--link-gbit", type=float, default=1.0, help="shaped link rate per host NIC (default 1)")
+    p.add_argument("--link-gbit", type=float, nargs="+", default=[1.0],
+                   help="shaped link rate(s) per host NIC; one emulated cluster and one table per rate (default 1)")
     p.add_argument("--devices-per-host", type=int, default=4, help="CPU devices per emulated host (default 4)")
     p.add_argument("--repeat", type=int, default=3, help="timed calls per case x method (default 3)")
     p.add_argument("--json", help="write the records here")
     p.add_argument("--cases", nargs="+", help="case names, e.g. case1 case3 2x2 (default: all)")
     p.add_argument("--suites", nargs="+", choices=[*real.SUITES, "single_host"],
                    help="default: n_to_m one_to_m single_host")
-    p.add_argument("--methods", nargs="+", metavar="STRATEGY/BALANCER",
-                   choices=[f"{s}/{b}" for s in STRATEGIES for b in BALANCERS],
-                   help="default: broadcast, send_recv, local_allgather x naive, load_balance, ensemble")
-    p.add_argument("--mib", type=float, default=32.0, help="tensor size in MiB (default 32)")
+    p.add_argument("--grid", nargs="?", const="collective", choices=list(real.EXECUTORS),
+                   help="run the old grid (broadcast, send_recv, local_allgather x naive, load_balance, ensemble) "
+                        "on this executor (default collective) instead of the comparison set")
+    p.add_argument("--methods", nargs="+", metavar="STRATEGY/BALANCER[/EXECUTOR[/ORDER]]", type=_method,
+                   help="run these instead (executor p2p|collective, default p2p; order eager|rounds); "
+                        "stock_jax/- is stock JAX")
+    p.add_argument("--mib", type=float, default=None,
+                   help=f"tensor size in MiB (default {real.COMPARISON_MIB:g}; with --grid {real._BASE_MIB:g})")
     p.add_argument("--chunks", type=int, help="force the broadcast chunk count (default: the planner's)")
     p.add_argument("--plan-gbit", type=float,
                    help="plan for links of this rate instead of --link-gbit (same payload efficiency as measured)")

@@ -1,25 +1,43 @@
 """One process of ``python -m benchmarks.resharding real`` (the child side).
 
 Emulated cluster: ``EmulatedCluster.run(["-m", "benchmarks.resharding.real_worker", ...])``
-starts one copy per emulated host; each joins ``jax.distributed`` through
-:func:`benchmarks.emulated_cluster.initialize_from_env` and runs every case x
-method in the same order. Single host (``--single-host``): one plain process
-with 8 virtual CPU devices, comparing ``jax.device_put`` with
-``meshpar.reshard``.
+starts one copy per emulated host; each joins the job through
+:func:`benchmarks.emulated_cluster.initialize_from_env` (which calls
+``meshpar.distributed.initialize``: gloo and a cross-host transfer server)
+and runs every case x method in the same order. Single host
+(``--single-host``): one plain process with 8 virtual CPU devices, comparing
+``jax.device_put`` with ``meshpar.reshard``.
 
-For each case x method, every process: builds the source array once per case
-(``jax.make_array_from_callback``; processes without a source device hold no
-shard), makes one warm-up call (compile, plan agreement), checks its shards
-of the result against numpy, then times ``--repeat`` calls of ``reshard`` +
-``block_until_ready``, each preceded by a barrier across all processes, and
-meets the others at one more barrier before moving on (senders return while
-their receivers are still receiving; their next setup must not steal CPU
-from the last repeat). A process owning no device of either mesh takes no
-part, as ``reshard``'s contract allows: it only joins the barriers (calling
-``reshard`` there would compile the whole program for nothing). The parent
-takes the max over processes of each repeat. On a single host the source
-array is rebuilt (untimed) before every call: ``jax.device_put`` of an array
-it has already put can return in ~0.5 ms.
+Methods (``--methods``, ``strategy/balancer/executor[/order]``, see
+:class:`benchmarks.resharding.real.Method`):
+
+- ``meshpar.reshard(x, dst, strategy=, balancer=, executor=, order=)``.
+  With ``executor="p2p"`` EVERY process calls it, also those owning no device
+  of either mesh: JAX numbers cross-process transfers with a per-process
+  counter. With ``executor="collective"`` a process owning no device of
+  either mesh takes no part, as ``reshard``'s contract allows: it only joins
+  the barriers (calling would compile the whole program for nothing).
+- ``stock_jax/-/device_put``: the source processes run
+  ``jax.jit(lambda a: a, out_shardings=NamedSharding(M, dst.spec))`` with
+  ``M`` the source devices arranged in the destination mesh's shape, then
+  every process calls ``jax.device_put(y, dst)`` (a same-layout cross-host
+  transfer; processes without source devices pass an array with no local
+  shards). Skipped by all processes alike when the device counts differ.
+- ``device_put/-/device_put`` (single host): ``jax.device_put(x, dst)``.
+
+For each case, process 0 first writes the case's record (meshes, bytes, the
+link lower bound). Then for each method every process: builds the source
+array once per case (``jax.make_array_from_callback``; processes without a
+source device hold no shard), makes one warm-up call (compile, plan
+agreement, connections), checks its shards of the result against numpy,
+then times ``--repeat`` calls, each preceded by a barrier across all
+processes and ending when this process's result is ready (bounded by
+``--timeout``), and meets the others at one more barrier before moving on
+(senders return while their receivers are still receiving; their next setup
+must not steal CPU from the last repeat). The parent takes the max over
+processes of each repeat. On a single host the source array is rebuilt
+(untimed) before every call: ``jax.device_put`` of an array it has already
+put can return in ~0.5 ms.
 
 Each process appends JSON lines to ``<--out>/p<process>.jsonl`` as it goes
 (flushed per record, so the parent can report progress and keep partial
@@ -28,8 +46,9 @@ results if the run is killed):
 - ``{"kind": "case", ...}`` (process 0 only): the case's meshes, bytes, and
   the link lower bound of the exact task executed, planned with
   ``inter_host_bandwidth = --link-rate`` and latency 0.
-- ``{"kind": "method", ...}``: this process's role, warm-up time, repeat
-  times, verification result and (process 0) the plan's shape.
+- ``{"kind": "method", ...}``: the method (strategy, balancer, executor,
+  order), this process's role, warm-up time, repeat times, verification
+  result and (process 0, meshpar methods) the plan's shape.
 - ``{"kind": "done"}`` at the end; ``{"kind": "error", ...}`` before exiting
   non-zero on an exception.
 """
@@ -37,15 +56,18 @@ results if the run is killed):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
 import sys
+import threading
 import time
 import traceback
 
-from benchmarks.resharding.real import METHODS, RealCase, real_cases, single_host_cases
+from benchmarks.resharding.real import (
+    COMPARISON, COMPARISON_MIB, OURS_P2P, SINGLE_DEVICE_PUT, Method, not_applicable, real_cases, single_host_cases,
+    stock_mesh_shape,
+)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -55,8 +77,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--single-host", action="store_true", help="one process, 8 virtual devices, vs jax.device_put")
     p.add_argument("--cases", nargs="+", default=None, help="case names (default: all)")
     p.add_argument("--suites", nargs="+", default=None, help="n_to_m and/or one_to_m (default: both)")
-    p.add_argument("--methods", nargs="+", default=None, help="strategy/balancer pairs (default: all 9)")
-    p.add_argument("--mib", type=float, default=32.0, help="tensor size in MiB")
+    p.add_argument("--methods", nargs="+", default=None, metavar="STRATEGY/BALANCER[/EXECUTOR[/ORDER]]",
+                   help="default: the comparison set (single host: device_put and broadcast/ensemble/p2p)")
+    p.add_argument("--mib", type=float, default=COMPARISON_MIB, help="tensor size in MiB")
     p.add_argument("--devices-per-host", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--link-rate", type=float, required=True, help="measured inter-host bytes/s")
@@ -65,7 +88,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--intra-rate", type=float, default=2e9, help="planner's intra-host bytes/s")
     p.add_argument("--latency", type=float, default=1e-3, help="planner's per-message seconds")
     p.add_argument("--chunks", type=int, default=None, help="force the broadcast chunk count")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds for each barrier / plan agreement")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds for each barrier, plan agreement and wait for a result")
     return p.parse_args(argv)
 
 
@@ -123,22 +147,56 @@ def _expected(shape: tuple[int, ...]):
     return (np.arange(n, dtype=np.int64) % (1 << 24)).astype(np.float32).reshape(shape)
 
 
+def ready(y, timeout_s: float, what: str):
+    """``y.block_until_ready()``, giving up after ``timeout_s`` (a peer that never sends must not hang us).
+
+    The wait runs in a helper thread, so the caller wakes the moment ``y`` is
+    ready (no polling interval in the timing).
+    """
+    if y is None:
+        return None
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            y.block_until_ready()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"{what}: result not ready within {timeout_s:g} s")
+    if failed:
+        raise failed[0]
+    return y
+
+
 def _run(args: argparse.Namespace, out: _Out) -> None:
+    import dataclasses
+
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
 
     import meshpar
+    from meshpar.passes.hop_program import lower_to_hops
     from meshpar.passes.transfer_program import lower_plan
     from meshpar.passes.unit_tasks import decompose
 
     me = jax.process_index()
     nproc = jax.process_count()
     by_process = [sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(nproc)]
-    methods = [tuple(m.split("/")) for m in args.methods] if args.methods else list(METHODS)
+    if args.methods:
+        methods = [Method.parse(m) for m in args.methods]
+    elif args.single_host:
+        methods = [SINGLE_DEVICE_PUT, OURS_P2P]
+    else:
+        methods = list(COMPARISON)
     if args.single_host:
         cases = single_host_cases(args.mib, names=args.cases, suites=args.suites)
-        methods = [("device_put", "-"), ("broadcast", "ensemble")]
     else:
         cases = real_cases(args.mib, args.devices_per_host, names=args.cases, suites=args.suites)
     client = None
@@ -178,22 +236,56 @@ def _run(args: argparse.Namespace, out: _Out) -> None:
 
         x = build()
         mine = {d.id for d in jax.local_devices()}
+        owns_src = bool(mine & {d.id for d in src_mesh.devices.flat})
         role = "+".join(r for r, m in (("src", src_mesh), ("dst", dst_mesh)) if mine & {d.id for d in m.devices.flat})
-        case_info_written = False
-        for strategy, balancer in methods:
-            tag = f"{case.suite}/{case.name}/{strategy}/{balancer}"
-            if not role:
+        if me == 0:
+            # The exact task executed; its lower bound on links of the measured
+            # rate with no latency; the bytes that must cross host NICs.
+            link = dataclasses.replace(cluster, inter_host_bandwidth=args.link_rate, latency=0.0)
+            bound = meshpar.plan_between(case.shape, np.float32, src, dst, strategy="send_recv", balancer="naive",
+                                         cluster=link)
+            task = bound.task
+            moved = 0
+            for u in decompose(task):
+                holders = {task.host_of(s) for s in u.senders}
+                moved += u.nbytes * len({task.host_of(r) for r in u.receivers} - holders)
+            out.write({
+                "kind": "case", "suite": case.suite, "case": case.name, "shape": list(case.shape),
+                "src": f"{case.src_spec}{tuple(src_mesh.devices.shape)}",
+                "dst": f"{case.dst_spec}{tuple(dst_mesh.devices.shape)}",
+                "src_devices": int(src_mesh.devices.size), "dst_devices": int(dst_mesh.devices.size),
+                "tensor_bytes": task.nbytes, "bytes_moved": moved,
+                "link_lower_bound_s": bound.lower_bound if not args.single_host else None,
+                "link_rate": args.link_rate,
+            })
+        for method in methods:
+            strategy, balancer, executor, order = method
+            if not args.single_host and not_applicable(case, method):
+                continue  # every process skips alike (it depends on the case only)
+            tag = f"{case.suite}/{case.name}/{method.key}"
+            if strategy == "device_put":
+                def call():
+                    return jax.device_put(x, dst)
+            elif strategy == "stock_jax":
+                # On the source devices, to the destination's layout on a mesh of
+                # the destination's shape; then one same-layout cross-host move.
+                stock_src = NamedSharding(
+                    Mesh(np.array(list(src_mesh.devices.flat)).reshape(stock_mesh_shape(case)), names), dst.spec)
+                to_layout = jax.jit(lambda a: a, out_shardings=stock_src)
+                absent = jax.make_array_from_single_device_arrays(case.shape, stock_src, [], dtype=np.float32)
+
+                def call(to_layout=to_layout, absent=absent):
+                    return jax.device_put(to_layout(x) if owns_src else absent, dst)
+            elif executor == "collective" and not role:
                 # Owns no device of either mesh: takes no part (reshard's
                 # contract), and skips compiling a program it would not run.
                 def call():
                     return None
-            elif strategy == "device_put":
-                def call():
-                    return jax.device_put(x, dst).block_until_ready()
             else:
                 def call():
                     return meshpar.reshard(x, dst, strategy=strategy, balancer=balancer, chunks=args.chunks,
-                                           cluster=cluster, timeout_s=args.timeout).block_until_ready()
+                                           cluster=cluster, executor=executor,
+                                           order=order if executor == "p2p" else "eager", timeout_s=args.timeout)
             barrier(f"{tag}/warmup")
             if args.single_host:
                 # A fresh source per call: on CPU, jax.device_put of an array it
@@ -201,7 +293,7 @@ def _run(args: argparse.Namespace, out: _Out) -> None:
                 # source's), which would time nothing.
                 x = build()
             t0 = time.perf_counter()
-            y = call()
+            y = ready(call(), args.timeout, tag)
             warmup = time.perf_counter() - t0
             checked = 0
             ok = True
@@ -220,7 +312,7 @@ def _run(args: argparse.Namespace, out: _Out) -> None:
                 if args.single_host:
                     x = build()
                 t0 = time.perf_counter()
-                y = call()
+                y = ready(call(), args.timeout, tag)
                 times.append(time.perf_counter() - t0)
                 del y
             # Senders return before their receivers finish (sockets buffer);
@@ -231,40 +323,25 @@ def _run(args: argparse.Namespace, out: _Out) -> None:
             machine = (_machine_busy_s() - busy0) / max(time.perf_counter() - wall0, 1e-9)
             record = {
                 "kind": "method", "suite": case.suite, "case": case.name, "strategy": strategy,
-                "balancer": balancer, "process": me, "role": role or "none", "warmup_s": warmup,
-                "times": times, "cpu_s": cpu, "machine_cores": machine,
-                "verified": ok if checked else None, "checked_shards": checked,
+                "balancer": balancer, "executor": executor, "order": order, "process": me,
+                "role": role or "none", "warmup_s": warmup, "times": times, "cpu_s": cpu,
+                "machine_cores": machine, "verified": ok if checked else None, "checked_shards": checked,
             }
-            if me == 0 and strategy != "device_put":
-                plan = meshpar.plan_for(x, dst, strategy=strategy, balancer=balancer, chunks=args.chunks,
-                                        cluster=cluster)
-                program = lower_plan(plan)
+            if me == 0 and executor in ("p2p", "collective"):
+                plan = meshpar.plan_between(case.shape, np.float32, src, dst, strategy=strategy, balancer=balancer,
+                                            chunks=args.chunks, cluster=cluster)
                 record["plan"] = {
                     "estimated_s": plan.estimated_time, "unit_tasks": len(plan.tasks), "rounds": plan.num_rounds,
-                    "chunks": sorted({t.chunks for t in plan.tasks}), "steps": len(program.steps),
-                    "ppermutes": sum(len(s.shapes) for s in program.steps),
+                    "chunks": sorted({t.chunks for t in plan.tasks}),
                 }
-                if not case_info_written:
-                    task = plan.task
-                    link = dataclasses.replace(cluster, inter_host_bandwidth=args.link_rate, latency=0.0)
-                    lb = meshpar.plan_resharding(task, link, strategy="send_recv", balancer="naive").lower_bound
-                    moved = 0
-                    for u in decompose(task):
-                        holders = {task.host_of(s) for s in u.senders}
-                        moved += u.nbytes * len({task.host_of(r) for r in u.receivers} - holders)
-                    out.write({
-                        "kind": "case", "suite": case.suite, "case": case.name, "shape": list(case.shape),
-                        "src": f"{case.src_spec}{tuple(src_mesh.devices.shape)}",
-                        "dst": f"{case.dst_spec}{tuple(dst_mesh.devices.shape)}",
-                        "tensor_bytes": task.nbytes, "bytes_moved": moved,
-                        "link_lower_bound_s": lb if not args.single_host else None,
-                        "link_rate": args.link_rate,
-                    })
-                    case_info_written = True
+                if executor == "collective":
+                    program = lower_plan(plan)
+                    record["plan"].update(steps=len(program.steps),
+                                          ppermutes=sum(len(s.shapes) for s in program.steps))
+                else:
+                    hops = lower_to_hops(plan)
+                    record["plan"].update(steps=len(hops.steps), hops=hops.num_hops)
             out.write(record)
-        if me == 0 and not case_info_written:  # single host with device_put only
-            out.write({"kind": "case", "suite": case.suite, "case": case.name, "shape": list(case.shape),
-                       "tensor_bytes": int(expected.nbytes), "bytes_moved": None, "link_lower_bound_s": None})
         del x, expected
 
 
