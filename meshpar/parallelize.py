@@ -227,7 +227,7 @@ class ParallelizedStep:
                 return functools.partial(jax.device_put, device=dst)
             executable, _ = prepare_reshard(
                 shape, dtype, src, dst, strategy=method.resharding, balancer=method.balancer,
-                cluster=method.cluster, executor=kind.value, timeout_s=method.timeout_s)
+                cluster=method.cluster, executor=kind.value)
             fingerprints.append(executable.program.fingerprint)
             if kind is TransferKind.COLLECTIVE and not executable.participates:
                 return lambda x: jax.make_array_from_single_device_arrays(shape, dst, [], dtype=dtype)

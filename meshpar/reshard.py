@@ -49,14 +49,14 @@ def _task(shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst: NamedShar
 
 
 @functools.lru_cache(maxsize=256)
-def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, executor, order, timeout_s):
+def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, executor, order):
     if shape == ():
         if executor == "collective":
             raise ValueError("x: a 0-d array has nothing to reshard with executor='collective'; use executor='p2p'")
         ids = lambda s: tuple(d.id for d in s.mesh.devices.flat)  # noqa: E731
         hops = replicate_scalar(ids(src), ids(dst))
         verify_hop_program(hops)
-        return P2PReshardExecutable(hops, dtype, src, dst, order=order, timeout_s=timeout_s), None
+        return P2PReshardExecutable(hops, dtype, src, dst, order=order), None
     task = _task(shape, dtype, src, dst, cluster)
     plan = plan_resharding(task, cluster, strategy=strategy, balancer=balancer, chunks=chunks)
     if executor == "collective":
@@ -65,7 +65,7 @@ def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, exe
         return ReshardingExecutable(program, shape, dtype, src, dst), plan
     hops = lower_to_hops(plan)
     verify_hop_program(hops)
-    return P2PReshardExecutable(hops, dtype, src, dst, order=order, timeout_s=timeout_s), plan
+    return P2PReshardExecutable(hops, dtype, src, dst, order=order), plan
 
 
 def plan_for(x: jax.Array, dst: NamedSharding, **kwargs: Any):
@@ -89,8 +89,7 @@ def _default_cluster(src: NamedSharding, dst: NamedSharding) -> Cluster:
 
 
 def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, strategy="broadcast",
-                    balancer="ensemble", chunks=None, cluster=None, executor="auto", order="eager",
-                    timeout_s=120.0):
+                    balancer="ensemble", chunks=None, cluster=None, executor="auto", order="eager"):
     """Plans, lowers and compiles the move of a ``shape``/``dtype`` array from ``src`` to
     ``dst``, once: returns ``(executable, plan)``; ``executable(x)`` runs it (``plan`` is
     ``None`` for a 0-d value, which is replicated without one)."""
@@ -107,8 +106,7 @@ def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, str
     elif not isinstance(cluster, Cluster):
         raise TypeError(f"cluster: expected a meshpar.Cluster, got {type(cluster).__name__}")
     executor = "p2p" if executor == "auto" else executor
-    return _executable(tuple(shape), np.dtype(dtype), src, dst, cluster, strategy, balancer, chunks, executor,
-                       order, float(timeout_s))
+    return _executable(tuple(shape), np.dtype(dtype), src, dst, cluster, strategy, balancer, chunks, executor, order)
 
 
 def _prepare(x, dst, **kwargs):
@@ -173,7 +171,7 @@ def reshard(
     that they agree, and raises (never hangs) when they do not.
     """
     executable, plan = _prepare(x, dst, strategy=strategy, balancer=balancer, chunks=chunks, cluster=cluster,
-                                executor=executor, order=order, timeout_s=timeout_s)
+                                executor=executor, order=order)
     p2p = isinstance(executable, P2PReshardExecutable)
     if not p2p and not executable.participates:
         return jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype)
@@ -191,4 +189,4 @@ def reshard(
             what=f"meshpar.reshard of {x.shape} {x.dtype}",
         )
         _agreed.add(id(executable))
-    return executable(x)
+    return executable(x, timeout_s=timeout_s) if p2p else executable(x)

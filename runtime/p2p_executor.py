@@ -94,7 +94,8 @@ class P2PReshardExecutable:
       dtype: the array's dtype.
       src, dst: source and destination ``NamedSharding``.
       order: ``"eager"`` or ``"rounds"`` (see the module docstring).
-      timeout_s: how long ``"rounds"`` waits for one round's arrivals.
+      timeout_s: how long ``"rounds"`` waits for one round's arrivals (a call
+        may say otherwise).
 
     Compiles this process's cut and assemble programs when constructed, so
     calls do no tracing, planning or compiling.
@@ -198,8 +199,9 @@ class P2PReshardExecutable:
         self._dst_order = [d.id for d in dst.mesh.devices.flat if d.id in local]
         self.participates = bool(local)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, timeout_s: float | None = None) -> jax.Array:
         """``x`` (sharded as ``src``) moved onto ``dst``; returns without waiting (``"eager"``)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         have: dict[tuple[int, int], jax.Array] = {}
         if self._whole or self._cuts:
             shards = {s.device.id: s.data for s in x.addressable_shards}
@@ -211,7 +213,7 @@ class P2PReshardExecutable:
         arrivals: list[jax.Array] = []
         for k, (local_hops, cross_hops) in enumerate(self._steps):
             if self.order == "rounds" and k and self._round_of_step[k] != self._round_of_step[k - 1]:
-                wait_ready(arrivals, self.timeout_s, f"round {self._round_of_step[k - 1]} of a p2p resharding")
+                wait_ready(arrivals, timeout_s, f"round {self._round_of_step[k - 1]} of a p2p resharding")
                 arrivals = []
             if local_hops:
                 moved = jax.device_put([have[(s, piece)] for piece, s, _ in local_hops],

@@ -67,3 +67,16 @@ def test_pipeline_across_two_processes():
     assert "step 2 loss" in results[1].stdout, output
     assert "collective transfers match" in results[1].stdout, output
     assert "skipped peer detected" in results[0].stdout, output
+
+
+@pytest.mark.multiprocess
+def test_p2p_moves_overlap_with_the_senders_compute_and_collective_ones_do_not():
+    results = run_processes("mp_overlap_worker.py", 2, timeout_s=300)
+    output = "\n".join(f"--- process {i} ---\n{r.stdout[-4000:]}" for i, r in enumerate(results))
+    for pid, r in enumerate(results):
+        assert r.returncode == 0, output
+        assert f"process {pid}: ALL OK" in r.stdout, output
+    assert "p2p: sender compute finished while the receiver was busy" in results[0].stdout, output
+    assert "collective: sender compute waited for the receiver" in results[0].stdout, output
+    assert "p2p: the move delivered every shard" in results[1].stdout, output
+    assert "collective: the move delivered every shard" in results[1].stdout, output

@@ -582,13 +582,19 @@ def _rates(records: Sequence[dict]) -> list[float | None]:
     return seen
 
 
+def _stock_na(r: dict) -> bool:
+    """Whether stock JAX is not applicable to ``r``'s case (meshes of different device counts)."""
+    return r.get("src_devices") is not None and r.get("src_devices") != r.get("dst_devices")
+
+
 def table(records: Sequence[dict]) -> str:
     """Markdown (the grid): per emulated case, the link lower bound, every method's median / bound,
     Alpa / ours (ours: broadcast/ensemble on the grid's executor)."""
-    present = {_method_of(r) for r in records if r["suite"] != "single_host"}
-    pairs = [m for m in METHODS if any(p[:2] == m for p in present)]
+    present = list(dict.fromkeys(_method_of(r) for r in records if r["suite"] != "single_host"))
     executors = sorted({p.executor for p in present})
-    columns = [p for e in executors for s, b in pairs for p in present if p[:3] == (s, b, e)]
+    # The grid's pairs in their usual order (per executor), then anything else.
+    columns = [p for e in executors for s, b in METHODS for p in present if p[:3] == (s, b, e)]
+    columns += [p for p in present if p not in columns]
     label = (lambda m: f"{m.strategy}/{m.balancer}") if len(executors) == 1 else method_label  # noqa: E731
     lines = ["| suite | case | meshes | MiB over links | link lower bound (ms) | "
              + " | ".join(label(m) for m in columns)
@@ -638,8 +644,7 @@ def comparison_table(records: Sequence[dict]) -> str:
         for m in COMPARISON:
             r = row.get(m)
             if r is None:
-                src, dst = (any_r.get("src_devices"), any_r.get("dst_devices"))
-                cells.append("n/a" if m == STOCK and src is not None and src != dst else "-")
+                cells.append("n/a" if m == STOCK and _stock_na(any_r) else "-")
             else:
                 cells.append(f"{r['median_s'] * 1e3:.0f}" + ("" if r["verified"] else " (!)"))
         ours = row.get(OURS_P2P)
@@ -705,9 +710,12 @@ def targets(records: Sequence[dict]) -> list[str]:
                 want = wins.get(case, 1.0 - NOISE)
                 r = row.get(other)
                 if r is None:
-                    if other == STOCK and case in wins:
-                        out.append(f"n/a    {at}{suite} {case}: stock / ours p2p (stock JAX cannot move between "
-                                   f"meshes of different device counts)")
+                    if other == STOCK and _stock_na(ours):
+                        if case in wins:
+                            out.append(f"n/a    {at}{suite} {case}: stock / ours p2p (stock JAX cannot move "
+                                       f"between meshes of different device counts)")
+                    else:
+                        out.append(f"MISSED {at}{suite} {case}: {name} has no result (failed or not run)")
                     continue
                 speedup = r["median_s"] / ours["median_s"]
                 out.append(f"{'met   ' if speedup >= want else 'MISSED'} {at}{suite} {case}: {name} / ours p2p "

@@ -272,7 +272,8 @@ def _run(args: argparse.Namespace, out: _Out) -> None:
                 stock_src = NamedSharding(
                     Mesh(np.array(list(src_mesh.devices.flat)).reshape(stock_mesh_shape(case)), names), dst.spec)
                 to_layout = jax.jit(lambda a: a, out_shardings=stock_src)
-                absent = jax.make_array_from_single_device_arrays(case.shape, stock_src, [], dtype=np.float32)
+                absent = None if owns_src else jax.make_array_from_single_device_arrays(
+                    case.shape, stock_src, [], dtype=np.float32)
 
                 def call(to_layout=to_layout, absent=absent):
                     return jax.device_put(to_layout(x) if owns_src else absent, dst)
