@@ -309,10 +309,16 @@ def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
     for p, c, ref in executable.edges:
         aval = executable.graph.stages[p].jaxpr.out_avals[ref.slot]
         for direction, (a, b) in (("activation", (p, c)), ("gradient", (c, p))):
-            plan = plan_between(
-                aval.shape, aval.dtype, executable.act_sharding(ref, a), executable.act_sharding(ref, b),
-                strategy=method.resharding, balancer=method.balancer, cluster=method.cluster,
-            )
-            lines.append(f"  {direction} {ref} stage {a} -> {b}: {plan.summary()}")
+            src, dst = executable.act_sharding(ref, a), executable.act_sharding(ref, b)
+            kind = executable.move_kinds[(tuple(aval.shape), np.dtype(aval.dtype), src, dst)]
+            if kind is TransferKind.DEVICE_PUT:
+                how = "jax.device_put (one process owns both meshes)"
+            elif not aval.shape:
+                how = f"{kind.value}: a scalar, replicated to every device"
+            else:
+                plan = plan_between(aval.shape, aval.dtype, src, dst, strategy=method.resharding,
+                                    balancer=method.balancer, cluster=method.cluster)
+                how = f"{kind.value}: {plan.summary()}"
+            lines.append(f"  {direction} {ref} {aval.str_short()} stage {a} -> {b}: {how}")
     lines.append("  launch order: " + " ".join(map(str, executable.schedule.order)))
     return "\n".join(lines)

@@ -61,8 +61,9 @@ def _real(args: argparse.Namespace) -> int:
         rows = [r for r in emulated if r.get("link_gbit") == rate]
         if comparison:
             print(f"\nEmulated cluster at {rate:g} Gbit/s, {args.mib:g} MiB, {args.devices_per_host} devices per host: "
-                  "median ms over repeats of the slowest process; n/a: stock JAX cannot move between meshes of "
-                  "different device counts.\n")
+                  "median ms over repeats of the slowest process; n/a: no single same-layout cross-host "
+                  "jax.device_put does this move (different device counts, or a source host facing several "
+                  "destination hosts).\n")
             print(real.comparison_table(rows))
         else:
             print(f"\nEmulated cluster at {rate:g} Gbit/s: median time / link lower bound (1.00x = the measured "

@@ -22,7 +22,8 @@ Methods (``--methods``, ``strategy/balancer/executor[/order]``, see
   ``M`` the source devices arranged in the destination mesh's shape, then
   every process calls ``jax.device_put(y, dst)`` (a same-layout cross-host
   transfer; processes without source devices pass an array with no local
-  shards). Skipped by all processes alike when the device counts differ.
+  shards). Skipped by all processes alike where it cannot run
+  (:func:`benchmarks.resharding.real.not_applicable`).
 - ``device_put/-/device_put`` (single host): ``jax.device_put(x, dst)``.
 
 For each case, process 0 first writes the case's record (meshes, bytes, the
@@ -65,7 +66,7 @@ import time
 import traceback
 
 from benchmarks.resharding.real import (
-    COMPARISON, COMPARISON_MIB, OURS_P2P, SINGLE_DEVICE_PUT, Method, not_applicable, real_cases, single_host_cases,
+    COMPARISON, COMPARISON_MIB, OURS_P2P, SINGLE_DEVICE_PUT, STOCK, Method, not_applicable, real_cases, single_host_cases,
     stock_mesh_shape,
 )
 
@@ -254,6 +255,7 @@ def _run(args: argparse.Namespace, out: _Out) -> None:
                 "src": f"{case.src_spec}{tuple(src_mesh.devices.shape)}",
                 "dst": f"{case.dst_spec}{tuple(dst_mesh.devices.shape)}",
                 "src_devices": int(src_mesh.devices.size), "dst_devices": int(dst_mesh.devices.size),
+                "stock_na": None if args.single_host else not_applicable(case, STOCK),
                 "tensor_bytes": task.nbytes, "bytes_moved": moved,
                 "link_lower_bound_s": bound.lower_bound if not args.single_host else None,
                 "link_rate": args.link_rate,
