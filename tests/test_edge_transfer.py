@@ -1,0 +1,38 @@
+"""Choosing each boundary value's move, and meshpar.distributed's argument checks (no devices)."""
+
+import pytest
+
+import meshpar.distributed
+from meshpar.passes.edge_transfer import TransferKind, choose_transfer
+
+
+@pytest.mark.parametrize("executor, processes, ndim, expected", [
+    ("auto", [0, 0, 0, 0], 2, TransferKind.DEVICE_PUT),
+    ("auto", [0, 0, 1, 1], 2, TransferKind.P2P),
+    ("auto", [0, 1], 0, TransferKind.P2P),
+    ("p2p", [0, 0], 3, TransferKind.P2P),
+    ("collective", [0, 1], 2, TransferKind.COLLECTIVE),
+    ("collective", [0, 0], 1, TransferKind.COLLECTIVE),
+    ("collective", [0, 1], 0, TransferKind.P2P),  # no plan for a scalar
+])
+def test_choose_transfer(executor, processes, ndim, expected):
+    assert choose_transfer(executor, processes, ndim) is expected
+
+
+def test_choose_transfer_rejects_unknown_executors():
+    with pytest.raises(ValueError, match="executor: expected one of"):
+        choose_transfer("nccl", [0], 1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"coordinator_address": "localhost", "num_processes": 2, "process_id": 0}, "coordinator_address: expected 'host:port'"),
+    ({"coordinator_address": "127.0.0.1:1234", "num_processes": 0, "process_id": 0}, "num_processes"),
+    ({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 2}, r"process_id: expected an integer in \[0, 2\)"),
+])
+def test_distributed_initialize_checks_arguments_before_touching_jax(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        meshpar.distributed.initialize(**kwargs)
+
+
+def test_own_address_is_the_route_to_the_coordinator():
+    assert meshpar.distributed.own_address("127.0.0.1:1234") == "127.0.0.1"
