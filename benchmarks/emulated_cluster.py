@@ -141,13 +141,6 @@ def initialize_from_env() -> None:
     import meshpar.distributed
 
     jax.config.update("jax_num_cpu_devices", devices_per_host)
-    # The transfer server's bulk (data) sockets default to 0.0.0.0:0, and a
-    # peer is told to connect to that literal address: itself, so every
-    # cross-host transfer dies with "Connection refused". Bind them to this
-    # host's emulated address instead (port 0 is fine for these; JAX's default
-    # is four sockets).
-    address = meshpar.distributed.own_address(coordinator)
-    jax.config.update("jax_cross_host_transport_addresses", ",".join([f"{address}:0"] * 4))
     meshpar.distributed.initialize(
         coordinator,
         num_processes,

@@ -32,6 +32,7 @@ def initialize(
     process_id: int,
     *,
     transfer_address: str | None = None,
+    transport_addresses: tuple[str, ...] | None = None,
     **kwargs: Any,
 ) -> None:
     """``jax.distributed.initialize`` with what meshpar's cross-process moves need.
@@ -50,6 +51,10 @@ def initialize(
       transfer_address: ``ip:port`` for this process's transfer server;
         default this machine's address towards the coordinator and a free
         port. ``""`` leaves the setting alone.
+      transport_addresses: ``ip:port`` of the server's bulk data sockets;
+        default four sockets on this machine's address, any free port. (JAX's
+        default, ``0.0.0.0:0``, is what peers are told to connect to, which
+        only works when every process is on one machine.)
       **kwargs: passed on to ``jax.distributed.initialize``.
 
     Raises:
@@ -77,6 +82,10 @@ def initialize(
         transfer_address = f"{address}:{_free_port(address)}" if ":" not in address else f"[{address}]:{_free_port(address)}"
     if transfer_address:
         jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+        if transport_addresses is None:
+            host = transfer_address.rsplit(":", 1)[0]
+            transport_addresses = (f"{host}:0",) * 4
+        jax.config.update("jax_cross_host_transport_addresses", ",".join(transport_addresses))
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id, **kwargs
     )

@@ -133,7 +133,11 @@ def test_describe_shows_stages_plans_and_schedule():
     parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 2)))
     text = parallel.get_executable(state, batch).describe()
     assert "stage 0: mesh {'data': 2, 'model': 2}" in text and "stage 1:" in text
-    assert "activation act0.0 stage 0 -> 1" in text and "broadcast/ensemble" in text
+    assert "activation act0.0 float32[8,16] stage 0 -> 1: jax.device_put (one process owns both meshes)" in text
+    forced = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(
+        num_micro_batches=2, stage_mesh_shape=(2, 2), executor="p2p"))
+    text = forced.get_executable(state, batch).describe()
+    assert "activation act0.0 float32[8,16] stage 0 -> 1: p2p: " in text and "broadcast/ensemble" in text
     assert "launch order: F0.0" in text
 
 

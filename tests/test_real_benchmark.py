@@ -7,7 +7,11 @@ import sys
 
 import pytest
 
-from benchmarks.resharding.real import METHODS, aggregate, real_cases, single_host_cases, table
+from benchmarks import overlap
+from benchmarks.resharding.real import (
+    ALPA, COMPARISON, OURS_P2P, OURS_ROUNDS, STOCK, Method, aggregate, comparison_table, grid_methods,
+    not_applicable, real_cases, single_host_cases, stock_mesh_shape, table, targets,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = {"suite", "case", "strategy", "balancer", "median_s", "min_s", "max_s", "link_lower_bound_s", "bytes_moved"}
@@ -64,6 +68,106 @@ def test_aggregate_takes_the_slowest_process_per_repeat():
     assert not aggregate(lines, num_processes=2)[0]["verified"]
 
 
+def test_methods_parse_and_stock_jax_applies_only_to_process_aligned_meshes():
+    assert Method.parse("broadcast/ensemble") == OURS_P2P
+    assert Method.parse("broadcast/ensemble/p2p/rounds") == OURS_ROUNDS
+    assert Method.parse("local_allgather/load_balance/collective") == ALPA
+    assert Method.parse("stock_jax/-") == STOCK
+    for m in [*COMPARISON, *grid_methods("p2p"), *grid_methods("collective")]:
+        assert Method.parse(m.key) == m
+    for bad in ("broadcast", "broadcast/ensemble/collective/rounds", "broadcast/ensemble/p2p/sideways"):
+        with pytest.raises(ValueError):
+            Method.parse(bad)
+    cases = {c.name: c for c in real_cases()}
+    # Equal device counts, each source host facing one destination host.
+    for name in ("case1", "case2", "case3", "case4", "case5", "case9", "1x1"):
+        assert not_applicable(cases[name], STOCK) is None, name
+    assert stock_mesh_shape(cases["case3"]) == (2, 4) and stock_mesh_shape(cases["1x1"]) == (1, 1)
+    assert "8 -> 12 devices" in not_applicable(cases["case6"], STOCK)
+    assert "4 -> 8 devices" in not_applicable(cases["case7"], STOCK)
+    # (2, 3) -> (3, 2): 6 devices each, but host 0's 3 devices face 2 destination hosts.
+    assert "several hosts" in not_applicable(cases["case8"], STOCK) and stock_mesh_shape(cases["case8"]) is None
+    assert all(not_applicable(c, m) is None for c in cases.values() for m in COMPARISON if m != STOCK)
+
+
+def _comparison_lines(case, times_ms, lb_s=0.1, stock_na=None):
+    lines = [{"kind": "case", "suite": "n_to_m", "case": case, "link_lower_bound_s": lb_s, "bytes_moved": 2**20,
+              "tensor_bytes": 2**20, "src": "RS0R(2, 4)", "dst": "S0RR(2, 4)", "src_devices": 8,
+              "dst_devices": 8, "stock_na": stock_na}]
+    for m, ms in times_ms.items():
+        for process in (0, 1):
+            lines.append({"kind": "method", "suite": "n_to_m", "case": case, "strategy": m.strategy,
+                          "balancer": m.balancer, "executor": m.executor, "order": m.order, "process": process,
+                          "times": [ms / 1e3 * (1 if process else 0.5)] * 3, "warmup_s": 1.0, "cpu_s": 0.1,
+                          "verified": True if process else None, "checked_shards": 4 * process})
+    return lines
+
+
+def test_comparison_table_and_targets():
+    from benchmarks.resharding.real import OURS_COLLECTIVE
+
+    lines = _comparison_lines("case3", {OURS_P2P: 110, OURS_ROUNDS: 120, OURS_COLLECTIVE: 130, ALPA: 165, STOCK: 120})
+    lines += _comparison_lines("case8", {OURS_P2P: 100, OURS_ROUNDS: 100, OURS_COLLECTIVE: 130, ALPA: 300},
+                               stock_na="a source host's shards would land on several hosts")
+    lines += _comparison_lines("case1", {OURS_P2P: 100, OURS_ROUNDS: 100, OURS_COLLECTIVE: 100, ALPA: 96,
+                                         STOCK: 90})
+    records = aggregate(lines, num_processes=2)
+    assert len(records) == 14
+    assert {(r["executor"], r["order"]) for r in records} == {("p2p", "eager"), ("p2p", "rounds"),
+                                                             ("collective", "-"), ("device_put", "-")}
+    p2p = next(r for r in records if r["case"] == "case3" and r["executor"] == "p2p" and r["order"] == "eager")
+    assert p2p["median_s"] == pytest.approx(0.110) and p2p["verified"]
+    text = comparison_table(records)
+    assert "| case3 | RS0R(2, 4) -> S0RR(2, 4) | 1.0 | 100 | 110 | 120 | 130 | 165 | 120 | 1.10x | 1.50x | 1.09x |" in text
+    assert "| case8 |" in text and "| n/a | 1.00x | 3.00x | n/a |" in text
+    for r in records:
+        r["link_gbit"] = 0.25
+    got = targets(records)
+    assert "met    0.25 Gbit/s n_to_m case3: ours p2p 1.10x the link lower bound (target <= 1.15x)" in got
+    assert "met    0.25 Gbit/s n_to_m case3: Alpa / ours p2p 1.50x (target >= 1.40x)" in got
+    assert "MISSED 0.25 Gbit/s n_to_m case3: stock / ours p2p 1.09x (target >= 1.30x)" in got
+    assert any(line.startswith("n/a    0.25 Gbit/s n_to_m case8: stock") for line in got)
+    assert "met    0.25 Gbit/s n_to_m case1: Alpa / ours p2p 0.96x (target >= 0.95x)" in got
+    assert "MISSED 0.25 Gbit/s n_to_m case1: stock / ours p2p 0.90x (target >= 0.95x)" in got
+    # The grid table still renders records of mixed executors.
+    assert "| n_to_m | case3 |" in table(records)
+
+
+def test_overlap_aggregation_table_and_targets():
+    def line(executor, process, compute, transfer, both, verified):
+        return {"kind": "executor", "executor": executor, "process": process, "role": "src" if process == 0 else "dst",
+                "k": 40, "times": {"compute": compute, "transfer": transfer, "both": both},
+                "verified": verified, "checked_shards": 4 if verified else 0}
+
+    lines = [
+        {"kind": "calibration", "executor": "p2p", "k": 40, "transfer_s": 0.3, "tries": [{"k": 40, "compute_s": 0.3}],
+         "matmul_n": 256, "tensor_bytes": 8 * 2**20},
+        line("p2p", 0, [0.30, 0.32, 0.31], [0.01, 0.01, 0.01], [0.31, 0.33, 0.30], None),
+        line("p2p", 1, [0.00, 0.00, 0.00], [0.28, 0.30, 0.29], [0.30, 0.34, 0.33], True),
+        line("collective", 0, [0.30, 0.30, 0.30], [0.29, 0.29, 0.29], [0.60, 0.58, 0.59], None),
+        line("collective", 1, [0.00, 0.00, 0.00], [0.29, 0.30, 0.31], [0.60, 0.59, 0.59], True),
+        line("rounds-never-finished", 0, [0.1], [0.1], [0.1], None),  # one process only: left out
+    ]
+    records = overlap.aggregate(lines, num_processes=2)
+    assert [r["executor"] for r in records] == ["p2p", "collective"]
+    p2p, coll = records
+    assert p2p["compute_times_s"] == [0.30, 0.32, 0.31] and p2p["both_times_s"] == [0.31, 0.34, 0.33]
+    assert (p2p["compute_s"], p2p["transfer_s"], p2p["both_s"]) == (0.31, 0.29, 0.33)
+    assert p2p["ratio"] == pytest.approx(0.33 / 0.31) and p2p["verified"] and p2p["k"] == 40
+    assert p2p["src_both_s"] == 0.31 and p2p["dst_both_s"] == 0.33
+    assert coll["ratio"] == pytest.approx(0.59 / 0.30)
+    for r in records:
+        r["link_gbit"] = 0.25
+    text = overlap.table(records)
+    assert "| 0.25 | p2p | 8 | 40 | 310 | 290 | 330 | 1.06 |" in text
+    assert "| 0.25 | collective | - | 40 | 300 | 300 | 590 | 1.97 |" in text
+    got = overlap.targets(records)
+    assert got[0] == "met    0.25 Gbit/s p2p: both / max(compute, transfer) 1.06 (target <= 1.15)"
+    assert got[1].startswith("info   0.25 Gbit/s collective: both / max(compute, transfer) 1.97")
+    records[0]["ratio"] = 1.2
+    assert overlap.targets(records)[0].startswith("MISSED")
+
+
 @pytest.mark.slow
 def test_real_benchmark_cli_on_a_tiny_configuration(tmp_path):
     from benchmarks.emulated_cluster import EmulatedCluster
@@ -81,9 +185,10 @@ def test_real_benchmark_cli_on_a_tiny_configuration(tmp_path):
     records = json.loads(path.read_text())
     assert all(KEYS <= rec.keys() for rec in records)
     emulated = [rec for rec in records if rec["suite"] == "n_to_m"]
-    assert {(rec["case"], rec["strategy"], rec["balancer"]) for rec in emulated} == {
-        (c, s, b) for c in ("case1", "case3") for s, b in METHODS
-    }
+    # The default comparison set, every method applicable to both cases.
+    assert {(rec["case"], Method(rec["strategy"], rec["balancer"], rec["executor"], rec["order"]))
+            for rec in emulated} == {(c, m) for c in ("case1", "case3") for m in COMPARISON}
+    assert all(rec["link_gbit"] == 1.0 for rec in emulated)
     single = [rec for rec in records if rec["suite"] == "single_host"]
     assert {(rec["case"], rec["strategy"]) for rec in single} == {
         (c, s) for c in ("case1", "case3") for s in ("device_put", "broadcast")
@@ -94,5 +199,6 @@ def test_real_benchmark_cli_on_a_tiny_configuration(tmp_path):
     for rec in emulated:
         assert rec["bytes_moved"] == 4 * 2**20 and rec["link_lower_bound_s"] > 0
         assert 0 < rec["min_s"] <= rec["median_s"] <= rec["max_s"]
-    assert "| n_to_m | case1 |" in r.stdout and "| n_to_m | case3 |" in r.stdout
+    assert "| case1 | S0RR(2, 4) -> S0RR(2, 4) |" in r.stdout and "| case3 |" in r.stdout
     assert "single_host case1" in r.stdout  # a progress line
+    assert "Targets" in r.stdout
