@@ -38,7 +38,7 @@ class PipeshardParallel:
       num_stages: expected number of stages (stage markers + 1); checked.
       stage_mesh_shape: ``(data, model)`` shape of each cut mesh; default all
         devices of a stage on ``data``.
-      schedule: ``gpipe`` or ``1f1b``.
+      schedule: ``gpipe``, ``1f1b`` or ``eager_1f1b``.
       resharding, balancer: strategy and balancer of cross-mesh transfers.
       executor: how values cross meshes: ``"auto"`` (``jax.device_put``
         when one process owns both meshes, else asynchronous p2p moves that

@@ -10,6 +10,11 @@ transfers start in the same order everywhere and cannot deadlock.
 - ``1f1b``: stage ``s`` runs ``min(S - s - 1, M)`` forwards to warm up, then
   alternates one forward and one backward, then drains the backwards
   (Narayanan et al.), so at most ``S - s`` micro-batches are in flight.
+- ``eager_1f1b``: the same with ``min(2(S - s) - 1, M)`` forwards before the
+  first backward (the paper's 2(#stages - i) + 1 with 1-indexed ``i``; Alpa's
+  ``1f1b_overlap_friendly``): the extra forwards give the next stage work
+  while a boundary transfer is in flight, for at most ``S - s - 1`` more
+  live micro-batches than 1F1B.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class PipelineSchedule:
     """A schedule for a stage graph.
 
     Attributes:
-      name: ``gpipe`` or ``1f1b``.
+      name: ``gpipe``, ``1f1b`` or ``eager_1f1b``.
       num_stages, num_micro_batches: its size.
       edges: ``(producer, consumer)`` stage pairs, indexed by transfer tasks.
       order: every task once, in launch order.
@@ -78,7 +83,9 @@ def _stage_sequence(name: str, s: int, num_stages: int, m: int) -> list[Task]:
     bwd = [Task("backward", s, i) for i in range(m)]
     if name == "gpipe":
         return fwd + bwd
-    warmup = min(num_stages - s - 1, m)
+    # Forwards before the first backward, counting the steady phase's first.
+    ahead = num_stages - s if name == "1f1b" else 2 * (num_stages - s) - 1
+    warmup = min(ahead - 1, m)
     seq = fwd[:warmup]
     for i in range(m - warmup):
         seq += [fwd[warmup + i], bwd[i]]
@@ -225,4 +232,4 @@ def verify_schedule(schedule: PipelineSchedule) -> None:
             raise PlanVerificationError(f"mesh {s}: buffers never freed: {sorted(live)}")
 
 
-SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b"}
+SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "eager_1f1b": "eager_1f1b"}

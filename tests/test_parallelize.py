@@ -52,7 +52,7 @@ def _mlp_batch(n=16, d=6, k=4):
 
 # Every transfer path: jax.device_put ("auto" in one process), the p2p
 # executor and the collective one, forced.
-EXECUTOR_GRID = [(c, s, "auto") for c in CONFIGS for s in ("gpipe", "1f1b")] + [
+EXECUTOR_GRID = [(c, s, "auto") for c in CONFIGS for s in ("gpipe", "1f1b", "eager_1f1b")] + [
     (c, "1f1b", "p2p") for c in CONFIGS] + [((2, 2, 2), "gpipe", "collective"), ((1, 1, 8), "1f1b", "collective")]
 
 
