@@ -52,9 +52,12 @@ def initialize(
         default this machine's address towards the coordinator and a free
         port. ``""`` leaves the setting alone.
       transport_addresses: ``ip:port`` of the server's bulk data sockets;
-        default four sockets on this machine's address, any free port. (JAX's
-        default, ``0.0.0.0:0``, is what peers are told to connect to, which
-        only works when every process is on one machine.)
+        default one socket on this machine's address, any free port. JAX's
+        default, four on ``0.0.0.0:0``, breaks across machines (peers are
+        told to connect to ``0.0.0.0``) and, on NIC-bound links, lets several
+        flows per peer fight over one NIC: with NICs shaped to 0.25 Gbit/s,
+        eager p2p moves ran at 1.03-2.31x of the link bound with four
+        sockets and 1.03-1.38x with one (BENCHMARKS.md).
       **kwargs: passed on to ``jax.distributed.initialize``.
 
     Raises:
@@ -84,7 +87,7 @@ def initialize(
         jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
         if transport_addresses is None:
             host = transfer_address.rsplit(":", 1)[0]
-            transport_addresses = (f"{host}:0",) * 4
+            transport_addresses = (f"{host}:0",)
         jax.config.update("jax_cross_host_transport_addresses", ",".join(transport_addresses))
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id, **kwargs

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
@@ -240,3 +241,27 @@ def test_bare_partition_spec_constraints_apply_within_each_stage():
     par_state, par_loss = meshpar.parallelize(make_step(mse), method=method)(state, batch)
     np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(par_state.params, ref_state.params)
+
+
+class _ScalarsAcrossStages(nn.Module):
+    """A scalar parameter read by both stages and a 0-d activation crossing them (a regulariser
+    of stage 0's weights; batch-independent, so micro-batching leaves the step unchanged)."""
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", lambda key: jnp.asarray(1.5, jnp.float32))
+        dense = nn.Dense(8)
+        h = dense(x) * scale
+        aux = jnp.mean(dense.variables["params"]["kernel"] ** 2)
+        meshpar.mark_stage_boundary()
+        return nn.Dense(4)(jnp.tanh(h)) * scale + 0.1 * aux
+
+
+@pytest.mark.parametrize("executor", ["auto", "p2p"])
+def test_scalars_cross_meshes(executor):
+    ref_state, par_state, parallel = _run_both(_ScalarsAcrossStages(), _mlp_batch(), mse, (2, 2, 2), "1f1b",
+                                               executor=executor)
+    assert_trees_close(par_state.params, ref_state.params)
+    executable = parallel.get_executable(par_state, _mlp_batch())
+    scalar_edges = [ref for p, c, ref in executable.edges if executable.graph.stages[p].jaxpr.out_avals[ref.slot].shape == ()]
+    assert scalar_edges, "the auxiliary term should cross the stage boundary as a 0-d value"

@@ -175,6 +175,33 @@ def ready(y, timeout_s: float, what: str):
     return y
 
 
+def _warm_links(by_process, mib: float, barrier) -> None:
+    """Moves ``mib`` MiB once between every ordered pair of hosts, untimed.
+
+    The first transfers between two hosts open their connections and start
+    TCP from a small window; without this, whichever method the first case
+    times first pays for it (case 1 measured 1.5x slower first than second).
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import meshpar
+
+    n = max(1, int(mib * 2**20) // 4)
+    for a, sources in enumerate(by_process):
+        for b, targets in enumerate(by_process):
+            if a == b:
+                continue
+            src = NamedSharding(Mesh(np.array(sources[:1]), ("x",)), P())
+            dst = NamedSharding(Mesh(np.array(targets[:1]), ("x",)), P())
+            x = jax.make_array_from_callback((n,), src, lambda index: np.zeros(n, np.float32)[index], dtype=np.float32)
+            y = meshpar.reshard(x, dst, executor="p2p")
+            if y.addressable_shards:
+                meshpar.runtime.coordination.wait_ready([y], 120.0, f"warming the link {a} -> {b}")
+    barrier("warm-links")
+
+
 def _run(args: argparse.Namespace, out: _Out) -> None:
     import dataclasses
 
@@ -210,6 +237,8 @@ def _run(args: argparse.Namespace, out: _Out) -> None:
         if client is not None:
             client.wait_at_barrier(f"meshpar-real/{name}", int(args.timeout * 1000))
 
+    if nproc > 1:
+        _warm_links(by_process, args.mib, barrier)
     for case in cases:
         names = ("x", "y")
 
