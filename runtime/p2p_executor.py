@@ -122,82 +122,84 @@ class P2PReshardExecutable:
         me = jax.process_index()
         local = {i for i, d in devices.items() if d.process_index == me}
         self._devices = devices
-        src_tiles, dst_tiles = dict(program.src_tiles), dict(program.dst_tiles)
         self.cross_process = any(
             devices[h.src_device].process_index != devices[h.dst_device].process_index
             for step in program.steps for h in step
         )
         if self.cross_process:
             require_cross_host_transfers("this resharding")
+        self._whole, self._cuts = self._compile_cuts(local)
+        self._steps, self._absent = self._split_hops(local, me)
+        self._round_of_step = [r for r, (a, b) in enumerate(program.rounds) for _ in range(a, b)]
+        self._assembles = self._compile_assembles(local)
+        self._dst_order = [d.id for d in dst.mesh.devices.flat if d.id in local]
+        self.participates = bool(local)
 
-        # Cuts: one compiled program per local source device; a piece that is
-        # the whole tile is the tile itself.
-        self._cuts: list[tuple[int, Any, tuple[int, ...]]] = []
-        self._whole: list[tuple[int, int]] = []
+    def _on(self, device: int, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, self.dtype, sharding=device_sharding(self._devices[device]))
+
+    def _compile_cuts(self, local: set[int]):
+        """Per local source device, one compiled program cutting its pieces; a piece
+        that is the whole tile is the tile itself (listed in ``whole``)."""
+        program, tiles = self.program, dict(self.program.src_tiles)
         by_device: dict[int, list] = {}
         for c in program.cuts:
             if c.device in local:
                 by_device.setdefault(c.device, []).append(c)
-        for d, cuts in sorted(by_device.items()):
-            tile = src_tiles[d]
-            sliced = []
-            for c in cuts:
-                shape = program.piece_shapes[c.piece]
-                if shape == tile:
-                    self._whole.append((d, c.piece))
-                else:
-                    sliced.append(c)
+        whole: list[tuple[int, int]] = []
+        cuts: list[tuple[int, Any, tuple[int, ...]]] = []
+        for d, mine in sorted(by_device.items()):
+            whole += [(d, c.piece) for c in mine if program.piece_shapes[c.piece] == tiles[d]]
+            sliced = [c for c in mine if program.piece_shapes[c.piece] != tiles[d]]
             if sliced:
-                slices = tuple(tuple(slice(o, o + n) for o, n in zip(c.offset, program.piece_shapes[c.piece])) for c in sliced)
-                fn = jax.jit(_cut_fn(slices)).lower(
-                    jax.ShapeDtypeStruct(tile, self.dtype, sharding=device_sharding(devices[d]))
-                ).compile()
-                self._cuts.append((d, fn, tuple(c.piece for c in sliced)))
+                slices = tuple(tuple(slice(o, o + n) for o, n in zip(c.offset, program.piece_shapes[c.piece]))
+                               for c in sliced)
+                fn = jax.jit(_cut_fn(slices)).lower(self._on(d, tiles[d])).compile()
+                cuts.append((d, fn, tuple(c.piece for c in sliced)))
+        return whole, cuts
 
-        # Hops: per step, the ones this process calls: its own local copies
-        # (one batched device_put), and every cross-process hop (every process
-        # numbers those), each in a device_put of its own: JAX groups a batch
-        # by device pair in a hash map whose order differs between processes,
-        # so two cross-process groups in one call would take their transfer
-        # numbers in different orders on the two sides.
-        self._steps: list[tuple[list[tuple[int, int, int]], list[tuple[int, int, int, bool]]]] = []
-        for step in program.steps:
+    def _split_hops(self, local: set[int], me: int):
+        """Per step, the hops this process calls: its own local copies (one batched
+        ``device_put``) and every cross-process hop (every process numbers those),
+        each in a ``device_put`` of its own: JAX groups a batch by device pair in a
+        hash map whose order differs between processes, so two cross-process groups
+        in one call would take their transfer numbers in different orders on the
+        two sides. Also, for cross-process hops from other processes' devices, the
+        shard-less arrays that name their sources here."""
+        devices = self._devices
+        steps: list[tuple[list[tuple[int, int, int]], list[tuple[int, int, int, bool]]]] = []
+        absent: dict[tuple[int, int], jax.Array] = {}
+        for step in self.program.steps:
             local_hops, cross_hops = [], []
             for h in step:
                 s, r = devices[h.src_device], devices[h.dst_device]
                 if s.process_index != r.process_index:
                     cross_hops.append((h.piece, h.src_device, h.dst_device, h.dst_device in local))
+                    if h.src_device not in local:
+                        absent[(h.src_device, h.piece)] = jax.make_array_from_single_device_arrays(
+                            self.program.piece_shapes[h.piece], device_sharding(s), [], dtype=self.dtype)
                 elif s.process_index == me:
                     local_hops.append((h.piece, h.src_device, h.dst_device))
-            self._steps.append((local_hops, cross_hops))
-        self._round_of_step = [r for r, (a, b) in enumerate(program.rounds) for _ in range(a, b)]
-        self._absent: dict[tuple[int, int], jax.Array] = {}
-        for _, cross_hops in self._steps:
-            for piece, s, _, _ in cross_hops:
-                if s not in local:
-                    self._absent[(s, piece)] = jax.make_array_from_single_device_arrays(
-                        program.piece_shapes[piece], device_sharding(devices[s]), [], dtype=self.dtype
-                    )
+            steps.append((local_hops, cross_hops))
+        return steps, absent
 
-        # Assembly: one compiled program per local destination device; a
-        # device receiving one piece that is its whole tile keeps it as is.
-        self._assembles: list[tuple[int, Any, tuple[int, ...]]] = []
+    def _compile_assembles(self, local: set[int]) -> list[tuple[int, Any, tuple[int, ...]]]:
+        """Per local destination device, one compiled program placing its pieces into
+        its tile; a device receiving one piece that is its whole tile keeps it as is."""
+        program, tiles = self.program, dict(self.program.dst_tiles)
         pieces_at: dict[int, list] = {}
         for p in program.places:
             if p.device in local:
                 pieces_at.setdefault(p.device, []).append(p)
-        for d in sorted(pieces_at):
-            tile, places = dst_tiles[d], pieces_at[d]
-            if len(places) == 1 and program.piece_shapes[places[0].piece] == tile:
-                self._assembles.append((d, None, (places[0].piece,)))
+        out: list[tuple[int, Any, tuple[int, ...]]] = []
+        for d, places in sorted(pieces_at.items()):
+            if len(places) == 1 and program.piece_shapes[places[0].piece] == tiles[d]:
+                out.append((d, None, (places[0].piece,)))
                 continue
-            fn = jax.jit(_assemble_fn(tile, tuple(p.offset for p in places), self.dtype)).lower(
-                *[jax.ShapeDtypeStruct(program.piece_shapes[p.piece], self.dtype, sharding=device_sharding(devices[d]))
-                  for p in places]
-            ).compile()
-            self._assembles.append((d, fn, tuple(p.piece for p in places)))
-        self._dst_order = [d.id for d in dst.mesh.devices.flat if d.id in local]
-        self.participates = bool(local)
+            fn = jax.jit(_assemble_fn(tiles[d], tuple(p.offset for p in places), self.dtype)).lower(
+                *[self._on(d, program.piece_shapes[p.piece]) for p in places]).compile()
+            out.append((d, fn, tuple(p.piece for p in places)))
+        return out
 
     def __call__(self, x: jax.Array, *, timeout_s: float | None = None) -> jax.Array:
         """``x`` (sharded as ``src``) moved onto ``dst``; returns without waiting (``"eager"``)."""

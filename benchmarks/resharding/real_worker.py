@@ -187,6 +187,7 @@ def _warm_links(by_process, mib: float, barrier) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     import meshpar
+    from meshpar.runtime.coordination import wait_ready
 
     n = max(1, int(mib * 2**20) // 4)
     for a, sources in enumerate(by_process):
@@ -198,7 +199,7 @@ def _warm_links(by_process, mib: float, barrier) -> None:
             x = jax.make_array_from_callback((n,), src, lambda index: np.zeros(n, np.float32)[index], dtype=np.float32)
             y = meshpar.reshard(x, dst, executor="p2p")
             if y.addressable_shards:
-                meshpar.runtime.coordination.wait_ready([y], 120.0, f"warming the link {a} -> {b}")
+                wait_ready([y], 120.0, f"warming the link {a} -> {b}")
     barrier("warm-links")
 
 
