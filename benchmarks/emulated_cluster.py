@@ -383,6 +383,26 @@ class EmulatedCluster:
             raise ClusterRunError(f"run: {argv!r} failed\n{_summary(results)}", results)
         return results
 
+    def run_reporting(self, args: Sequence[str], *, env: Mapping[str, str], timeout_s: float, progress: Any,
+                      what: str) -> list[str]:
+        """:meth:`run` while ``progress`` reports as the hosts go; returns errors instead of raising.
+
+        ``progress`` is an unstarted ``threading.Thread`` with a ``stop`` event
+        and a ``poll()`` method (a last report after the run).
+        """
+        errors: list[str] = []
+        progress.start()
+        try:
+            self.run(args, env=env, timeout_s=timeout_s)
+        except ClusterRunError as e:
+            errors.append(f"{what} failed: {e}")
+            print(f"ERROR: {e}", file=sys.stderr, flush=True)
+        finally:
+            progress.stop.set()
+            progress.join()
+        progress.poll()
+        return errors
+
     def measure_link_rate(
         self, src: int = 0, dst: int = 1, nbytes: int = 48 << 20, timeout_s: float = 60.0
     ) -> float:

@@ -172,7 +172,7 @@ class _Progress(threading.Thread):
 
 
 def _run_rate(args: argparse.Namespace, link_gbit: float, start: float) -> tuple[list[dict], list[str]]:
-    from benchmarks.emulated_cluster import ClusterRunError, EmulatedCluster
+    from benchmarks.emulated_cluster import EmulatedCluster
 
     errors: list[str] = []
     print(f"emulated cluster: 2 hosts x 4 CPU devices, {link_gbit:g} Gbit/s tbf-shaped links; {args.mib:g} MiB "
@@ -187,17 +187,9 @@ def _run_rate(args: argparse.Namespace, link_gbit: float, start: float) -> tuple
                     "--matmul-n", str(args.matmul_n), "--executors", *args.executors]
             path = os.environ.get("PYTHONPATH", "")
             env = {"PYTHONPATH": os.pathsep.join([_REPO, path]) if path else _REPO}
-            progress = _Progress(out, f"{link_gbit:g} Gbit/s ", start)
-            progress.start()
-            try:
-                cluster.run(argv, env=env, timeout_s=args.timeout)
-            except ClusterRunError as e:
-                errors.append(f"overlap run at {link_gbit:g} Gbit/s failed: {e}")
-                print(f"ERROR: {e}", file=sys.stderr, flush=True)
-            finally:
-                progress.stop.set()
-                progress.join()
-            progress.poll()
+            errors += cluster.run_reporting(argv, env=env, timeout_s=args.timeout,
+                                            progress=_Progress(out, f"{link_gbit:g} Gbit/s ", start),
+                                            what=f"overlap run at {link_gbit:g} Gbit/s")
             lines = _read_lines(out)
     errors += [f"{link_gbit:g} Gbit/s, process {r['process']}: {r['error']}" for r in lines if r.get("kind") == "error"]
     records = aggregate(lines)

@@ -39,31 +39,33 @@ def run_processes(script: str, nproc: int, timeout_s: float) -> list[subprocess.
     return results
 
 
+def run_all_ok(script: str, timeout_s: float) -> tuple[list[subprocess.CompletedProcess], str]:
+    """Runs ``script`` in two processes; both must exit 0 having printed ``ALL OK``.
+    Returns their results and their joined output (for assertion messages)."""
+    results = run_processes(script, 2, timeout_s=timeout_s)
+    output = "\n".join(f"--- process {i} ---\n{r.stdout[-4000:]}" for i, r in enumerate(results))
+    for pid, r in enumerate(results):
+        assert r.returncode == 0, output
+        assert f"process {pid}: ALL OK" in r.stdout, output
+    return results, output
+
+
 @pytest.mark.multiprocess
 def test_reshard_across_two_processes():
-    results = run_processes("mp_reshard_worker.py", 2, timeout_s=600)
-    for pid, r in enumerate(results):
-        assert r.returncode == 0, "\n".join(f"--- process {i} ---\n{q.stdout[-4000:]}" for i, q in enumerate(results))
-        assert f"process {pid}: ALL OK" in r.stdout
-        assert "reshard checks passed" in r.stdout
+    results, output = run_all_ok("mp_reshard_worker.py", timeout_s=600)
+    assert all("reshard checks passed" in r.stdout for r in results), output
 
 
 @pytest.mark.multiprocess
 def test_p2p_without_a_transfer_server_names_the_fix():
-    results = run_processes("mp_no_transfer_server_worker.py", 2, timeout_s=300)
-    for pid, r in enumerate(results):
-        assert r.returncode == 0, "\n".join(f"--- process {i} ---\n{q.stdout[-4000:]}" for i, q in enumerate(results))
-        assert f"process {pid}: ALL OK" in r.stdout
+    results, output = run_all_ok("mp_no_transfer_server_worker.py", timeout_s=300)
+    assert all("clear error" in r.stdout for r in results), output
 
 
 @pytest.mark.multiprocess
 def test_pipeline_across_two_processes():
     """(data, model, pipeline) = (2, 2, 2) with one stage per process, against jax.jit."""
-    results = run_processes("mp_pipeline_worker.py", 2, timeout_s=600)
-    output = "\n".join(f"--- process {i} ---\n{r.stdout[-4000:]}" for i, r in enumerate(results))
-    for pid, r in enumerate(results):
-        assert r.returncode == 0, output
-        assert f"process {pid}: ALL OK" in r.stdout, output
+    results, output = run_all_ok("mp_pipeline_worker.py", timeout_s=600)
     assert "step 2 loss" in results[1].stdout, output
     assert "collective transfers match" in results[1].stdout, output
     assert "skipped peer detected" in results[0].stdout, output
@@ -71,11 +73,7 @@ def test_pipeline_across_two_processes():
 
 @pytest.mark.multiprocess
 def test_p2p_moves_overlap_with_the_senders_compute_and_collective_ones_do_not():
-    results = run_processes("mp_overlap_worker.py", 2, timeout_s=300)
-    output = "\n".join(f"--- process {i} ---\n{r.stdout[-4000:]}" for i, r in enumerate(results))
-    for pid, r in enumerate(results):
-        assert r.returncode == 0, output
-        assert f"process {pid}: ALL OK" in r.stdout, output
+    results, output = run_all_ok("mp_overlap_worker.py", timeout_s=300)
     assert "p2p: sender compute finished while the receiver was busy" in results[0].stdout, output
     assert "collective: sender compute waited for the receiver" in results[0].stdout, output
     assert "p2p: the move delivered every shard" in results[1].stdout, output

@@ -449,7 +449,7 @@ def aggregate(lines: Sequence[dict], num_processes: int) -> list[dict]:
 
 def _run_emulated(args, link_gbit: float, cases: list[RealCase], methods: list[Method],
                   start: float) -> tuple[list[dict], list[str]]:
-    from benchmarks.emulated_cluster import ClusterRunError, EmulatedCluster
+    from benchmarks.emulated_cluster import EmulatedCluster
 
     errors: list[str] = []
     hosts = max(c.num_processes for c in cases)
@@ -471,17 +471,10 @@ def _run_emulated(args, link_gbit: float, cases: list[RealCase], methods: list[M
                 argv += ["--chunks", str(args.chunks)]
             if args.plan_gbit:
                 argv += ["--plan-rate", repr(args.plan_gbit * 1e9 / 8 * rate / (link_gbit * 1e9 / 8))]
-            progress = _Progress(out, cases, methods, hosts, start, prefix=f"{link_gbit:g} Gbit/s ")
-            progress.start()
-            try:
-                cluster.run(argv, env=_child_env(), timeout_s=args.timeout)
-            except ClusterRunError as e:
-                errors.append(f"emulated run at {link_gbit:g} Gbit/s failed: {e}")
-                print(f"ERROR: {e}", file=sys.stderr, flush=True)
-            finally:
-                progress.stop.set()
-                progress.join()
-            progress.poll()
+            errors += cluster.run_reporting(
+                argv, env=_child_env(), timeout_s=args.timeout,
+                progress=_Progress(out, cases, methods, hosts, start, prefix=f"{link_gbit:g} Gbit/s "),
+                what=f"emulated run at {link_gbit:g} Gbit/s")
             lines = _read_lines(out)
     errors += [f"{link_gbit:g} Gbit/s, process {r['process']}: {r['error']}" for r in lines if r.get("kind") == "error"]
     records = aggregate(lines, hosts)
