@@ -19,10 +19,11 @@ from meshpar.passes.mesh_assignment import DEFAULT_AXES, assign_stage_meshes, pa
 from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.stage_graph import Ref, StageMarkerError, split_stages
 from meshpar.passes.strategies import get_strategy
-from meshpar.passes.edge_transfer import EXECUTORS, TransferKind
+from meshpar.passes.edge_transfer import EXECUTORS, SIGNAL, TransferKind
 from meshpar.reshard import plan_between, prepare_reshard
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable, Placement
+from meshpar.runtime.signal_move import SignalMove
 
 __all__ = ["PipeshardParallel", "parallelize", "ParallelizedStep"]
 
@@ -40,6 +41,9 @@ class PipeshardParallel:
         devices of a stage on ``data``.
       schedule: ``gpipe``, ``1f1b`` or ``eager_1f1b``.
       resharding, balancer: strategy and balancer of cross-mesh transfers.
+        ``resharding="signal"`` sends one byte per transfer instead, with the
+        same dependencies, and delivers zeros: the schedule's communication
+        upper bound, for benchmarks only (the step's numbers are not kept).
       executor: how values cross meshes: ``"auto"`` (``jax.device_put``
         when one process owns both meshes, else asynchronous p2p moves that
         overlap with compute), ``"p2p"``, or ``"collective"`` (one
@@ -73,7 +77,8 @@ class PipeshardParallel:
             raise ValueError(f"num_stages: expected a positive integer, got {self.num_stages!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: unknown {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
-        get_strategy(self.resharding)
+        if self.resharding != SIGNAL:
+            get_strategy(self.resharding)
         get_balancer(self.balancer)
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor: expected one of {EXECUTORS}, got {self.executor!r}")
@@ -225,6 +230,12 @@ class ParallelizedStep:
         def prepare_move(kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding):
             if kind is TransferKind.DEVICE_PUT:
                 return functools.partial(jax.device_put, device=dst)
+            if kind is TransferKind.SIGNAL:
+                one = (NamedSharding(src.mesh, P()), NamedSharding(dst.mesh, P()))
+                processes = {d.process_index for s in one for d in s.mesh.devices.flat}
+                carry = (functools.partial(jax.device_put, device=one[1]) if len(processes) == 1 else
+                         prepare_reshard((), np.uint8, *one, executor="p2p")[0])
+                return SignalMove(shape, dtype, src, dst, carry)
             executable, _ = prepare_reshard(
                 shape, dtype, src, dst, strategy=method.resharding, balancer=method.balancer,
                 cluster=method.cluster, executor=kind.value)
@@ -236,7 +247,7 @@ class ParallelizedStep:
         executable = PipelineExecutable(
             graph, split, schedule, meshes, in_placements, out_placements, batch_inputs, M,
             micro_batch_size, prepare_move, method.executor, out_tree, jax.tree.leaves(out_shapes),
-            timeout_s=method.timeout_s,
+            timeout_s=method.timeout_s, strategy=method.resharding,
         )
         if jax.process_count() > 1:
             # One agreement for the whole pipeline: every process compiled the
@@ -313,6 +324,8 @@ def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
             kind = executable.move_kinds[(tuple(aval.shape), np.dtype(aval.dtype), src, dst)]
             if kind is TransferKind.DEVICE_PUT:
                 how = "jax.device_put (one process owns both meshes)"
+            elif kind is TransferKind.SIGNAL:
+                how = "signal: one byte with the same dependencies, zeros delivered (upper-bound run)"
             elif not aval.shape:
                 how = f"{kind.value}: a scalar, replicated to every device"
             else:

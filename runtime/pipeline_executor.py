@@ -119,6 +119,7 @@ class PipelineExecutable:
       prepare_move: builds each cross-mesh move once, at construction.
       executor: ``"auto"``, ``"p2p"`` or ``"collective"``
         (``passes.edge_transfer.choose_transfer``).
+      strategy: the resharding strategy (``"signal"`` selects one-byte moves).
       out_tree: the step's output treedef.
       out_avals: the step's output shapes and dtypes.
       timeout_s: how long a process waits, at the end of a step, for values
@@ -141,6 +142,7 @@ class PipelineExecutable:
         out_tree: Any,
         out_avals: Sequence[Any],
         timeout_s: float = 120.0,
+        strategy: str = "broadcast",
     ) -> None:
         self.graph, self.split, self.schedule = graph, split, schedule
         self.meshes = tuple(meshes)
@@ -150,6 +152,7 @@ class PipelineExecutable:
         self.num_micro_batches = num_micro_batches
         self.micro_batch_size = micro_batch_size
         self._prepare_move, self.executor, self.timeout_s = prepare_move, executor, timeout_s
+        self.strategy = strategy
         self._moves: dict[tuple, Callable[[jax.Array], jax.Array]] = {}
         self.move_kinds: dict[tuple, TransferKind] = {}
         self.out_tree = out_tree
@@ -176,7 +179,7 @@ class PipelineExecutable:
         key = (tuple(aval.shape), np.dtype(aval.dtype), src, dst)
         if key not in self._moves:
             processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]
-            kind = choose_transfer(self.executor, processes, len(aval.shape))
+            kind = choose_transfer(self.executor, processes, len(aval.shape), self.strategy)
             self.move_kinds[key] = kind
             self._moves[key] = self._prepare_move(kind, tuple(aval.shape), aval.dtype, src, dst)
         return self._moves[key]

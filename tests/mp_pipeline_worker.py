@@ -75,6 +75,14 @@ for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_sta
         np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-6)
 print(f"process {pid}: collective transfers match", flush=True)
 
+# Upper-bound transfers: one byte per move, across processes too.
+signal = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
+    num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), resharding="signal"))
+_, signal_loss = signal(mlp_state, mlp_batch)
+if signal_loss.is_fully_addressable:
+    assert np.isfinite(float(signal_loss))
+print(f"process {pid}: signal transfers ran", flush=True)
+
 # A peer that stops joining: process 1 runs one step, then skips the next.
 skipping = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
     num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), timeout_s=5))

@@ -19,6 +19,11 @@ def test_choose_transfer(executor, processes, ndim, expected):
     assert choose_transfer(executor, processes, ndim) is expected
 
 
+@pytest.mark.parametrize("executor", ["auto", "p2p", "collective"])
+def test_signal_strategy_always_sends_signals(executor):
+    assert choose_transfer(executor, [0, 1], 2, strategy="signal") is TransferKind.SIGNAL
+
+
 def test_choose_transfer_rejects_unknown_executors():
     with pytest.raises(ValueError, match="executor: expected one of"):
         choose_transfer("nccl", [0], 1)

@@ -68,6 +68,7 @@ def test_pipeline_across_two_processes():
     results, output = run_all_ok("mp_pipeline_worker.py", timeout_s=600)
     assert "step 2 loss" in results[1].stdout, output
     assert "collective transfers match" in results[1].stdout, output
+    assert all("signal transfers ran" in r.stdout for r in results), output
     assert "skipped peer detected" in results[0].stdout, output
 
 

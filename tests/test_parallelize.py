@@ -265,3 +265,25 @@ def test_scalars_cross_meshes(executor):
     executable = parallel.get_executable(par_state, _mlp_batch())
     scalar_edges = [ref for p, c, ref in executable.edges if executable.graph.stages[p].jaxpr.out_avals[ref.slot].shape == ()]
     assert scalar_edges, "the auxiliary term should cross the stage boundary as a 0-d value"
+
+
+def test_signal_resharding_moves_one_byte_with_the_same_dependencies():
+    """The upper-bound mode: every boundary move delivers zeros of the value's shape and sharding,
+    made from one byte that left only once the value existed; the step runs end to end."""
+    model = MLP(features=(16, 16, 4), num_stages=2)
+    batch = _mlp_batch()
+    state = make_state(model, batch["x"][:1])
+    method = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), resharding="signal")
+    parallel = meshpar.parallelize(make_step(mse), method=method)
+    _, loss = parallel(state, batch)
+    assert np.isfinite(float(loss))
+    executable = parallel.get_executable(state, batch)
+    assert {k.value for k in executable.move_kinds.values()} == {"signal"}
+    assert "signal: one byte" in executable.describe()
+    (p, c, ref), (forward, _) = executable.edges[0], executable._edge_moves[0]
+    src, dst = executable.act_sharding(ref, p), executable.act_sharding(ref, c)
+    aval = executable.graph.stages[p].jaxpr.out_avals[ref.slot]
+    value = jax.device_put(np.full(aval.shape, 3.0, aval.dtype), src)
+    moved = forward(value)
+    assert moved.sharding == dst and moved.shape == aval.shape
+    np.testing.assert_array_equal(np.asarray(moved), np.zeros(aval.shape, aval.dtype))
