@@ -167,6 +167,10 @@ class PipelineExecutable:
         self._frees = self._free_lists()
         # Every boundary value's move, both ways, prepared now: nothing is
         # planned, compiled or looked up by sharding on the hot path.
+        # Per stage, the most micro-batches whose forward residuals were alive
+        # at once during the last step (what the schedule costs in memory);
+        # 0 for stages on meshes of other processes.
+        self.peak_live_activations: list[int] = [0] * graph.num_stages
         self._edge_moves = []
         for p, c, ref in self.edges:
             aval = graph.stages[p].jaxpr.out_avals[ref.slot]
@@ -356,6 +360,8 @@ class PipelineExecutable:
             return value
 
         loss_parts = []
+        live = [0] * graph.num_stages
+        peak = [0] * graph.num_stages
         loss_stage = graph.loss.index
         seed = None
 
@@ -385,6 +391,8 @@ class PipelineExecutable:
                 other = [a for a, r in zip(args, stage.inputs) if r.kind not in ("param", "act")]
                 outs, vjp = self._stage_fns[stage.index][0](diff, other)
                 buffers[f"res{stage.index}.{m}"] = vjp
+                live[stage.index] += 1
+                peak[stage.index] = max(peak[stage.index], live[stage.index])
                 buffers[f"out{stage.index}.{m}"] = outs
                 if stage.index == loss_stage:
                     loss_parts.append(outs[graph.loss.slot])
@@ -410,6 +418,7 @@ class PipelineExecutable:
                             ct = got if ct is None else ct + got
                     cts.append(ct)
                 act_cts, grads[s] = self._stage_fns[s][1](buffers[f"res{s}.{m}"], cts, grads[s])
+                live[s] -= 1
                 act_inputs = [r for r in stage.inputs if r.kind == "act"]
                 for e, (p, c, r) in enumerate(self.edges):
                     if c == s:
@@ -470,6 +479,7 @@ class PipelineExecutable:
             for j, value in zip(apply.outputs, outs):
                 computed.setdefault(j, {})[apply.mesh] = value
 
+        self.peak_live_activations = peak
         if arriving:
             wait_ready([v for v, _ in arriving], self.timeout_s, "pipeline transfers", names=[w for _, w in arriving])
 

@@ -287,3 +287,16 @@ def test_signal_resharding_moves_one_byte_with_the_same_dependencies():
     moved = forward(value)
     assert moved.sharding == dst and moved.shape == aval.shape
     np.testing.assert_array_equal(np.asarray(moved), np.zeros(aval.shape, aval.dtype))
+
+
+@pytest.mark.parametrize("schedule, expected", [("gpipe", [4, 4]), ("1f1b", [2, 1]), ("eager_1f1b", [3, 1])])
+def test_runtime_counts_live_activations_per_stage(schedule, expected):
+    """Micro-batches alive per stage at the peak of a step: M for GPipe, S - s for 1F1B,
+    2(S - s) - 1 for eager-1F1B (S = 2, M = 4)."""
+    model = MLP(features=(16, 16, 4), num_stages=2)
+    batch = _mlp_batch()
+    state = make_state(model, batch["x"][:1])
+    parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(
+        num_micro_batches=4, num_stages=2, schedule=schedule))
+    parallel(state, batch)
+    assert parallel.get_executable(state, batch).peak_live_activations == expected
