@@ -19,10 +19,11 @@ from meshpar.passes.mesh_assignment import DEFAULT_AXES, assign_stage_meshes, pa
 from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.stage_graph import Ref, StageMarkerError, split_stages
 from meshpar.passes.strategies import get_strategy
-from meshpar.passes.edge_transfer import EXECUTORS, SIGNAL, TransferKind
+from meshpar.passes.edge_transfer import EXECUTORS, SIGNAL, TransferKind, choose_transfer
 from meshpar.reshard import plan_between, prepare_reshard
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable, Placement
+from meshpar.runtime.remote import absent
 from meshpar.runtime.signal_move import SignalMove
 
 __all__ = ["PipeshardParallel", "parallelize", "ParallelizedStep"]
@@ -231,17 +232,20 @@ class ParallelizedStep:
             if kind is TransferKind.DEVICE_PUT:
                 return functools.partial(jax.device_put, device=dst)
             if kind is TransferKind.SIGNAL:
+                # The byte moves as any 0-d value between the two meshes would.
                 one = (NamedSharding(src.mesh, P()), NamedSharding(dst.mesh, P()))
-                processes = {d.process_index for s in one for d in s.mesh.devices.flat}
-                carry = (functools.partial(jax.device_put, device=one[1]) if len(processes) == 1 else
-                         prepare_reshard((), np.uint8, *one, executor="p2p")[0])
+                processes = [d.process_index for s in one for d in s.mesh.devices.flat]
+                carry = (functools.partial(jax.device_put, device=one[1])
+                         if choose_transfer("auto", processes, 0) is TransferKind.DEVICE_PUT
+                         else prepare_reshard((), np.uint8, *one, executor="p2p")[0])
                 return SignalMove(shape, dtype, src, dst, carry)
             executable, _ = prepare_reshard(
                 shape, dtype, src, dst, strategy=method.resharding, balancer=method.balancer,
                 cluster=method.cluster, executor=kind.value)
             fingerprints.append(executable.program.fingerprint)
             if kind is TransferKind.COLLECTIVE and not executable.participates:
-                return lambda x: jax.make_array_from_single_device_arrays(shape, dst, [], dtype=dtype)
+                nothing = absent(shape, dtype, dst)
+                return lambda x: nothing
             return executable
 
         executable = PipelineExecutable(

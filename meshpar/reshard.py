@@ -16,16 +16,16 @@ from meshpar.passes.balancers import get_balancer
 from meshpar.passes.plan_resharding import plan_resharding
 from meshpar.passes.resharding_task import ReshardingTask
 from meshpar.passes.strategies import get_strategy
+from meshpar.passes.edge_transfer import EXECUTORS
 from meshpar.passes.hop_program import lower_to_hops, replicate_scalar, verify_hop_program
 from meshpar.passes.transfer_program import lower_plan, verify_program
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.p2p_executor import ORDERS, P2PReshardExecutable
+from meshpar.runtime.remote import absent
 from meshpar.runtime.resharding_executor import ReshardingExecutable
 from meshpar.sharding_spec import ShardingSpec
 
 __all__ = ["EXECUTORS", "reshard", "plan_for", "plan_between", "prepare_reshard"]
-
-EXECUTORS = ("auto", "p2p", "collective")
 
 
 def _named(sharding: Any, ndim: int, arg: str) -> NamedSharding:
@@ -93,6 +93,8 @@ def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, str
     """Plans, lowers and compiles the move of a ``shape``/``dtype`` array from ``src`` to
     ``dst``, once: returns ``(executable, plan)``; ``executable(x)`` runs it (``plan`` is
     ``None`` for a 0-d value, which is replicated without one)."""
+    if not isinstance(src, NamedSharding):
+        raise TypeError(f"src: expected a jax.sharding.NamedSharding, got {type(src).__name__}")
     if not isinstance(dst, NamedSharding):
         raise TypeError(f"dst: expected a jax.sharding.NamedSharding, got {type(dst).__name__}")
     if executor not in EXECUTORS:
@@ -174,7 +176,7 @@ def reshard(
                                 executor=executor, order=order)
     p2p = isinstance(executable, P2PReshardExecutable)
     if not p2p and not executable.participates:
-        return jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype)
+        return absent(x.shape, x.dtype, dst)
     if jax.process_count() > 1 and id(executable) not in _agreed:
         participants = (list(range(jax.process_count())) if p2p
                         else sorted({d.process_index for d in executable.union}))

@@ -20,7 +20,8 @@ one static shape, so no byte is sent twice. Tiles may differ in shape
 (padded layouts): every per-device tile shape is explicit.
 
 Hops are grouped in *steps* (no device sends twice or receives twice in a
-step: one batched ``device_put`` each) inside the plan's rounds.
+step) inside the plan's rounds; a runtime may dispatch a step's hops
+together.
 """
 
 from __future__ import annotations
@@ -109,6 +110,11 @@ def _fingerprint(program_doc: dict) -> str:
     return hashlib.sha256(json.dumps(program_doc, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
+def _offset(box: Box, origin: tuple[int, ...]) -> tuple[int, ...]:
+    """Where ``box`` starts inside a tile that starts at ``origin``."""
+    return tuple(a - o for (a, _), o in zip(box, origin))
+
+
 def _assemble(shape, chains_per_round: list[list[Chain]], src_origin, dst_origin, src_tiles, dst_tiles) -> HopProgram:
     piece_of: dict[tuple[int, Box], int] = {}  # (sender, box) -> piece: a box sent twice is cut once
     piece_shapes: list[tuple[int, ...]] = []
@@ -118,24 +124,20 @@ def _assemble(shape, chains_per_round: list[list[Chain]], src_origin, dst_origin
     rounds: list[tuple[int, int]] = []
     for chains in chains_per_round:
         first = len(steps)
-        pieces = []
+        pieces = []  # per chain
         for chain in chains:
             key = (chain.devices[0], chain.box)
             if key not in piece_of:
                 piece_of[key] = len(piece_shapes)
                 piece_shapes.append(tuple(b - a for a, b in chain.box))
-                start = tuple(a for a, _ in chain.box)
-                cuts.append(Cut(piece_of[key], chain.devices[0], tuple(s - o for s, o in zip(start, src_origin[chain.devices[0]]))))
+                cuts.append(Cut(piece_of[key], chain.devices[0], _offset(chain.box, src_origin[chain.devices[0]])))
             pieces.append(piece_of[key])
-        piece_by_chain = {id(c): p for c, p in zip(chains, pieces)}
         for step in pack_steps(chains):
             hops = []
-            for chain, j in step:
-                piece = piece_by_chain[id(chain)]
-                receiver = chain.devices[j + 1]
-                hops.append(Hop(piece, chain.devices[j], receiver))
-                start = tuple(a for a, _ in chain.box)
-                places.setdefault((receiver, piece), Place(piece, receiver, tuple(s - o for s, o in zip(start, dst_origin[receiver]))))
+            for c, j in step:
+                piece, receiver = pieces[c], chains[c].devices[j + 1]
+                hops.append(Hop(piece, chains[c].devices[j], receiver))
+                places.setdefault((receiver, piece), Place(piece, receiver, _offset(chains[c].box, dst_origin[receiver])))
             steps.append(tuple(hops))
         rounds.append((first, len(steps)))
     doc = {

@@ -161,16 +161,16 @@ def plan_chains(t: ScheduledTask, strategy: str, host_of, split=split_box) -> li
     return chains
 
 
-def pack_steps(chains: list[Chain]) -> list[list[tuple[Chain, int]]]:
+def pack_steps(chains: list[Chain]) -> list[list[tuple[int, int]]]:
     """Packs the hops of ``chains`` into steps: per step a device sends at most one
     box and receives at most one, and a hop runs after the hop that brought its box.
 
     Chains are taken in the given order, so earlier chains win contested devices.
-    Returns, per step, ``(chain, hop index)`` pairs.
+    Returns, per step, ``(chain index, hop index)`` pairs.
     """
     done = [0] * len(chains)
     pending = list(range(len(chains)))
-    steps: list[list[tuple[Chain, int]]] = []
+    steps: list[list[tuple[int, int]]] = []
     while pending:
         sending: set[int] = set()
         receiving: set[int] = set()
@@ -182,7 +182,7 @@ def pack_steps(chains: list[Chain]) -> list[list[tuple[Chain, int]]]:
             sending.add(s)
             receiving.add(r)
             moved.append(c)
-        steps.append([(chains[c], done[c]) for c in moved])
+        steps.append([(c, done[c]) for c in moved])
         for c in moved:
             done[c] += 1
         pending = [c for c in pending if done[c] < len(chains[c].devices) - 1]
@@ -221,7 +221,7 @@ def lower_plan(plan: ReshardingPlan) -> TransferProgram:
         # Chains in plan order: the planner's priority decides who goes first
         # when two chains want the same device in the same step.
         chains = [c for t in round_tasks for c in plan_chains(t, plan.strategy, task.host_of)]
-        steps += [Step(tuple(hop(chain, j) for chain, j in step)) for step in pack_steps(chains)]
+        steps += [Step(tuple(hop(chains[c], j) for c, j in step)) for step in pack_steps(chains)]
         round_ends.append(len(steps) - 1)
     return TransferProgram(
         src_tile_shape=task.src_tiles[0].shape,

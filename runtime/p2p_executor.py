@@ -14,11 +14,10 @@ that reads the result waits for it. So the moves overlap with whatever else
 the devices run.
 
 Dispatch order: ``"eager"`` (default) enqueues every hop at once, step by
-step; ``"rounds"`` waits, before each
-plan round, for this process's arrivals of the previous round (receivers
-pull across processes, so that keeps the planner's rounds apart on the
-wire), and therefore blocks the calling thread; it exists to be measured
-against ``"eager"``.
+step; ``"rounds"`` waits, before each plan round, for this process's
+arrivals of the previous round (receivers pull across processes, so that
+keeps the planner's rounds apart on the wire), and therefore blocks the
+calling thread; it exists to be measured against ``"eager"``.
 
 Multi-process rule (JAX's): cross-process transfers are numbered by a
 per-process counter that every process advances on every cross-process
@@ -38,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.hop_program import HopProgram
 from meshpar.runtime.coordination import wait_ready
+from meshpar.runtime.remote import absent
 
 __all__ = ["ORDERS", "P2PReshardExecutable", "device_sharding", "require_cross_host_transfers"]
 
@@ -122,6 +122,7 @@ class P2PReshardExecutable:
         me = jax.process_index()
         local = {i for i, d in devices.items() if d.process_index == me}
         self._devices = devices
+        self._local = local
         self.cross_process = any(
             devices[h.src_device].process_index != devices[h.dst_device].process_index
             for step in program.steps for h in step
@@ -130,7 +131,7 @@ class P2PReshardExecutable:
             require_cross_host_transfers("this resharding")
         self._whole, self._cuts = self._compile_cuts(local)
         self._steps, self._absent = self._split_hops(local, me)
-        self._round_of_step = [r for r, (a, b) in enumerate(program.rounds) for _ in range(a, b)]
+        self._round_starts = {first for first, _ in program.rounds[1:]}
         self._assembles = self._compile_assembles(local)
         self._dst_order = [d.id for d in dst.mesh.devices.flat if d.id in local]
         self.participates = bool(local)
@@ -165,23 +166,25 @@ class P2PReshardExecutable:
         hash map whose order differs between processes, so two cross-process groups
         in one call would take their transfer numbers in different orders on the
         two sides. Also, for cross-process hops from other processes' devices, the
-        shard-less arrays that name their sources here."""
+        shard-less arrays that name their sources here. Each hop is ``(source key,
+        destination key, destination sharding)``, a key being ``(device, piece)``."""
         devices = self._devices
-        steps: list[tuple[list[tuple[int, int, int]], list[tuple[int, int, int, bool]]]] = []
-        absent: dict[tuple[int, int], jax.Array] = {}
+        Move = tuple[tuple[int, int], tuple[int, int], NamedSharding]
+        steps: list[tuple[list[Move], list[Move]]] = []
+        remote: dict[tuple[int, int], jax.Array] = {}
         for step in self.program.steps:
             local_hops, cross_hops = [], []
             for h in step:
                 s, r = devices[h.src_device], devices[h.dst_device]
+                hop = ((h.src_device, h.piece), (h.dst_device, h.piece), device_sharding(r))
                 if s.process_index != r.process_index:
-                    cross_hops.append((h.piece, h.src_device, h.dst_device, h.dst_device in local))
+                    cross_hops.append(hop)
                     if h.src_device not in local:
-                        absent[(h.src_device, h.piece)] = jax.make_array_from_single_device_arrays(
-                            self.program.piece_shapes[h.piece], device_sharding(s), [], dtype=self.dtype)
+                        remote[hop[0]] = absent(self.program.piece_shapes[h.piece], self.dtype, device_sharding(s))
                 elif s.process_index == me:
-                    local_hops.append((h.piece, h.src_device, h.dst_device))
+                    local_hops.append(hop)
             steps.append((local_hops, cross_hops))
-        return steps, absent
+        return steps, remote
 
     def _compile_assembles(self, local: set[int]) -> list[tuple[int, Any, tuple[int, ...]]]:
         """Per local destination device, one compiled program placing its pieces into
@@ -204,7 +207,8 @@ class P2PReshardExecutable:
     def __call__(self, x: jax.Array, *, timeout_s: float | None = None) -> jax.Array:
         """``x`` (sharded as ``src``) moved onto ``dst``; returns without waiting (``"eager"``)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        have: dict[tuple[int, int], jax.Array] = {}
+        # Keyed by (device, piece); pieces on other processes' devices are shard-less.
+        have: dict[tuple[int, int], jax.Array] = dict(self._absent)
         if self._whole or self._cuts:
             shards = {s.device.id: s.data for s in x.addressable_shards}
             for d, piece in self._whole:
@@ -214,20 +218,18 @@ class P2PReshardExecutable:
                     have[(d, piece)] = value
         arrivals: list[jax.Array] = []
         for k, (local_hops, cross_hops) in enumerate(self._steps):
-            if self.order == "rounds" and k and self._round_of_step[k] != self._round_of_step[k - 1]:
-                wait_ready(arrivals, timeout_s, f"round {self._round_of_step[k - 1]} of a p2p resharding")
+            if self.order == "rounds" and k in self._round_starts:
+                wait_ready(arrivals, timeout_s, f"a round of a p2p resharding (before step {k})")
                 arrivals = []
             if local_hops:
-                moved = jax.device_put([have[(s, piece)] for piece, s, _ in local_hops],
-                                       [device_sharding(self._devices[r]) for _, _, r in local_hops])
-                for (piece, _, r), value in zip(local_hops, moved):
-                    have[(r, piece)] = value
-                    arrivals.append(value)
-            for piece, s, r, here in cross_hops:
-                value = have[(s, piece)] if (s, piece) in have else self._absent[(s, piece)]
-                moved = jax.device_put(value, device_sharding(self._devices[r]))
-                if here:
-                    have[(r, piece)] = moved
+                moved = jax.device_put([have[s] for s, _, _ in local_hops], [to for _, _, to in local_hops])
+                for (_, r, _), value in zip(local_hops, moved):
+                    have[r] = value
+                arrivals += moved
+            for s, r, to in cross_hops:
+                moved = jax.device_put(have[s], to)
+                if r[0] in self._local:
+                    have[r] = moved
                     arrivals.append(moved)
         tiles = {}
         for d, fn, pieces in self._assembles:

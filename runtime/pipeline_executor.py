@@ -29,6 +29,7 @@ from meshpar.passes.mesh_assignment import batch_sharding, param_sharding
 from meshpar.passes.pipeline_schedule import PipelineSchedule, Task
 from meshpar.passes.stage_graph import Ref, StageGraph
 from meshpar.runtime.coordination import wait_ready
+from meshpar.runtime.remote import absent
 
 __all__ = ["Placement", "PipelineExecutable", "PrepareMove"]
 
@@ -78,9 +79,8 @@ def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def _absent(aval: Any, sharding: NamedSharding) -> jax.Array:
-    """An array whose shards all live in other processes: what this process holds of a
-    value computed on a mesh it does not own (it still takes part in moving it)."""
-    return jax.make_array_from_single_device_arrays(aval.shape, sharding, [], dtype=aval.dtype)
+    """What this process holds of a value computed on a mesh it does not own."""
+    return absent(aval.shape, aval.dtype, sharding)
 
 
 def _join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> jax.Array:
@@ -165,12 +165,12 @@ class PipelineExecutable:
         self._stage_fns = [self._compile_stage(s) for s in graph.stages]
         self._apply_fns = {a.mesh: self._compile_apply(a) for a in split.stages}
         self._frees = self._free_lists()
-        # Every boundary value's move, both ways, prepared now: nothing is
-        # planned, compiled or looked up by sharding on the hot path.
         # Per stage, the most micro-batches whose forward residuals were alive
         # at once during the last step (what the schedule costs in memory);
         # 0 for stages on meshes of other processes.
         self.peak_live_activations: list[int] = [0] * graph.num_stages
+        # Every boundary value's move, both ways, prepared now: nothing is
+        # planned, compiled or looked up by sharding on the hot path.
         self._edge_moves = []
         for p, c, ref in self.edges:
             aval = graph.stages[p].jaxpr.out_avals[ref.slot]

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshpar.runtime.remote import absent
+
 __all__ = ["SignalMove"]
 
 
@@ -43,11 +45,10 @@ class SignalMove:
         self._token = jax.jit(lambda x: (jnp.ravel(x)[0] * 0).astype(jnp.uint8), out_shardings=self._token_sharding)
         self._fill = jax.jit(lambda t: jnp.zeros(self.shape, self.dtype) + t.astype(self.dtype), out_shardings=dst)
         self._sends, self._receives = _owns(src), _owns(dst)
+        # What this process names in place of a value it owns no shard of.
+        self._no_token = None if self._sends else absent((), np.uint8, self._token_sharding)
+        self._no_value = None if self._receives else absent(self.shape, self.dtype, dst)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        token = (self._token(x) if self._sends else
-                 jax.make_array_from_single_device_arrays((), self._token_sharding, [], dtype=np.uint8))
-        arrived = self._carry(token)
-        if not self._receives:
-            return jax.make_array_from_single_device_arrays(self.shape, self.dst, [], dtype=self.dtype)
-        return self._fill(arrived)
+        arrived = self._carry(self._token(x) if self._sends else self._no_token)
+        return self._fill(arrived) if self._receives else self._no_value

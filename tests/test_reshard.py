@@ -171,6 +171,10 @@ def test_bad_arguments_name_themselves():
         meshpar.reshard(x, ok, executor="nccl")
     with pytest.raises(ValueError, match="order: expected one of"):
         meshpar.reshard(x, ok, order="random")
+    from meshpar.reshard import prepare_reshard
+
+    with pytest.raises(TypeError, match="src: expected a jax.sharding.NamedSharding"):
+        prepare_reshard((4, 4), np.float32, P("x"), ok)
     scalar = jax.device_put(np.float32(2), DEVICES[0])
     with pytest.raises(ValueError, match="0-d.*executor='p2p'"):
         meshpar.reshard(scalar, NamedSharding(Mesh(np.array(DEVICES[4:6]), ("x",)), P()), executor="collective")

@@ -601,6 +601,14 @@ def _stock_na(r: dict) -> bool:
     return bool(r.get("stock_na"))
 
 
+def _emulated_rows(records: Sequence[dict]):
+    """Per emulated case: ``(suite, case, row by method, any record, link lower bound)``."""
+    for (suite, case), row in _by_case(records).items():
+        if suite != "single_host":
+            any_r = next(iter(row.values()))
+            yield suite, case, row, any_r, any_r["link_lower_bound_s"]
+
+
 def table(records: Sequence[dict]) -> str:
     """Markdown (the grid): per emulated case, the link lower bound, every method's median / bound,
     Alpa / ours (ours: broadcast/ensemble on the grid's executor)."""
@@ -614,11 +622,7 @@ def table(records: Sequence[dict]) -> str:
              + " | ".join(label(m) for m in columns)
              + " | ours (ms) | Alpa (ms) | Alpa / ours | ours: cores busy (JAX / machine) |",
              "|" + "---|" * (len(columns) + 9)]
-    for (suite, case), row in _by_case(records).items():
-        if suite == "single_host":
-            continue
-        any_r = next(iter(row.values()))
-        lb = any_r["link_lower_bound_s"]
+    for suite, case, row, any_r, lb in _emulated_rows(records):
         cells = []
         for m in columns:
             r = row.get(m)
@@ -649,11 +653,7 @@ def comparison_table(records: Sequence[dict]) -> str:
     def ratio(a: dict | None, b: dict | None) -> str:
         return f"{a['median_s'] / b['median_s']:.2f}x" if a and b else "-"
 
-    for (suite, case), row in _by_case(records).items():
-        if suite == "single_host":
-            continue
-        any_r = next(iter(row.values()))
-        lb = any_r["link_lower_bound_s"]
+    for _, case, row, any_r, lb in _emulated_rows(records):
         cells = []
         for m in COMPARISON:
             r = row.get(m)
