@@ -70,6 +70,12 @@ def initialize(
         raise ValueError(f"num_processes: expected a positive integer, got {num_processes!r}")
     if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
         raise ValueError(f"process_id: expected an integer in [0, {num_processes}), got {process_id!r}")
+    if transfer_address is not None and not isinstance(transfer_address, str):
+        raise ValueError(f"transfer_address: expected 'ip:port' or '', got {transfer_address!r}")
+    if transport_addresses is not None and (
+        isinstance(transport_addresses, str) or not all(isinstance(a, str) and ":" in a for a in transport_addresses)
+    ):
+        raise ValueError(f"transport_addresses: expected a sequence of 'ip:port' strings, got {transport_addresses!r}")
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():

@@ -33,6 +33,10 @@ def test_choose_transfer_rejects_unknown_executors():
     ({"coordinator_address": "localhost", "num_processes": 2, "process_id": 0}, "coordinator_address: expected 'host:port'"),
     ({"coordinator_address": "127.0.0.1:1234", "num_processes": 0, "process_id": 0}, "num_processes"),
     ({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 2}, r"process_id: expected an integer in \[0, 2\)"),
+    ({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 0, "transfer_address": 5},
+     "transfer_address: expected 'ip:port'"),
+    ({"coordinator_address": "127.0.0.1:1234", "num_processes": 2, "process_id": 0, "transport_addresses": "10.0.0.1:0"},
+     "transport_addresses: expected a sequence of 'ip:port' strings"),
 ])
 def test_distributed_initialize_checks_arguments_before_touching_jax(kwargs, match):
     with pytest.raises(ValueError, match=match):
