@@ -1,10 +1,13 @@
-"""Pass: emit a pipeline schedule (GPipe, 1F1B) as per-mesh instruction lists.
+"""Pass: a pipeline schedule as typed tasks, per stage and in one launch order.
 
-Tasks are ``forward``/``backward`` of (stage, micro-batch) and transfers of
-an activation (forward) or its cotangent (backward) along a stage-graph edge.
+Tasks are the compute of (stage, micro-batch): ``FORWARD``, a whole
+``BACKWARD``, or a backward split into ``BACKWARD_INPUT`` (the activation
+cotangents the previous stage waits for) and ``BACKWARD_WEIGHT`` (the
+parameter cotangents nobody waits for); and the transfers of an activation
+(``SEND_ACT``) or its cotangent (``SEND_GRAD``) along a stage-graph edge.
 Each stage runs its own task sequence (the schedule); the launch order merges
-those sequences into one list that every process follows, so collective
-transfers start in the same order everywhere and cannot deadlock.
+those sequences into one list that every process follows, so transfers start
+in the same order everywhere and cannot deadlock.
 
 - ``gpipe``: all forwards, then all backwards.
 - ``1f1b``: stage ``s`` runs ``min(S - s - 1, M)`` forwards to warm up, then
@@ -15,6 +18,17 @@ transfers start in the same order everywhere and cannot deadlock.
   ``1f1b_overlap_friendly``): the extra forwards give the next stage work
   while a boundary transfer is in flight, for at most ``S - s - 1`` more
   live micro-batches than 1F1B.
+- ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's
+  forwards and activation-gradient passes, with stage ``s`` holding back its
+  first ``s`` weight-gradient passes, which then run one per step and drain
+  at the end, filling the cool-down bubbles; forward residuals are released
+  as in 1F1B.
+
+Weight delaying (the paper's backward weight delaying) applies to the first
+three: each ``BACKWARD`` becomes ``BACKWARD_INPUT`` followed, ``delay`` of the
+stage's compute tasks later, by its ``BACKWARD_WEIGHT``. With ``gpipe`` this
+means that in the backward phase each weight pass runs after the next
+micro-batch's activation pass.
 """
 
 from __future__ import annotations
@@ -22,39 +36,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Task", "Instruction", "PipelineSchedule", "SCHEDULES", "make_schedule", "verify_schedule"]
+from .dependency_graph import dependency_graph, launch_order, verify_acyclic
+from .pipeline_tasks import Task, TaskKind, task_dependencies
 
+F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
-@dataclasses.dataclass(frozen=True, order=True)
-class Task:
-    """``kind`` is ``forward``, ``backward``, ``send_act`` or ``send_grad``.
-
-    ``where`` is the stage for compute tasks and the edge index for transfers.
-    """
-
-    kind: str
-    where: int
-    micro_batch: int
-
-    def __str__(self) -> str:
-        tag = {"forward": "F", "backward": "B", "send_act": "A", "send_grad": "G"}[self.kind]
-        return f"{tag}{self.where}.{self.micro_batch}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One line of a mesh's instruction list.
-
-    ``op`` is ``run`` (a compute task), ``send``/``recv`` (a transfer task,
-    listed on both meshes), or ``free`` (drop ``buffer``).
-    """
-
-    op: str
-    task: Task | None = None
-    buffer: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.op} {self.buffer}" if self.op == "free" else f"{self.op} {self.task}"
+__all__ = ["PipelineSchedule", "SCHEDULES", "make_schedule", "stage_sequence", "verify_schedule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,29 +49,33 @@ class PipelineSchedule:
     """A schedule for a stage graph.
 
     Attributes:
-      name: ``gpipe``, ``1f1b`` or ``eager_1f1b``.
+      name: a key of ``SCHEDULES``.
       num_stages, num_micro_batches: its size.
       edges: ``(producer, consumer)`` stage pairs, indexed by transfer tasks.
+      split_backward: whether backwards are split into input and weight passes.
+      weight_delays: per stage, how many compute tasks each weight pass waits
+        after its input pass (``None`` for ``zb_h1`` and unsplit schedules).
+      sequences: each stage's compute tasks, in the order it runs them.
       order: every task once, in launch order.
-      per_mesh: each stage mesh's instruction list (its compute, its sends
-        and receives, and frees), in launch order.
     """
 
     name: str
     num_stages: int
     num_micro_batches: int
     edges: tuple[tuple[int, int], ...]
+    split_backward: bool
+    weight_delays: tuple[int, ...] | None
+    sequences: tuple[tuple[Task, ...], ...]
     order: tuple[Task, ...]
-    per_mesh: tuple[tuple[Instruction, ...], ...]
 
 
-def _stage_sequence(name: str, s: int, num_stages: int, m: int) -> list[Task]:
-    fwd = [Task("forward", s, i) for i in range(m)]
-    bwd = [Task("backward", s, i) for i in range(m)]
+def _base_sequence(name: str, s: int, num_stages: int, m: int) -> list[Task]:
+    fwd = [Task(F, s, i) for i in range(m)]
+    bwd = [Task(B, s, i) for i in range(m)]
     if name == "gpipe":
         return fwd + bwd
     # Forwards before the first backward, counting the steady phase's first.
-    ahead = num_stages - s if name == "1f1b" else 2 * (num_stages - s) - 1
+    ahead = num_stages - s if name in ("1f1b", "zb_h1") else 2 * (num_stages - s) - 1
     warmup = min(ahead - 1, m)
     seq = fwd[:warmup]
     for i in range(m - warmup):
@@ -92,102 +83,87 @@ def _stage_sequence(name: str, s: int, num_stages: int, m: int) -> list[Task]:
     return seq + bwd[m - warmup :]
 
 
-def _deps(task: Task, edges: Sequence[tuple[int, int]]) -> list[Task]:
-    m = task.micro_batch
-    if task.kind == "forward":
-        return [Task("send_act", e, m) for e, (_, c) in enumerate(edges) if c == task.where]
-    if task.kind == "send_act":
-        return [Task("forward", edges[task.where][0], m)]
-    if task.kind == "backward":
-        return [Task("forward", task.where, m)] + [
-            Task("send_grad", e, m) for e, (p, _) in enumerate(edges) if p == task.where
-        ]
-    return [Task("backward", edges[task.where][1], m)]
+def _delay_weights(seq: list[Task], delay: int) -> list[Task]:
+    """Each backward split, its weight pass after ``delay`` more of the stage's compute tasks."""
+    out: list[Task] = []
+    waiting: list[tuple[int, Task]] = []  # (compute tasks still to pass, weight task)
+    for t in seq:
+        out.append(Task(I, t.where, t.micro_batch) if t.kind is B else t)
+        waiting = [(left - 1, w) for left, w in waiting]
+        if t.kind is B:
+            waiting.append((delay, Task(W, t.where, t.micro_batch)))
+        while waiting and waiting[0][0] <= 0:
+            out.append(waiting.pop(0)[1])
+    return out + [w for _, w in waiting]
 
 
-def make_schedule(name: str, num_stages: int, num_micro_batches: int, edges: Sequence[tuple[int, int]]) -> PipelineSchedule:
+def _zb_h1(seq: list[Task], s: int) -> list[Task]:
+    """ZB-H1: after each input pass, the oldest weight pass runs once ``s`` are held back."""
+    out: list[Task] = []
+    held: list[Task] = []
+    for t in seq:
+        if t.kind is B:
+            out.append(Task(I, t.where, t.micro_batch))
+            held.append(Task(W, t.where, t.micro_batch))
+            if len(held) > s:
+                out.append(held.pop(0))
+        else:
+            out.append(t)
+    return out + held
+
+
+def stage_sequence(name: str, s: int, num_stages: int, num_micro_batches: int, delay: int | None = None) -> list[Task]:
+    """Stage ``s``'s compute tasks under schedule ``name``; ``delay`` splits backwards (see module doc)."""
+    seq = _base_sequence(name, s, num_stages, num_micro_batches)
+    if name == "zb_h1":
+        return _zb_h1(seq, s)
+    return seq if delay is None else _delay_weights(seq, delay)
+
+
+def make_schedule(
+    name: str,
+    num_stages: int,
+    num_micro_batches: int,
+    edges: Sequence[tuple[int, int]],
+    weight_delays: Sequence[int] | None = None,
+) -> PipelineSchedule:
     """The ``name`` schedule for ``num_stages`` stages joined by ``edges``.
 
+    Args:
+      weight_delays: per stage, split each backward and delay its weight pass
+        by this many compute tasks; ``None`` keeps backwards whole (``zb_h1``
+        always splits and places weight passes itself).
+
     Raises:
-      ValueError: unknown ``name``, or sizes below 1.
+      ValueError: unknown ``name``, sizes below 1, or delays that do not fit.
     """
     if name not in SCHEDULES:
         raise ValueError(f"schedule: unknown {name!r}; expected one of {sorted(SCHEDULES)}")
     if num_stages < 1 or num_micro_batches < 1:
         raise ValueError(f"num_micro_batches: expected >= 1, got {num_micro_batches}")
+    if weight_delays is not None:
+        if name == "zb_h1":
+            raise ValueError("weight_delay: zb_h1 places its weight passes itself; leave weight_delay=False")
+        if len(weight_delays) != num_stages or any(not isinstance(d, int) or d < 0 for d in weight_delays):
+            raise ValueError(f"weight_delay: expected {num_stages} non-negative delays, got {weight_delays!r}")
     edges = tuple(edges)
-    sequences = [_stage_sequence(name, s, num_stages, num_micro_batches) for s in range(num_stages)]
-    transfers = [Task(kind, e, m) for m in range(num_micro_batches) for e in range(len(edges)) for kind in ("send_act", "send_grad")]
-    done: set[Task] = set()
-    order: list[Task] = []
-    pending_transfers = list(transfers)
-    position = [0] * num_stages
-    while any(p < len(seq) for p, seq in zip(position, sequences)):
-        progressed = False
-        for s, seq in enumerate(sequences):
-            if position[s] < len(seq) and all(d in done for d in _deps(seq[position[s]], edges)):
-                order.append(seq[position[s]])
-                done.add(seq[position[s]])
-                position[s] += 1
-                progressed = True
-                # Launch transfers as soon as their data exists: eager sends
-                # let the next stage start as early as the schedule allows.
-                ready = [t for t in pending_transfers if all(d in done for d in _deps(t, edges))]
-                for t in ready:
-                    order.append(t)
-                    done.add(t)
-                    pending_transfers.remove(t)
-        if not progressed:
-            stuck = [str(seq[p]) for p, seq in zip(position, sequences) if p < len(seq)]
-            raise RuntimeError(f"schedule {name!r} deadlocks: stages wait at {stuck}")
-    per_mesh = tuple(_instructions(s, order, edges, num_micro_batches) for s in range(num_stages))
-    schedule = PipelineSchedule(name, num_stages, num_micro_batches, edges, tuple(order), per_mesh)
+    split = name == "zb_h1" or weight_delays is not None
+    sequences = tuple(
+        tuple(stage_sequence(name, s, num_stages, num_micro_batches,
+                             None if weight_delays is None else weight_delays[s]))
+        for s in range(num_stages)
+    )
+    graph = dependency_graph(sequences, edges, split, num_micro_batches)
+    verify_acyclic(graph, name)
+    order = launch_order(graph, sequences)
+    schedule = PipelineSchedule(name, num_stages, num_micro_batches, edges, split,
+                                None if weight_delays is None else tuple(weight_delays), sequences, order)
     verify_schedule(schedule)
     return schedule
 
 
-def _buffers_after(task: Task, s: int, edges: Sequence[tuple[int, int]], order_pos: dict[Task, int]) -> list[str]:
-    """Buffers of mesh ``s`` whose last use is ``task``."""
-    m = task.micro_batch
-    out = []
-    if task.kind == "forward" and task.where == s:
-        out += [f"act{e}.{m}@in" for e, (_, c) in enumerate(edges) if c == s]
-    if task.kind == "backward" and task.where == s:
-        out += [f"res{s}.{m}"] + [f"ct{e}.{m}@in" for e, (p, _) in enumerate(edges) if p == s]
-    if task.kind == "send_act" and edges[task.where][0] == s:
-        # The producer's copy of an output goes after its last send.
-        p = s
-        sends = [Task("send_act", e, m) for e, (q, _) in enumerate(edges) if q == p]
-        if task == max(sends, key=order_pos.__getitem__):
-            out.append(f"out{s}.{m}")
-    if task.kind == "send_grad" and edges[task.where][1] == s:
-        out.append(f"ct{task.where}.{m}@out")
-    return out
-
-
-def _instructions(s: int, order: Sequence[Task], edges, num_micro_batches: int) -> tuple[Instruction, ...]:
-    pos = {t: i for i, t in enumerate(order)}
-    out: list[Instruction] = []
-    for t in order:
-        if t.kind in ("forward", "backward"):
-            if t.where != s:
-                continue
-            out.append(Instruction("run", t))
-        else:
-            p, c = edges[t.where]
-            src, dst = (p, c) if t.kind == "send_act" else (c, p)
-            if s == src:
-                out.append(Instruction("send", t))
-            elif s == dst:
-                out.append(Instruction("recv", t))
-            else:
-                continue
-        out += [Instruction("free", buffer=b) for b in _buffers_after(t, s, edges, pos)]
-    return tuple(out)
-
-
 def verify_schedule(schedule: PipelineSchedule) -> None:
-    """Each task once, after its dependencies; per mesh, every buffer made before use and freed once.
+    """Each task once, after its dependencies, each stage's tasks in its sequence's order.
 
     Raises:
       PlanVerificationError: naming the first broken invariant.
@@ -195,41 +171,21 @@ def verify_schedule(schedule: PipelineSchedule) -> None:
     from .unit_tasks import PlanVerificationError
 
     S, M, edges = schedule.num_stages, schedule.num_micro_batches, schedule.edges
-    expected = {Task(k, s, m) for k in ("forward", "backward") for s in range(S) for m in range(M)}
-    expected |= {Task(k, e, m) for k in ("send_act", "send_grad") for e in range(len(edges)) for m in range(M)}
+    backward = (I, W) if schedule.split_backward else (B,)
+    expected = {Task(k, s, m) for k in (F, *backward) for s in range(S) for m in range(M)}
+    expected |= {Task(k, e, m) for k in (TaskKind.SEND_ACT, TaskKind.SEND_GRAD) for e in range(len(edges)) for m in range(M)}
     if len(schedule.order) != len(expected) or set(schedule.order) != expected:
         raise PlanVerificationError("the launch order does not run every task exactly once")
     seen: set[Task] = set()
     for t in schedule.order:
-        missing = [d for d in _deps(t, edges) if d not in seen]
+        missing = [d for d in task_dependencies(t, edges, schedule.split_backward) if d not in seen]
         if missing:
-            raise PlanVerificationError(f"{t} launches before {missing[0]}")
+            raise PlanVerificationError(f"{t} launches before {missing[0]}, which it reads")
         seen.add(t)
-    for s, instructions in enumerate(schedule.per_mesh):
-        live: set[str] = set()
-        freed: set[str] = set()
-        for ins in instructions:
-            made = []
-            if ins.op == "run" and ins.task.kind == "forward":
-                m = ins.task.micro_batch
-                made = [f"res{s}.{m}"] + ([f"out{s}.{m}"] if any(p == s for p, _ in edges) else [])
-            elif ins.op == "recv":
-                m, e = ins.task.micro_batch, ins.task.where
-                made = [f"act{e}.{m}@in" if ins.task.kind == "send_act" else f"ct{e}.{m}@in"]
-            elif ins.op == "run" and ins.task.kind == "backward":
-                m = ins.task.micro_batch
-                made = [f"ct{e}.{m}@out" for e, (_, c) in enumerate(edges) if c == s]
-            for b in made:
-                if b in live or b in freed:
-                    raise PlanVerificationError(f"mesh {s}: buffer {b} made twice")
-                live.add(b)
-            if ins.op == "free":
-                if ins.buffer not in live:
-                    raise PlanVerificationError(f"mesh {s}: frees {ins.buffer} which is not live")
-                live.remove(ins.buffer)
-                freed.add(ins.buffer)
-        if live:
-            raise PlanVerificationError(f"mesh {s}: buffers never freed: {sorted(live)}")
+    for s, seq in enumerate(schedule.sequences):
+        launched = [t for t in schedule.order if t.kind.is_compute and t.where == s]
+        if launched != list(seq):
+            raise PlanVerificationError(f"stage {s}: launch order {launched} breaks its sequence {list(seq)}")
 
 
-SCHEDULES = {"gpipe": "gpipe", "1f1b": "1f1b", "eager_1f1b": "eager_1f1b"}
+SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")

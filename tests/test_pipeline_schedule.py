@@ -2,7 +2,12 @@
 
 import pytest
 
+from meshpar.passes.dependency_graph import dependency_graph, verify_acyclic
 from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.pipeline_tasks import Task, TaskKind
+from meshpar.passes.unit_tasks import PlanVerificationError
+
+F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
 
 def _chain(S):
@@ -15,17 +20,18 @@ def _u_shape(S):
 
 
 def _per_stage(schedule, s):
-    return [t for t in schedule.order if t.kind in ("forward", "backward") and t.where == s]
+    return [t for t in schedule.order if t.kind.is_compute and t.where == s]
 
 
 def _forwards_before_first_backward(seq):
-    return next(k for k, t in enumerate(seq) if t.kind == "backward")
+    return next(k for k, t in enumerate(seq) if t.kind in (B, I))
 
 
 def _peak_in_flight(seq):
+    """Micro-batches whose forward residuals are held: from F until the (input) backward."""
     live = peak = 0
     for t in seq:
-        live += 1 if t.kind == "forward" else -1
+        live += {F: 1, B: -1, I: -1, W: 0}[t.kind]
         peak = max(peak, live)
     return peak
 
@@ -38,7 +44,7 @@ def test_warm_up_depth_and_in_flight_bound(name, S, M, edges_of):
     schedule = make_schedule(name, S, M, edges_of(S))  # runs verify_schedule
     for s in range(S):
         seq = _per_stage(schedule, s)
-        ahead = {"gpipe": M, "1f1b": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1)}[name]
+        ahead = {"gpipe": M, "1f1b": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1), "zb_h1": min(M, S - s)}[name]
         assert _forwards_before_first_backward(seq) == ahead
         assert _peak_in_flight(seq) == ahead
         # Paper Table 1: eager-1F1B keeps at most S more micro-batches alive than 1F1B.
@@ -59,3 +65,66 @@ def test_launch_orders_for_two_stages_and_four_micro_batches():
 def test_unknown_schedule_is_named():
     with pytest.raises(ValueError, match="schedule: unknown 'zb'"):
         make_schedule("zb", 2, 4, [(0, 1)])
+
+
+@pytest.mark.parametrize("edges_of", [_chain, _u_shape])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("S", [1, 2, 3, 4])
+def test_zb_h1_holds_back_s_weight_passes_and_keeps_1f1b_memory(S, M, edges_of):
+    """ZB-H1 (Qi et al.): the forward/input-pass order of 1F1B; stage s runs its weight passes
+    in micro-batch order, never more than s behind its input passes, all at the end once
+    the forwards are done."""
+    zb = make_schedule("zb_h1", S, M, edges_of(S))
+    one = make_schedule("1f1b", S, M, edges_of(S))
+    for s in range(S):
+        seq = _per_stage(zb, s)
+        assert [(t.kind is F, t.micro_batch) for t in seq if t.kind is not W] == [
+            (t.kind is F, t.micro_batch) for t in _per_stage(one, s)]
+        assert _peak_in_flight(seq) == _peak_in_flight(_per_stage(one, s))
+        assert [t.micro_batch for t in seq if t.kind is W] == list(range(M))
+        inputs = weights = 0
+        for k, t in enumerate(seq):
+            inputs += t.kind is I
+            weights += t.kind is W
+            forwards_left = any(u.kind is F for u in seq[k + 1:])
+            if t.kind is I and forwards_left:
+                assert inputs - weights <= s + 1
+            assert inputs - weights <= max(s, 0) + 1
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager_1f1b"])
+@pytest.mark.parametrize("delay", [0, 1, 2, 5])
+@pytest.mark.parametrize("S, M", [(2, 4), (3, 6), (4, 4), (4, 2)])
+def test_weight_delay_puts_each_weight_pass_delay_compute_tasks_after_its_input_pass(name, delay, S, M):
+    split = make_schedule(name, S, M, _chain(S), [delay] * S)
+    whole = make_schedule(name, S, M, _chain(S))
+    for s in range(S):
+        seq = _per_stage(split, s)
+        # Without the weight passes it is the unsplit schedule, input passes for backwards.
+        assert [(t.kind is F, t.micro_batch) for t in seq if t.kind is not W] == [
+            (t.kind is F, t.micro_batch) for t in _per_stage(whole, s)]
+        others = [t for t in seq if t.kind is not W]
+        for m in range(M):
+            at_input = others.index(Task(I, s, m))
+            passed = [t for t in seq[: seq.index(Task(W, s, m))] if t.kind is not W]
+            # The weight pass sits after `delay` more compute tasks, or at the end if fewer remain.
+            assert len(passed) == min(at_input + 1 + delay, len(others))
+
+
+def test_dependency_graph_finds_a_deadlock_and_names_the_cycle():
+    # Stage 0 wants micro-batch 0's backward before its forward.
+    sequences = [[Task(B, 0, 0), Task(F, 0, 0)], [Task(F, 1, 0), Task(B, 1, 0)]]
+    graph = dependency_graph(sequences, [(0, 1)], False, 1)
+    with pytest.raises(PlanVerificationError, match=r"deadlocks: .*B0.0"):
+        verify_acyclic(graph, "handmade")
+    good = dependency_graph([[Task(k, s, m) for k in (F, B) for m in (0, 1)] for s in (0, 1)], [(0, 1)], False, 2)
+    verify_acyclic(good, "handmade")
+    assert good.edges[Task(TaskKind.SEND_GRAD, 0, 0), Task(B, 0, 0)]["kind"] == "data"
+    assert good.edges[Task(F, 0, 0), Task(F, 0, 1)]["kind"] == "sequence"
+
+
+def test_weight_delay_with_zb_h1_or_bad_delays_is_rejected():
+    with pytest.raises(ValueError, match="weight_delay: zb_h1 places"):
+        make_schedule("zb_h1", 2, 4, [(0, 1)], [1, 1])
+    with pytest.raises(ValueError, match="weight_delay: expected 2 non-negative"):
+        make_schedule("1f1b", 2, 4, [(0, 1)], [1, -1])
