@@ -62,33 +62,32 @@ def run(args: argparse.Namespace) -> list[dict]:
         num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2)))
     executable = parallel.get_executable(state, batch)
     records = []
-    for (p, c, ref), (forward, backward) in zip(executable.edges, executable._edge_moves):
-        aval = executable.graph.stages[p].jaxpr.out_avals[ref.slot]
-        for direction, move, (a, b) in (("activation", forward, (p, c)), ("gradient", backward, (c, p))):
-            src, dst = executable.act_sharding(ref, a), executable.act_sharding(ref, b)
-            p2p, _ = prepare_reshard(aval.shape, aval.dtype, src, dst, executor="p2p")
-            fresh = jax.jit(lambda v: v + 1.0, out_shardings=src)
-            value = jax.device_put(np.ones(aval.shape, aval.dtype), src)
-            methods = {"boundary": move, "device_put": lambda v, d=dst: jax.device_put(v, d), "p2p": p2p}
-            for fn in methods.values():
-                jax.block_until_ready(fn(fresh(value)))
-            times: dict[str, list[float]] = {m: [] for m in methods}
-            names = list(methods)
-            for k in range(args.repeat):
-                # Rotate who goes first: no method always runs on a cold cache.
-                for name in names[k % 3:] + names[:k % 3]:
-                    fn = methods[name]
-                    x = fresh(value).block_until_ready()
-                    t0 = time.perf_counter()
-                    fn(x).block_until_ready()
-                    times[name].append(time.perf_counter() - t0)
-            record = {"value": f"{direction} {ref} {aval.str_short()}", "bytes": int(np.prod(aval.shape)) * aval.dtype.itemsize,
-                      **{f"{m}_median_s": statistics.median(t) for m, t in times.items()}}
-            record["boundary_over_device_put"] = record["boundary_median_s"] / record["device_put_median_s"]
-            records.append(record)
-            print(f"[boundary_transfers] {record['value']}: boundary {record['boundary_median_s'] * 1e6:.0f} us, "
-                  f"device_put {record['device_put_median_s'] * 1e6:.0f} us, p2p {record['p2p_median_s'] * 1e6:.0f} us "
-                  f"(boundary/device_put {record['boundary_over_device_put']:.2f})", flush=True)
+    for transfer, move in zip(executable.program.transfers, executable.transfer_moves):
+        aval, direction = jax.ShapeDtypeStruct(transfer.shape, transfer.dtype), transfer.direction.value
+        src, dst = transfer.src, transfer.dst
+        p2p, _ = prepare_reshard(aval.shape, aval.dtype, src, dst, executor="p2p")
+        fresh = jax.jit(lambda v: v + 1.0, out_shardings=src)
+        value = jax.device_put(np.ones(aval.shape, aval.dtype), src)
+        methods = {"boundary": move, "device_put": lambda v, d=dst: jax.device_put(v, d), "p2p": p2p}
+        for fn in methods.values():
+            jax.block_until_ready(fn(fresh(value)))
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        names = list(methods)
+        for k in range(args.repeat):
+            # Rotate who goes first: no method always runs on a cold cache.
+            for name in names[k % 3:] + names[:k % 3]:
+                fn = methods[name]
+                x = fresh(value).block_until_ready()
+                t0 = time.perf_counter()
+                fn(x).block_until_ready()
+                times[name].append(time.perf_counter() - t0)
+        record = {"value": f"{direction} of edge {transfer.edge} {transfer.dtype.name}{list(transfer.shape)}", "bytes": int(np.prod(aval.shape)) * aval.dtype.itemsize,
+                  **{f"{m}_median_s": statistics.median(t) for m, t in times.items()}}
+        record["boundary_over_device_put"] = record["boundary_median_s"] / record["device_put_median_s"]
+        records.append(record)
+        print(f"[boundary_transfers] {record['value']}: boundary {record['boundary_median_s'] * 1e6:.0f} us, "
+              f"device_put {record['device_put_median_s'] * 1e6:.0f} us, p2p {record['p2p_median_s'] * 1e6:.0f} us "
+              f"(boundary/device_put {record['boundary_over_device_put']:.2f})", flush=True)
     return records
 
 

@@ -13,16 +13,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
-from meshpar.passes.apply_split import split_apply
 from meshpar.passes.balancers import get_balancer
-from meshpar.passes.mesh_assignment import DEFAULT_AXES, assign_stage_meshes, param_sharding
-from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.stage_graph import Ref, StageMarkerError, split_stages
+from meshpar.passes.edge_transfer import EXECUTORS, SIGNAL, Direction, TransferKind, choose_transfer
+from meshpar.passes.mesh_assignment import DEFAULT_AXES
+from meshpar.passes.pipeline_passes import PipelineOptions, compile_pipeline
+from meshpar.passes.pipeline_schedule import SCHEDULES
+from meshpar.passes.stage_graph import StageGraph, StageMarkerError
 from meshpar.passes.strategies import get_strategy
-from meshpar.passes.edge_transfer import EXECUTORS, SIGNAL, TransferKind, choose_transfer
+from meshpar.passes.weight_delay import check_weight_delay
 from meshpar.reshard import plan_between, prepare_reshard
 from meshpar.runtime.coordination import agree
-from meshpar.runtime.pipeline_executor import PipelineExecutable, Placement
+from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.remote import absent
 from meshpar.runtime.signal_move import SignalMove
 
@@ -40,7 +41,15 @@ class PipeshardParallel:
       num_stages: expected number of stages (stage markers + 1); checked.
       stage_mesh_shape: ``(data, model)`` shape of each cut mesh; default all
         devices of a stage on ``data``.
-      schedule: ``gpipe``, ``1f1b`` or ``eager_1f1b``.
+      schedule: ``gpipe``, ``1f1b``, ``eager_1f1b`` or ``zb_h1``
+        (``passes.pipeline_schedule``).
+      weight_delay: split each backward into an activation-gradient and a
+        weight-gradient pass and run the latter later: ``False`` (whole
+        backwards), ``True`` (after the stage's next compute task) or
+        ``"auto"`` (the least delay whose compute covers the stage's
+        transfer round trip, by the cost model). With ``gpipe`` the weight
+        passes then trail the next micro-batch's activation pass. ``zb_h1``
+        always splits and places weight passes itself.
       resharding, balancer: strategy and balancer of cross-mesh transfers.
         ``resharding="signal"`` sends one byte per transfer instead, with the
         same dependencies, and delivers zeros: the schedule's communication
@@ -70,6 +79,7 @@ class PipeshardParallel:
     devices: Sequence[Any] | None = None
     executor: str = "auto"
     timeout_s: float = 120.0
+    weight_delay: bool | str = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
@@ -78,6 +88,7 @@ class PipeshardParallel:
             raise ValueError(f"num_stages: expected a positive integer, got {self.num_stages!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: unknown {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
+        check_weight_delay(self.weight_delay, self.schedule)
         if self.resharding != SIGNAL:
             get_strategy(self.resharding)
         get_balancer(self.balancer)
@@ -187,45 +198,25 @@ class ParallelizedStep:
             raise
         except Exception as e:
             raise TypeError(f"{getattr(self.fun, '__name__', 'step')}: cannot be traced by meshpar.parallelize: {e}") from e
-        out_tree = jax.tree.structure(out_shapes)
-        # 2. Cut the loss into stages.
+        # 2. Everything else is the pass pipeline's: stages, meshes, layout,
+        # stage parts, transfers, schedule and program, each verified.
         grad_eqns = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
         if len(grad_eqns) != 1:
             raise ValueError(
                 f"{getattr(self.fun, '__name__', 'step')}: must call meshpar.value_and_grad or meshpar.grad "
                 f"exactly once, found {len(grad_eqns)}"
             )
-        (grad_eqn,) = grad_eqns
-        graph = split_stages(grad_eqn.params["loss_jaxpr"], grad_eqn.params["num_diff"])
-        S = graph.num_stages
-        if method.num_stages is not None and method.num_stages != S:
-            if S == 1:
-                raise StageMarkerError(
-                    f"num_stages: {method.num_stages} stages asked for, but the model calls "
-                    f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends"
-                )
-            raise StageMarkerError(
-                f"num_stages: {method.num_stages} stages asked for, but the model's "
-                f"{S - 1} stage markers make {S} stages"
-            )
-        # 3. Meshes, and where every leaf lives.
-        devices = list(method.devices) if method.devices is not None else jax.devices()
-        meshes = assign_stage_meshes(devices, S, method.stage_meshes, method.stage_mesh_shape)
-        _, split = split_apply(outer, graph.param_owner, graph.loss.index, S)
-        batch_inputs = frozenset(
-            k for k, r in enumerate(split.loss_inputs) if r.kind == "in" and r.index in batch_leaves
+        cluster = method.cluster
+        options = PipelineOptions(
+            M, micro_batch_size, method.schedule, method.weight_delay, method.executor, method.resharding,
+            method.stage_meshes, method.stage_mesh_shape,
+            cluster.inter_host_bandwidth if cluster else 1.25e9, cluster.intra_host_bandwidth if cluster else 100e9,
         )
-        for mesh in meshes:
-            data = mesh.shape.get("data", 1)
-            if micro_batch_size % data:
-                raise ValueError(
-                    f"num_micro_batches: micro-batches of {micro_batch_size} examples do not split over "
-                    f"the {data}-way 'data' axis of the stage meshes"
-                )
-
-        in_placements = _input_placements(graph, split, meshes, leaves, _flax_specs(args), batch_leaves)
-        out_placements = _output_placements(in_tree, out_tree, in_placements, len(leaves))
-        schedule = make_schedule(method.schedule, S, M, [(p, c) for p, c, _ in graph.edges()])
+        devices = list(method.devices) if method.devices is not None else jax.devices()
+        compiled = compile_pipeline(
+            outer, grad_eqns[0].params, leaves, _flax_specs(args), frozenset(batch_leaves), in_tree,
+            jax.tree.structure(out_shapes), devices, options, functools.partial(_check_num_stages, method),
+        )
         fingerprints: list[str] = []
 
         def prepare_move(kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding):
@@ -249,16 +240,16 @@ class ParallelizedStep:
             return executable
 
         executable = PipelineExecutable(
-            graph, split, schedule, meshes, in_placements, out_placements, batch_inputs, M,
-            micro_batch_size, prepare_move, method.executor, out_tree, jax.tree.leaves(out_shapes),
-            timeout_s=method.timeout_s, strategy=method.resharding,
+            compiled.graph, compiled.split, compiled.layout, compiled.program, compiled.parts, compiled.meshes,
+            micro_batch_size, prepare_move, jax.tree.structure(out_shapes), jax.tree.leaves(out_shapes),
+            timeout_s=method.timeout_s,
         )
         if jax.process_count() > 1:
             # One agreement for the whole pipeline: every process compiled the
             # same stages, schedule and moves, or all of them fail here.
             agree(
                 f"pipeline/{getattr(self.fun, '__name__', 'step')}",
-                {"schedule": [str(t) for t in schedule.order], "moves": fingerprints},
+                {"schedule": [str(t) for t in compiled.schedule.order], "moves": fingerprints},
                 list(range(jax.process_count())),
                 timeout_s=method.timeout_s,
                 what=f"meshpar.parallelize({getattr(self.fun, '__name__', 'step')})",
@@ -267,53 +258,32 @@ class ParallelizedStep:
         return executable
 
 
-def _input_placements(graph, split, meshes, leaves, specs, batch_leaves) -> list[Placement]:
-    needs: list[set[int]] = [set() for _ in leaves]
-    for k, leaf in enumerate(split.param_inputs):
-        needs[leaf].add(graph.param_owner(k))
-    for stage in graph.stages:
-        for r in stage.inputs:
-            if r.kind == "input":
-                ref = split.loss_inputs[r.index]
-                if ref.kind == "in" and ref.index not in batch_leaves:
-                    needs[ref.index].add(stage.index)
-    for apply in split.stages:
-        for r in apply.inputs:
-            if r.kind == "in":
-                needs[r.index].add(apply.mesh)
-    placements = []
-    for i, (x, spec) in enumerate(zip(leaves, specs)):
-        if i in batch_leaves and not needs[i]:
-            # Read only per micro-batch, each going straight to its stage.
-            placements.append(Placement((), ()))
-            continue
-        where = tuple(sorted(needs[i])) or (0,)
-        shape = tuple(np.shape(x))
-        if len(where) == 1:
-            shardings = (param_sharding(meshes[where[0]], spec, shape),)
-        else:
-            shardings = tuple(NamedSharding(meshes[m], P()) for m in where)
-        placements.append(Placement(shardings, where))
-    return placements
-
-
-def _output_placements(in_tree, out_tree, in_placements, num_in) -> list[Placement | None]:
-    """The step's new state lives where its old state did, so the next step moves nothing."""
-    outs: list[Placement | None] = [None] * out_tree.num_leaves
-    in_children, out_children = in_tree.children(), out_tree.children()
-    if in_children and out_children and in_children[0] == out_children[0]:
-        for j in range(in_children[0].num_leaves):
-            outs[j] = in_placements[j]
-    return outs
+def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
+    S = graph.num_stages
+    if method.num_stages is not None and method.num_stages != S:
+        if S == 1:
+            raise StageMarkerError(
+                f"num_stages: {method.num_stages} stages asked for, but the model calls "
+                f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends"
+            )
+        raise StageMarkerError(
+            f"num_stages: {method.num_stages} stages asked for, but the model's "
+            f"{S - 1} stage markers make {S} stages"
+        )
 
 
 def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
     """Stages, meshes, shardings, each cross-mesh transfer's plan, and the schedule."""
+    schedule = executable.schedule
+    split = ("whole backwards" if not schedule.split_backward else
+             "backwards split into input (I) and weight (W) passes, "
+             + (f"weight passes delayed by {list(schedule.weight_delays)} compute tasks per stage"
+                if schedule.weight_delays is not None else "stage s holding back s weight passes"))
     lines = [f"pipeline: {executable.graph.num_stages} stages, {executable.num_micro_batches} micro-batches "
-             f"of {executable.micro_batch_size}, schedule {executable.schedule.name}"]
+             f"of {executable.micro_batch_size}, schedule {schedule.name}, {split}"]
     for stage in executable.graph.stages:
         mesh = executable.meshes[stage.index]
-        specs = [executable.input_sharding(Ref("param", k), stage.index).spec for k in stage.param_inputs]
+        specs = [sh.spec for sh in executable.layout.grad_shardings[stage.index]]
         sharded = sum(1 for spec in specs if any(e is not None for e in spec))
         others = [str(r) for r in stage.inputs if r.kind != "param"]
         lines.append(
@@ -321,21 +291,19 @@ def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
             f"{len(specs)} parameter leaves ({sharded} sharded over 'model', the rest replicated); "
             f"also reads {', '.join(others) or 'nothing else'}"
         )
-    for p, c, ref in executable.edges:
-        aval = executable.graph.stages[p].jaxpr.out_avals[ref.slot]
-        for direction, (a, b) in (("activation", (p, c)), ("gradient", (c, p))):
-            src, dst = executable.act_sharding(ref, a), executable.act_sharding(ref, b)
-            kind = executable.move_kinds[(tuple(aval.shape), np.dtype(aval.dtype), src, dst)]
-            if kind is TransferKind.DEVICE_PUT:
-                how = "jax.device_put (one process owns both meshes)"
-            elif kind is TransferKind.SIGNAL:
-                how = "signal: one byte with the same dependencies, zeros delivered (upper-bound run)"
-            elif not aval.shape:
-                how = f"{kind.value}: a scalar, replicated to every device"
-            else:
-                plan = plan_between(aval.shape, aval.dtype, src, dst, strategy=method.resharding,
-                                    balancer=method.balancer, cluster=method.cluster)
-                how = f"{kind.value}: {plan.summary()}"
-            lines.append(f"  {direction} {ref} {aval.str_short()} stage {a} -> {b}: {how}")
-    lines.append("  launch order: " + " ".join(map(str, executable.schedule.order)))
+    for t in executable.program.transfers:
+        if t.kind is TransferKind.DEVICE_PUT:
+            how = "jax.device_put (one process owns both meshes)"
+        elif t.kind is TransferKind.SIGNAL:
+            how = "signal: one byte with the same dependencies, zeros delivered (upper-bound run)"
+        elif not t.shape:
+            how = f"{t.kind.value}: a scalar, replicated to every device"
+        else:
+            plan = plan_between(t.shape, t.dtype, t.src, t.dst, strategy=method.resharding,
+                                balancer=method.balancer, cluster=method.cluster)
+            how = f"{t.kind.value}: {plan.summary()}"
+        what = "activation" if t.direction is Direction.ACTIVATION else "gradient"
+        value = jax.core.ShapedArray(t.shape, t.dtype).str_short()
+        lines.append(f"  {what} {executable.edges[t.edge][2]} {value} stage {t.src_stage} -> {t.dst_stage}: {how}")
+    lines.append("  launch order: " + " ".join(map(str, schedule.order)))
     return "\n".join(lines)

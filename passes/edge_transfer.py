@@ -18,10 +18,17 @@ devices of the two meshes:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-__all__ = ["EXECUTORS", "SIGNAL", "TransferKind", "choose_transfer"]
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from .mesh_assignment import batch_sharding
+
+__all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "TransferKind", "choose_transfer", "plan_edge_transfers"]
 
 EXECUTORS = ("auto", "p2p", "collective")
 
@@ -58,3 +65,64 @@ def choose_transfer(executor: str, processes: Iterable[int], ndim: int, strategy
     if executor == "collective" and ndim > 0:
         return TransferKind.COLLECTIVE
     return TransferKind.P2P
+
+
+class Direction(enum.Enum):
+    ACTIVATION = "activation"  # producer stage -> consumer stage, in the forward
+    COTANGENT = "cotangent"  # consumer stage -> producer stage, in the backward
+
+
+@dataclasses.dataclass(frozen=True)
+class EdgeTransfer:
+    """One way a boundary value crosses: the move every micro-batch of it makes.
+
+    Attributes:
+      edge: the stage-graph edge.
+      direction: activation (forward) or its cotangent (backward).
+      src_stage, dst_stage: the meshes it leaves and reaches.
+      slot: the producer's output slot the edge carries.
+      shape, dtype: the value (a micro-batch's).
+      src, dst: its sharding on each mesh.
+      kind: how it moves.
+    """
+
+    edge: int
+    direction: Direction
+    src_stage: int
+    dst_stage: int
+    slot: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    src: NamedSharding
+    dst: NamedSharding
+    kind: TransferKind
+
+    def __str__(self) -> str:
+        return (f"{self.direction.value} of edge {self.edge} (stage {self.src_stage} -> {self.dst_stage}, "
+                f"{self.dtype.name}{list(self.shape)}, {self.kind.value})")
+
+
+def plan_edge_transfers(
+    edges: Sequence[tuple[int, int, int]],
+    avals: Sequence[Any],
+    meshes: Sequence[Mesh],
+    micro_batch_size: int,
+    executor: str,
+    strategy: str,
+) -> tuple[EdgeTransfer, ...]:
+    """Both moves of every edge ``(producer, consumer, producer slot)`` whose value has ``avals[e]``.
+
+    A boundary value is sharded over its mesh's ``data`` axis along the batch
+    dimension (``mesh_assignment.batch_sharding``), the same way in both
+    directions, so the cotangent moves exactly as its activation did, reversed.
+    """
+    out = []
+    for e, ((p, c, slot), aval) in enumerate(zip(edges, avals)):
+        shape = tuple(aval.shape)
+        for direction, (a, b) in ((Direction.ACTIVATION, (p, c)), (Direction.COTANGENT, (c, p))):
+            src = batch_sharding(meshes[a], shape, micro_batch_size)
+            dst = batch_sharding(meshes[b], shape, micro_batch_size)
+            processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]
+            kind = choose_transfer(executor, processes, len(shape), strategy)
+            out.append(EdgeTransfer(e, direction, a, b, slot, shape, np.dtype(aval.dtype), src, dst, kind))
+    return tuple(out)

@@ -3,7 +3,8 @@
 (data, model, pipeline) = (2, 2, 2): stage 0's mesh is process 0's four devices, stage 1's
 process 1's. Each process checks the parameters it holds, and the loss where it lives,
 against the same step under jax.jit on one local device: the GPT with the default
-transfers (p2p across processes), an MLP with the collective ones. Then process 1 skips a
+transfers (p2p across processes), an MLP with the collective ones and with eager-1F1B, ZB-H1
+and weight delaying. Then process 1 skips a
 step: process 0 must fail within its timeout naming the transfer it waited for.
 """
 
@@ -74,6 +75,18 @@ for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_sta
     for shard in got.addressable_shards:
         np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-6)
 print(f"process {pid}: collective transfers match", flush=True)
+
+# The overlap-friendly schedules, backward weight delaying included, across processes.
+for schedule, weight_delay in (("eager_1f1b", True), ("zb_h1", False), ("1f1b", "auto")):
+    run = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
+        num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), schedule=schedule, weight_delay=weight_delay))
+    got_state, got_loss = run(mlp_state, mlp_batch)
+    if got_loss.is_fully_addressable:
+        np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
+        for shard in got.addressable_shards:
+            np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-6)
+    print(f"process {pid}: {schedule} with weight_delay={weight_delay} matches", flush=True)
 
 # Upper-bound transfers: one byte per move, across processes too.
 signal = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(

@@ -65,7 +65,7 @@ def test_mlp_matches_single_device_jit_on_every_transfer_path(config, schedule, 
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
     assert int(par_state.step) == int(ref_state.step) == 3
-    kinds = set(parallel.get_executable(par_state, _mlp_batch()).move_kinds.values())
+    kinds = {t.kind for t in parallel.get_executable(par_state, _mlp_batch()).program.transfers}
     expected = {"auto": "device_put", "p2p": "p2p", "collective": "collective"}[executor]
     assert config[2] == 1 or {k.value for k in kinds} == {expected}
 
@@ -85,7 +85,7 @@ def test_batch_goes_per_micro_batch_to_its_stage_and_on_device_batches_stay_ther
     parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2))
     executable = parallel.get_executable(state, batch)
     batch_leaves = range(len(jax.tree.leaves(state)), len(jax.tree.leaves((state, batch))))
-    assert all(executable.in_placements[i].meshes == () for i in batch_leaves)
+    assert all(executable.layout.in_placements[i].meshes == () for i in batch_leaves)
     on_device = jax.device_put(batch, jax.devices()[7])
     s1, l1 = parallel(state, batch)
     s2, l2 = parallel(state, on_device)
@@ -120,10 +120,9 @@ def test_state_stays_on_stage_meshes_and_nothing_recompiles():
     meshes = [set(m.devices.flat) for m in executable.meshes]
     for leaf in jax.tree.leaves(state.params):
         assert set(leaf.sharding.device_set) in meshes, "a parameter left its stage mesh"
-    sizes = [f._cache_size() for pair in executable._stage_fns for f in pair]
+    count = executable.compiled_count()
     state, _ = parallel(state, batch)
-    assert [f._cache_size() for pair in executable._stage_fns for f in pair] == sizes
-    assert all(s == 1 for s in sizes), sizes
+    assert executable.compiled_count() == count
     assert parallel.get_executable(state, batch) is executable
 
 
@@ -278,15 +277,13 @@ def test_signal_resharding_moves_one_byte_with_the_same_dependencies():
     _, loss = parallel(state, batch)
     assert np.isfinite(float(loss))
     executable = parallel.get_executable(state, batch)
-    assert {k.value for k in executable.move_kinds.values()} == {"signal"}
+    assert {t.kind.value for t in executable.program.transfers} == {"signal"}
     assert "signal: one byte" in executable.describe()
-    (p, c, ref), (forward, _) = executable.edges[0], executable._edge_moves[0]
-    src, dst = executable.act_sharding(ref, p), executable.act_sharding(ref, c)
-    aval = executable.graph.stages[p].jaxpr.out_avals[ref.slot]
-    value = jax.device_put(np.full(aval.shape, 3.0, aval.dtype), src)
+    transfer, forward = executable.program.transfers[0], executable.transfer_moves[0]
+    value = jax.device_put(np.full(transfer.shape, 3.0, transfer.dtype), transfer.src)
     moved = forward(value)
-    assert moved.sharding == dst and moved.shape == aval.shape
-    np.testing.assert_array_equal(np.asarray(moved), np.zeros(aval.shape, aval.dtype))
+    assert moved.sharding == transfer.dst and moved.shape == transfer.shape
+    np.testing.assert_array_equal(np.asarray(moved), np.zeros(transfer.shape, transfer.dtype))
 
 
 @pytest.mark.parametrize("schedule, expected", [("gpipe", [4, 4]), ("1f1b", [2, 1]), ("eager_1f1b", [3, 1])])

@@ -1,0 +1,156 @@
+"""The pipeline compiler: one visible list of passes, each followed by its IR's verifier.
+
+``compile_pipeline`` runs, in order:
+
+1. ``split_stages``: the loss jaxpr cut at stage markers -> ``StageGraph``;
+2. ``split_apply``: the rest of the step (the update) per mesh -> ``ApplySplit``;
+3. ``assign_stage_meshes``: one device mesh per stage;
+4. ``layout_step``: where every value lives -> ``StepLayout``;
+5. ``stage_parts``: each stage's forward, backward and split backward jaxprs;
+6. ``plan_edge_transfers``: how each boundary value moves, both ways;
+7. ``weight_delays``: each stage's weight-pass delay (cost model);
+8. ``make_schedule``: the typed tasks and the networkx dependency graph
+   (checked acyclic) -> ``PipelineSchedule``;
+9. ``lower_to_program``: per-mesh instructions over typed buffers ->
+   ``PipelineProgram``.
+
+Like XLA's ``HloPassPipeline``, a verifier failure names the pass whose
+output broke the invariant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from jax._src import core
+from jax.sharding import Mesh, PartitionSpec as P
+
+from .apply_split import ApplySplit, split_apply
+from .cost_model import compute_seconds, jaxpr_flops, transfer_seconds
+from .edge_transfer import Direction, EdgeTransfer, TransferKind, plan_edge_transfers
+from .mesh_assignment import assign_stage_meshes
+from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
+from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
+from .stage_graph import StageGraph, split_stages, verify_stage_graph
+from .stage_parts import StageParts, stage_parts, verify_stage_parts
+from .step_layout import StepLayout, layout_step
+from .unit_tasks import PlanVerificationError
+from .weight_delay import weight_delays
+
+__all__ = ["PipelineOptions", "CompiledPipeline", "compile_pipeline"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """What the user chose (``meshpar.PipeshardParallel``), as the passes need it."""
+
+    num_micro_batches: int
+    micro_batch_size: int
+    schedule: str
+    weight_delay: bool | str
+    executor: str
+    resharding: str
+    stage_meshes: Sequence[Mesh] | None
+    stage_mesh_shape: tuple[int, int] | None
+    inter_host_bandwidth: float
+    intra_host_bandwidth: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPipeline:
+    """Every IR the passes made, for the runtime and for ``describe()``."""
+
+    graph: StageGraph
+    split: ApplySplit
+    meshes: tuple[Mesh, ...]
+    layout: StepLayout
+    parts: tuple[StageParts, ...]
+    schedule: PipelineSchedule
+    program: PipelineProgram
+
+
+def _run(name: str, make: Callable[[], T], verify: Callable[[T], None]) -> T:
+    result = make()
+    try:
+        verify(result)
+    except PlanVerificationError as e:
+        raise PlanVerificationError(f"after pass {name}: {e}") from e
+    return result
+
+
+def _round_trips(transfers: Sequence[EdgeTransfer], num_stages: int, options: PipelineOptions) -> list[float]:
+    """Per stage, its longest activation-out plus cotangent-back pair of transfers, estimated."""
+    def seconds(t: EdgeTransfer) -> float:
+        bandwidth = options.intra_host_bandwidth if t.kind is TransferKind.DEVICE_PUT else options.inter_host_bandwidth
+        return transfer_seconds(t.dtype.itemsize * math.prod(t.shape), bandwidth)
+
+    out = [0.0] * num_stages
+    by_edge: dict[int, float] = {}
+    for t in transfers:
+        by_edge[t.edge] = by_edge.get(t.edge, 0.0) + seconds(t)
+    for t in transfers:
+        if t.direction is Direction.ACTIVATION:
+            out[t.src_stage] = max(out[t.src_stage], by_edge[t.edge])
+    return out
+
+
+def compile_pipeline(
+    outer: core.ClosedJaxpr,
+    grad_params: dict[str, Any],
+    leaves: Sequence[Any],
+    specs: Sequence[P | None],
+    batch_leaves: frozenset[int],
+    in_tree: Any,
+    out_tree: Any,
+    devices: Sequence[Any],
+    options: PipelineOptions,
+    check_stages: Callable[[StageGraph], None] = lambda graph: None,
+) -> CompiledPipeline:
+    """Runs the passes (module doc) on a traced step ``outer`` whose gradient equation has
+    ``grad_params``; ``check_stages`` validates the stage graph against the user's options."""
+    graph = _run("split_stages", lambda: split_stages(grad_params["loss_jaxpr"], grad_params["num_diff"]), verify_stage_graph)
+    check_stages(graph)
+    S = graph.num_stages
+    _, split = split_apply(outer, graph.param_owner, graph.loss.index, S)
+    meshes = tuple(assign_stage_meshes(list(devices), S, options.stage_meshes, options.stage_mesh_shape))
+    for mesh in meshes:
+        data = mesh.shape.get("data", 1)
+        if options.micro_batch_size % data:
+            raise ValueError(
+                f"num_micro_batches: micro-batches of {options.micro_batch_size} examples do not split over "
+                f"the {data}-way 'data' axis of the stage meshes"
+            )
+    layout = layout_step(graph, split, meshes, leaves, specs, batch_leaves, options.micro_batch_size,
+                         in_tree, out_tree, options.executor, options.resharding)
+    parts = tuple(
+        _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s), lambda p, s=s: verify_stage_parts(s, p))
+        for s in graph.stages
+    )
+    edges = graph.edges()
+    transfers = plan_edge_transfers(
+        [(p, c, ref.slot) for p, c, ref in edges],
+        [graph.stages[p].jaxpr.out_avals[ref.slot] for p, _, ref in edges],
+        meshes, options.micro_batch_size, options.executor, options.resharding,
+    )
+    platform = meshes[0].devices.flat[0].platform
+    delays = weight_delays(
+        options.weight_delay,
+        [compute_seconds(jaxpr_flops(p.forward), meshes[p.stage].size, platform) for p in parts],
+        [compute_seconds(jaxpr_flops(p.backward_input), meshes[p.stage].size, platform) for p in parts],
+        _round_trips(transfers, S, options),
+    )
+    schedule = _run("make_schedule", lambda: make_schedule(
+        options.schedule, S, options.num_micro_batches, [(p, c) for p, c, _ in edges], delays), verify_schedule)
+    ios = stage_io(
+        S,
+        [(p, c, ref.slot, [r for r in graph.stages[c].inputs if r.kind == "act"].index(ref)) for p, c, ref in edges],
+        (graph.loss.index, graph.loss.slot),
+        [len(s.outputs) for s in graph.stages],
+    )
+    program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers), verify_pipeline_program)
+    return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program)

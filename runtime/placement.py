@@ -1,0 +1,56 @@
+"""Putting step inputs where the layout says, and joining per-mesh copies of outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshpar.passes.step_layout import Placement
+
+__all__ = ["put", "place", "join", "union_sharding"]
+
+
+def union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
+    """Replicated over every device of ``shardings``' meshes."""
+    devices = [d for s in shardings for d in s.mesh.devices.flat]
+    return NamedSharding(Mesh(np.array(devices), ("union",)), P())
+
+
+def put(value: Any, sharding: NamedSharding) -> jax.Array:
+    """``value`` (host data, or an array anywhere) placed with ``sharding``, in any process."""
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
+    if isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    host = np.asarray(value)
+    host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
+
+
+def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """The part of a union-replicated array that lives on ``sharding``'s mesh, without copies."""
+    wanted = {d.id for d in sharding.mesh.devices.flat}
+    shards = [s.data for s in x.addressable_shards if s.device.id in wanted]
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards, dtype=x.dtype)
+
+
+def place(value: Any, placement: Placement) -> dict[int, jax.Array]:
+    """``value`` on each mesh of ``placement`` (one array over all of them, viewed per mesh)."""
+    if not placement.meshes:
+        return {}
+    if len(placement.meshes) == 1:
+        return {placement.meshes[0]: put(value, placement.shardings[0])}
+    union = put(value, union_sharding(placement.shardings))
+    return {m: _view(union, placement.on(m)) for m in placement.meshes}
+
+
+def join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding], shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Per-mesh replicated copies of one value (possibly shard-less here) as one array over all
+    their devices."""
+    union = union_sharding(shardings)
+    shards = [s.data for x in parts for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(shape, union, shards, dtype=dtype)

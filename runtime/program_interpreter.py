@@ -1,0 +1,180 @@
+"""Runs a ``PipelineProgram``: one handler per instruction kind, in launch order.
+
+Every process walks the same launch order (multi-controller). Compute on a
+mesh with no device here is skipped; every process joins every send, since
+a point-to-point move needs all processes to take part (each move knows
+where it has nothing to do). Launches are asynchronous, so stages on
+different meshes, and the moves between them, overlap as the order allows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from meshpar.passes.edge_transfer import Direction
+from meshpar.passes.pipeline_program import (
+    BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, RunBackward, RunBackwardInput,
+    RunBackwardWeight, RunForward, Send,
+)
+from meshpar.runtime.remote import absent
+from meshpar.runtime.stage_executables import StageExecutables
+
+__all__ = ["StageInputs", "ProgramRun", "ProgramInterpreter"]
+
+Move = Callable[[jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInputs:
+    """A stage's non-activation operands for one step: ``fixed`` once, ``batch[m]`` per micro-batch."""
+
+    fixed: tuple[jax.Array, ...]
+    batch: tuple[tuple[jax.Array, ...], ...]
+
+
+@dataclasses.dataclass
+class ProgramRun:
+    """What one run of the program leaves behind.
+
+    Attributes:
+      results: the program's result buffers held here (losses per micro-batch).
+      grads: per stage, its accumulated parameter gradients (``None`` elsewhere).
+      peak_live_activations: per stage, most micro-batches whose forward
+        residuals were held at once.
+      peak_weight_states: per stage, most weight passes waiting at once.
+      arriving: values other processes sent here, with what they are, for
+        the end-of-step bounded wait.
+    """
+
+    results: dict[BufferId, jax.Array]
+    grads: list[list[jax.Array] | None]
+    peak_live_activations: list[int]
+    peak_weight_states: list[int]
+    arriving: list[tuple[jax.Array, str]]
+
+
+class ProgramInterpreter:
+    """Interprets ``program`` with the stages' executables and one prepared move per transfer.
+
+    Args:
+      program: the verified program.
+      executables: per stage.
+      moves: per ``program.transfers`` entry, the callable that moves it.
+      local: per mesh, whether this process owns a device of it.
+      watch: record values arriving from other processes (multi-process runs).
+    """
+
+    def __init__(
+        self,
+        program: PipelineProgram,
+        executables: Sequence[StageExecutables],
+        moves: Sequence[Move],
+        local: Sequence[bool],
+        watch: bool,
+    ) -> None:
+        self.program, self.executables, self.moves = program, tuple(executables), tuple(moves)
+        self.local, self.watch = tuple(local), watch
+        self._handlers: dict[type, Callable[[int, Any, _State], None]] = {
+            RunForward: self._forward,
+            RunBackward: self._backward,
+            RunBackwardInput: self._backward_input,
+            RunBackwardWeight: self._backward_weight,
+            Send: self._send,
+            Recv: self._recv,
+            Free: self._free,
+        }
+        self._sequence: list[tuple[int, Instruction]] = program.launch_sequence()
+
+    def run(self, inputs: Sequence[StageInputs | None], grads: list[list[jax.Array] | None]) -> ProgramRun:
+        """Runs every instruction; ``inputs`` and ``grads`` (zeros, donated) per stage, ``None`` where not local."""
+        n = len(self.program.stages)
+        state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [])
+        for mesh, ins in self._sequence:
+            self._handlers[type(ins)](mesh, ins, state)
+        results = {b: state.buffers[b] for b in self.program.results if b in state.buffers}
+        return ProgramRun(results, state.grads, state.peak_live, state.peak_weight, state.arriving)
+
+    # -- handlers -------------------------------------------------------------
+
+    def _forward(self, mesh: int, ins: RunForward, state: _State) -> None:
+        if not self.local[mesh]:
+            return
+        inputs = state.inputs[ins.stage]
+        outs, residuals = self.executables[ins.stage].forward(
+            inputs.fixed, inputs.batch[ins.micro_batch] if inputs.batch else (),
+            [state.buffers[b] for b in ins.inputs])
+        for b, v in zip(ins.outputs, outs):
+            state.buffers[b] = v
+        state.buffers[ins.residuals] = residuals
+        state.live[ins.stage] += 1
+        state.peak_live[ins.stage] = max(state.peak_live[ins.stage], state.live[ins.stage])
+
+    def _backward(self, mesh: int, ins: RunBackward, state: _State) -> None:
+        if not self.local[mesh]:
+            return
+        input_cts, state.grads[ins.stage] = self.executables[ins.stage].backward(
+            state.buffers[ins.residuals], [state.buffers[b] for b in ins.cotangents], state.grads[ins.stage])
+        for b, v in zip(ins.input_cotangents, input_cts):
+            state.buffers[b] = v
+
+    def _backward_input(self, mesh: int, ins: RunBackwardInput, state: _State) -> None:
+        if not self.local[mesh]:
+            return
+        executables = self.executables[ins.stage]
+        residuals = state.buffers[ins.residuals]
+        input_cts, computed = executables.backward_input(residuals, [state.buffers[b] for b in ins.cotangents])
+        for b, v in zip(ins.input_cotangents, input_cts):
+            state.buffers[b] = v
+        state.buffers[ins.weight_state] = executables.weight_state(residuals, computed)
+        state.waiting[ins.stage] += 1
+        state.peak_weight[ins.stage] = max(state.peak_weight[ins.stage], state.waiting[ins.stage])
+
+    def _backward_weight(self, mesh: int, ins: RunBackwardWeight, state: _State) -> None:
+        if not self.local[mesh]:
+            return
+        state.grads[ins.stage] = self.executables[ins.stage].backward_weight(
+            state.buffers[ins.weight_state], state.grads[ins.stage])
+
+    def _send(self, mesh: int, ins: Send, state: _State) -> None:
+        transfer = self.program.transfers[ins.transfer]
+        value = state.buffers.get(ins.buffer)
+        if value is None:  # computed on a mesh of another process
+            value = absent(transfer.shape, transfer.dtype, transfer.src)
+        state.in_flight[(ins.transfer, ins.micro_batch)] = self.moves[ins.transfer](value)
+
+    def _recv(self, mesh: int, ins: Recv, state: _State) -> None:
+        value = state.in_flight.pop((ins.transfer, ins.micro_batch))
+        if not self.local[mesh]:
+            return
+        state.buffers[ins.buffer] = value
+        transfer = self.program.transfers[ins.transfer]
+        if self.watch:
+            producer = self.program.schedule.edges[transfer.edge][0]
+            what = "activation" if transfer.direction is Direction.ACTIVATION else "gradient"
+            state.arriving.append((value, f"{what} of act{producer}.{transfer.slot} stage {transfer.src_stage} "
+                                          f"-> {transfer.dst_stage}, micro-batch {ins.micro_batch}"))
+
+    def _free(self, mesh: int, ins: Free, state: _State) -> None:
+        if state.buffers.pop(ins.buffer, None) is None:
+            return
+        if ins.buffer.kind is BufferKind.RESIDUALS:
+            state.live[ins.buffer.index] -= 1
+        elif ins.buffer.kind is BufferKind.WEIGHT_STATE:
+            state.waiting[ins.buffer.index] -= 1
+
+
+@dataclasses.dataclass
+class _State:
+    inputs: Sequence[StageInputs | None]
+    grads: list[list[jax.Array] | None]
+    buffers: dict[BufferId, Any]
+    in_flight: dict[tuple[int, int], jax.Array]
+    live: list[int]
+    peak_live: list[int]
+    waiting: list[int]
+    peak_weight: list[int]
+    arriving: list[tuple[jax.Array, str]]
