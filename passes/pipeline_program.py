@@ -284,9 +284,37 @@ def _reads_writes(ins: Instruction) -> tuple[tuple[BufferId, ...], tuple[BufferI
     return (ins.buffer,), ()
 
 
+def _wiring_error(program: PipelineProgram, mesh: int, ins: Instruction) -> str | None:
+    """Whether ``ins`` reads and writes the buffers its stage's ``StageIO`` says, on its own mesh."""
+    if isinstance(ins, (RunForward, RunBackward, RunBackwardInput, RunBackwardWeight)):
+        if ins.stage != mesh:
+            return "runs on another stage's mesh"
+        io, m = program.stages[ins.stage], ins.micro_batch
+        if isinstance(ins, RunForward) and ins.inputs != tuple(_received_act(e, m) for e in io.in_edges):
+            return "does not read its activation inputs in StageIO.in_edges order"
+        if isinstance(ins, (RunBackward, RunBackwardInput)):
+            if ins.cotangents != tuple(_received_ct(e, m) for e in io.cotangent_edges):
+                return "does not read its received cotangents in StageIO.cotangent_edges order"
+            if ins.input_cotangents != tuple(_input_ct(e, m) for e in io.in_edges):
+                return "does not write its input cotangents in StageIO.in_edges order"
+    if isinstance(ins, Send):
+        t = program.transfers[ins.transfer]
+        want = (_output(program.stages[t.src_stage], t.src_stage, t.slot, ins.micro_batch)
+                if t.direction is Direction.ACTIVATION else _input_ct(t.edge, ins.micro_batch))
+        if ins.buffer != want:
+            return f"sends {ins.buffer}, but transfer {ins.transfer} carries {want}"
+    if isinstance(ins, Recv):
+        t = program.transfers[ins.transfer]
+        want = (_received_act if t.direction is Direction.ACTIVATION else _received_ct)(t.edge, ins.micro_batch)
+        if ins.buffer != want:
+            return f"receives into {ins.buffer}, but transfer {ins.transfer} delivers {want}"
+    return None
+
+
 def verify_pipeline_program(program: PipelineProgram) -> None:
-    """Per mesh: every buffer written once before it is read, read while live, freed once, and
-    none left live but the results. Every send has one receive on the transfer's other mesh,
+    """Per mesh: every instruction wired to its stage's buffers (``StageIO``); every buffer
+    written once before it is read, read while live, freed once, and none left live but the
+    results. Every send has one receive on the transfer's other mesh,
     after it in the launch order, which lists every instruction once in each mesh's order (so
     no process waits for a value nobody has sent yet: no deadlock).
 
@@ -307,6 +335,9 @@ def verify_pipeline_program(program: PipelineProgram) -> None:
             raise PlanVerificationError(f"mesh {mesh}: the launch order breaks the mesh's own instruction order at {k}")
         seen[mesh] = k
         ins = program.instructions[mesh][k]
+        wiring = _wiring_error(program, mesh, ins)
+        if wiring:
+            raise PlanVerificationError(f"mesh {mesh}: {ins} {wiring}")
         reads, writes = _reads_writes(ins)
         for b in reads:
             if b not in live[mesh]:

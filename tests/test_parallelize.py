@@ -28,13 +28,13 @@ def _grid(model):
     ]
 
 
-def _run_both(model, batch, loss, config, schedule, steps=3, num_micro_batches=4, executor="auto"):
+def _run_both(model, batch, loss, config, schedule, steps=3, num_micro_batches=4, executor="auto", weight_delay=False):
     data, op, pp = config
     state = make_state(model, batch["x"][:1])
     step = make_step(loss)
     method = meshpar.PipeshardParallel(
         num_micro_batches=num_micro_batches, num_stages=pp, stage_mesh_shape=(data, op), schedule=schedule,
-        executor=executor,
+        executor=executor, weight_delay=weight_delay,
     )
     parallel = meshpar.parallelize(step, method=method)
     reference = jax.jit(step)
@@ -219,6 +219,12 @@ def test_bad_method_arguments():
         meshpar.PipeshardParallel(executor="mpi")
     with pytest.raises(ValueError, match="timeout_s"):
         meshpar.PipeshardParallel(timeout_s=0)
+    with pytest.raises(ValueError, match="weight_delay: expected False, True or 'auto', got 'always'"):
+        meshpar.PipeshardParallel(weight_delay="always")
+    with pytest.raises(ValueError, match="weight_delay: expected False, True or 'auto', got 1"):
+        meshpar.PipeshardParallel(weight_delay=1)
+    with pytest.raises(ValueError, match="weight_delay: zb_h1 always splits backwards"):
+        meshpar.PipeshardParallel(schedule="zb_h1", weight_delay=True)
 
 
 def test_bare_partition_spec_constraints_apply_within_each_stage():
@@ -286,14 +292,83 @@ def test_signal_resharding_moves_one_byte_with_the_same_dependencies():
     np.testing.assert_array_equal(np.asarray(moved), np.zeros(transfer.shape, transfer.dtype))
 
 
-@pytest.mark.parametrize("schedule, expected", [("gpipe", [4, 4]), ("1f1b", [2, 1]), ("eager_1f1b", [3, 1])])
-def test_runtime_counts_live_activations_per_stage(schedule, expected):
-    """Micro-batches alive per stage at the peak of a step: M for GPipe, S - s for 1F1B,
-    2(S - s) - 1 for eager-1F1B (S = 2, M = 4)."""
+@pytest.mark.parametrize("schedule, weight_delay, live", [
+    ("gpipe", False, [4, 4]), ("1f1b", False, [2, 1]), ("eager_1f1b", False, [3, 1]),
+    ("zb_h1", False, [2, 1]), ("1f1b", True, [2, 1]), ("eager_1f1b", True, [3, 1]),
+])
+def test_runtime_counts_live_activations_per_stage(schedule, weight_delay, live):
+    """Micro-batches whose forward residuals are held per stage at the peak of a step: M for
+    GPipe, S - s for 1F1B and ZB-H1, 2(S - s) - 1 for eager-1F1B (S = 2, M = 4); weight
+    delaying keeps that, and the runtime's count of waiting weight passes follows the
+    schedule's stage sequences (input passes run minus weight passes run)."""
     model = MLP(features=(16, 16, 4), num_stages=2)
     batch = _mlp_batch()
     state = make_state(model, batch["x"][:1])
     parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(
-        num_micro_batches=4, num_stages=2, schedule=schedule))
+        num_micro_batches=4, num_stages=2, schedule=schedule, weight_delay=weight_delay))
     parallel(state, batch)
-    assert parallel.get_executable(state, batch).peak_live_activations == expected
+    executable = parallel.get_executable(state, batch)
+    assert executable.peak_live_activations == live
+    waiting = []
+    for seq in executable.schedule.sequences:
+        held = peak = 0
+        for task in seq:
+            held += {"I": 1, "W": -1}.get(task.kind.value, 0)
+            peak = max(peak, held)
+        waiting.append(peak)
+    assert executable.peak_weight_states == waiting
+    assert (max(waiting) > 0) == executable.schedule.split_backward
+
+
+# Every schedule, with and without weight delaying, M from S to 4S, against jax.jit.
+SCHEDULE_VARIANTS = [(s, False) for s in ("gpipe", "1f1b", "eager_1f1b", "zb_h1")] + [
+    (s, d) for s in ("gpipe", "1f1b", "eager_1f1b") for d in (True, "auto")]
+SCHEDULE_GRID = [
+    pytest.param(config, M, schedule, delay, id=f"{'x'.join(map(str, config))}-M{M}-{schedule}-delay_{delay}",
+                 marks=() if (config, M) in {((2, 2, 2), 2), ((2, 2, 2), 8), ((1, 2, 4), 4)} else pytest.mark.slow)
+    for config, Ms in (((2, 2, 2), (2, 4, 8)), ((1, 2, 4), (4, 8, 16)))
+    for M in Ms for schedule, delay in SCHEDULE_VARIANTS
+]
+
+
+@pytest.mark.parametrize("config, M, schedule, weight_delay", SCHEDULE_GRID)
+def test_every_schedule_and_weight_delay_matches_single_device_jit(config, M, schedule, weight_delay):
+    model = MLP(features=(16, 16, 16, 16, 16, 4), num_stages=config[2])
+    ref_state, par_state, parallel = _run_both(model, _mlp_batch(), mse, config, schedule, steps=2,
+                                               num_micro_batches=M, weight_delay=weight_delay)
+    assert_trees_close(par_state.params, ref_state.params)
+    assert_trees_close(par_state.opt_state, ref_state.opt_state)
+    executable = parallel.get_executable(par_state, _mlp_batch())
+    assert executable.schedule.split_backward == (schedule == "zb_h1" or weight_delay is not False)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager_1f1b", "zb_h1"])
+def test_fewer_micro_batches_than_the_warm_up_wants_still_run(schedule):
+    """M = 1 < S = 4: every warm-up is cut to the micro-batches there are."""
+    model = MLP(features=(16, 16, 16, 16, 4), num_stages=4)
+    ref_state, par_state, _ = _run_both(model, _mlp_batch(), mse, (1, 2, 4), schedule, steps=2, num_micro_batches=1)
+    assert_trees_close(par_state.params, ref_state.params)
+
+
+@pytest.mark.parametrize("schedule, weight_delay", [("1f1b", True), ("eager_1f1b", "auto"), ("zb_h1", False)])
+def test_split_backward_equals_whole_backward_bit_for_bit_and_compiles_once(schedule, weight_delay):
+    """The activation- and weight-gradient passes together compute exactly what the whole
+    backward does, and add micro-batches' gradients in the same order: the trained state is
+    bitwise the unsplit 1F1B one. Later steps compile nothing."""
+    model = MLP(features=(16, 16, 16, 4), num_stages=2)
+    batch = _mlp_batch()
+    state = make_state(model, batch["x"][:1])
+    runs = {}
+    for name, delay in (("1f1b", False), (schedule, weight_delay)):
+        parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(
+            num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), schedule=name, weight_delay=delay))
+        s, loss = parallel(state, batch)
+        executable = parallel.get_executable(state, batch)
+        count = executable.compiled_count()
+        s, loss = parallel(s, batch)
+        assert executable.compiled_count() == count
+        runs[name, delay] = (s, loss)
+    (whole, whole_loss), (split, split_loss) = runs.values()
+    assert float(whole_loss) == float(split_loss)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(split)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

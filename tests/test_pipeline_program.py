@@ -1,0 +1,183 @@
+"""The typed per-mesh pipeline program, checked by an independent symbolic interpreter."""
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from meshpar.passes.edge_transfer import Direction, EdgeTransfer, TransferKind
+from meshpar.passes.pipeline_program import (BufferKind, Free, Recv, RunBackward, RunBackwardInput, RunBackwardWeight,
+                                             RunForward, Send, lower_to_program, stage_io,
+                                             verify_pipeline_program as verify)
+from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.pipeline_tasks import TaskKind
+from meshpar.passes.unit_tasks import PlanVerificationError
+
+F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
+KIND = {RunForward: F, RunBackward: B, RunBackwardInput: I, RunBackwardWeight: W}
+
+
+def _chain(S):
+    return [(s, s + 1) for s in range(S - 1)]
+
+
+def _u_shape(S):  # as in test_pipeline_schedule: adjacent stages plus skips i -> S-1-i
+    return _chain(S) + [(i, S - 1 - i) for i in range(S // 2) if S - 1 - i > i + 1]
+
+
+def _build(name, S, M, edges, delays=None, slots="distinct"):
+    """slots: "distinct" (one output slot per out-edge), "shared" (all out-edges from slot 0),
+    "extra" (like distinct, but the last stage has an unread slot 0 and the loss in slot 1)."""
+    quads, num_out = [], [1] * S
+    for e, (p, c) in enumerate(edges):
+        slot = 0 if slots == "shared" else sum(1 for q, _ in edges[:e] if q == p)
+        pos = sum(1 for _, d in edges[:e] if d == c)
+        quads.append((p, c, slot, pos))
+        num_out[p] = max(num_out[p], slot + 1)
+    loss_slot = 1 if slots == "extra" else 0
+    num_out[S - 1] = loss_slot + 1
+    # src/dst shardings are never read by lowering or verification: None stands in for them.
+    transfers = [EdgeTransfer(e, d, a, b, slot, (4,), np.dtype("float32"), None, None, TransferKind.P2P)
+                 for e, (p, c, slot, _) in enumerate(quads)
+                 for d, (a, b) in ((Direction.ACTIVATION, (p, c)), (Direction.COTANGENT, (c, p)))]
+    stages = stage_io(S, quads, (S - 1, loss_slot), num_out)
+    return lower_to_program(make_schedule(name, S, M, edges, delays), stages, transfers), quads
+
+
+def _interpret(program, quads):
+    """Runs the launch sequence symbolically; returns per-stage peaks of live RESIDUALS / WEIGHT_STATE."""
+    S = len(program.instructions)
+    tr = {(t.edge, t.direction): k for k, t in enumerate(program.transfers)}
+    in_edges = [[e for e, q in sorted(enumerate(quads), key=lambda x: x[1][3]) if q[1] == s] for s in range(S)]
+    live = [set() for _ in range(S)]
+    channel, got, outputs, input_cts = {}, {}, {}, {}
+    peak = {BufferKind.RESIDUALS: [0] * S, BufferKind.WEIGHT_STATE: [0] * S}
+    computes = [[] for _ in range(S)]
+    for mesh, ins in program.launch_sequence():
+        if isinstance(ins, Send):
+            t = program.transfers[ins.transfer]
+            assert mesh == t.src_stage and ins.buffer in live[mesh]
+            m = ins.micro_batch
+            if t.direction is Direction.ACTIVATION:  # the producer's output of the edge's slot
+                assert ins.buffer == outputs[t.src_stage, m][quads[t.edge][2]]
+            else:
+                assert ins.buffer == input_cts[t.src_stage, m][in_edges[t.src_stage].index(t.edge)]
+            assert (ins.transfer, m) not in channel, "a second send"
+            channel[ins.transfer, m] = ins.buffer
+        elif isinstance(ins, Recv):
+            assert mesh == program.transfers[ins.transfer].dst_stage
+            assert channel.pop((ins.transfer, ins.micro_batch), None) is not None, "receive before send"
+            got[ins.transfer, ins.micro_batch] = ins.buffer
+            live[mesh].add(ins.buffer)
+        elif isinstance(ins, Free):
+            live[mesh].remove(ins.buffer)
+        else:
+            s, m = ins.stage, ins.micro_batch
+            assert s == mesh, "compute on another stage's mesh"
+            computes[mesh].append((KIND[type(ins)], m))
+            if isinstance(ins, RunForward):
+                assert ins.inputs == tuple(got[tr[e, Direction.ACTIVATION], m] for e in in_edges[s])
+                assert set(ins.inputs) <= live[mesh]
+                outputs[s, m] = ins.outputs
+                live[mesh] |= {*ins.outputs, ins.residuals}
+            elif isinstance(ins, RunBackwardWeight):
+                assert ins.weight_state in live[mesh]
+            else:
+                # Cotangents of every out-edge, grouped by slot: a shared slot sums them.
+                out_edges = [e for k in range(len(outputs[s, m])) for e, q in enumerate(quads) if q[0] == s and q[2] == k]
+                assert ins.cotangents == tuple(got[tr[e, Direction.COTANGENT], m] for e in out_edges)
+                assert {ins.residuals, *ins.cotangents} <= live[mesh]
+                assert len(ins.input_cotangents) == len(in_edges[s])
+                input_cts[s, m] = ins.input_cotangents
+                live[mesh] |= set(ins.input_cotangents)
+                if isinstance(ins, RunBackwardInput):
+                    live[mesh].add(ins.weight_state)
+        for kind, per_stage in peak.items():
+            per_stage[mesh] = max(per_stage[mesh], sum(b.kind is kind for b in live[mesh]))
+    assert not channel, "sends never received"
+    for s in range(S):
+        assert computes[s] == [(t.kind, t.micro_batch) for t in program.schedule.sequences[s]]
+        assert all(b.kind is BufferKind.LOSS and b.index == S - 1 for b in live[s])
+        assert len(live[s]) == (program.schedule.num_micro_batches if s == S - 1 else 0)
+    return peak
+
+
+CONFIGS = [(n, d) for n in sorted(SCHEDULES) if n != "zb_h1" for d in (None, 0, 1, 2)] + [("zb_h1", None)]
+SHAPES = [(_chain, "distinct"), (_chain, "extra"), (_u_shape, "distinct"), (_u_shape, "shared")]
+
+
+@pytest.mark.parametrize("edges_of,slots", SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+@pytest.mark.parametrize("S", [1, 2, 3, 4])
+@pytest.mark.parametrize("name,delay", CONFIGS)
+def test_program_runs_and_holds_the_schedules_memory(name, delay, S, M, edges_of, slots):
+    program, quads = _build(name, S, M, edges_of(S), None if delay is None else [delay] * S, slots)
+    peak = _interpret(program, quads)
+    for s in range(S):
+        res = {"gpipe": M, "1f1b": min(M, S - s), "zb_h1": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1)}[name]
+        assert peak[BufferKind.RESIDUALS][s] == res
+        held = best = 0
+        for t in program.schedule.sequences[s]:
+            held += {I: 1, W: -1}.get(t.kind, 0)
+            best = max(best, held)
+        assert peak[BufferKind.WEIGHT_STATE][s] == best
+        assert (best > 0) == (name == "zb_h1" or delay is not None)
+
+
+def _rebuild(program, seq):
+    """A program whose launch sequence is ``seq``, per-mesh lists following it."""
+    lists, order = [[] for _ in program.instructions], []
+    for mesh, ins in seq:
+        order.append((mesh, len(lists[mesh])))
+        lists[mesh].append(ins)
+    return dataclasses.replace(program, instructions=tuple(map(tuple, lists)), order=tuple(order))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_verifier_rejects_tampered_programs(name):
+    program, _ = _build(name, 3, 3, _u_shape(3), slots="shared")
+    seq = program.launch_sequence()
+    # A Free removed: the buffer is left live.
+    k = next(i for i, (_, x) in enumerate(seq) if isinstance(x, Free) and x.buffer.kind is BufferKind.RESIDUALS)
+    with pytest.raises(PlanVerificationError, match="live after the program.*" + re.escape(str(seq[k][1].buffer))):
+        verify(_rebuild(program, seq[:k] + seq[k + 1:]))
+    # A Recv moved before its Send (different meshes, so each mesh keeps its own order).
+    k = next(i for i, (_, x) in enumerate(seq) if isinstance(x, Send))
+    assert isinstance(seq[k + 1][1], Recv) and seq[k + 1][1].transfer == seq[k][1].transfer
+    order = list(program.order)
+    order[k], order[k + 1] = order[k + 1], order[k]
+    with pytest.raises(PlanVerificationError, match=f"mesh {seq[k + 1][0]}: .*no earlier unmatched send"):
+        verify(dataclasses.replace(program, order=tuple(order)))
+    # A Send duplicated.
+    with pytest.raises(PlanVerificationError, match=f"mesh {seq[k][0]}: .*not the one send"):
+        verify(_rebuild(program, seq[:k + 1] + [seq[k]] + seq[k + 1:]))
+    # A read after its Free: residuals freed right after the forward that wrote them.
+    k = next(i for i, (_, x) in enumerate(seq) if isinstance(x, Free) and x.buffer.kind is BufferKind.RESIDUALS)
+    res = seq[k][1].buffer
+    f = next(i for i, (_, x) in enumerate(seq) if isinstance(x, RunForward) and x.residuals == res)
+    bad = seq[:f + 1] + [seq[k]] + seq[f + 1:k] + seq[k + 1:]
+    with pytest.raises(PlanVerificationError, match=f"mesh {res.index}: .*reads " + re.escape(str(res))):
+        verify(_rebuild(program, bad))
+    # A launch order that breaks a mesh's own order: two of mesh 0's launches swapped.
+    a, b = [i for i, (mesh, _) in enumerate(program.order) if mesh == 0][:2]
+    order = list(program.order)
+    order[a], order[b] = order[b], order[a]
+    with pytest.raises(PlanVerificationError, match="mesh 0: the launch order breaks"):
+        verify(dataclasses.replace(program, order=tuple(order)))
+    verify(program)  # the untampered program still passes
+
+
+def test_verifier_rejects_miswired_cotangents_and_sends():
+    """A backward reading its cotangents out of StageIO order, or a send of the wrong slot."""
+    program, _ = _build("1f1b", 3, 2, _u_shape(3))
+    seq = program.launch_sequence()
+    k = next(i for i, (_, x) in enumerate(seq) if isinstance(x, RunBackward) and len(x.cotangents) > 1)
+    swapped = dataclasses.replace(seq[k][1], cotangents=seq[k][1].cotangents[::-1])
+    with pytest.raises(PlanVerificationError, match="cotangent_edges order"):
+        verify(_rebuild(program, seq[:k] + [(seq[k][0], swapped)] + seq[k + 1:]))
+    k = next(i for i, (_, x) in enumerate(seq)
+             if isinstance(x, Send) and x.buffer.kind is BufferKind.ACTIVATION and x.buffer.index == 0)
+    other = dataclasses.replace(seq[k][1].buffer, slot=1 - seq[k][1].buffer.slot)
+    with pytest.raises(PlanVerificationError, match="but transfer .* carries"):
+        verify(_rebuild(program, seq[:k] + [(seq[k][0], dataclasses.replace(seq[k][1], buffer=other))] + seq[k + 1:]))
