@@ -1,6 +1,7 @@
 """Main job: train a small GPT with (data, model, pipeline) = (2, 2, 2) on 8 virtual CPU devices.
 
-    python -m examples.train_gpt [--steps N] [--schedule 1f1b|gpipe] [--micro-batches M]
+    python -m examples.train_gpt [--steps N] [--schedule gpipe|1f1b|eager_1f1b|zb_h1]
+        [--weight-delay false|true|auto] [--micro-batches M]
 
 Each of the two stage meshes is a (data=2, model=2) mesh on its own emulated
 host; activations and their gradients cross between the meshes through
@@ -19,7 +20,9 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    parser.add_argument("--schedule", default="eager_1f1b", choices=["gpipe", "1f1b", "eager_1f1b", "zb_h1"])
+    parser.add_argument("--weight-delay", default="auto", choices=["false", "true", "auto"],
+                        help="split backwards and delay the weight-gradient passes (zb_h1 always splits)")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
@@ -55,6 +58,7 @@ def main() -> None:
     method = meshpar.PipeshardParallel(
         num_micro_batches=args.micro_batches, num_stages=2, stage_mesh_shape=(2, 2),
         schedule=args.schedule, resharding="broadcast", balancer="ensemble", cluster=cluster,
+        weight_delay=False if args.schedule == "zb_h1" else {"false": False, "true": True, "auto": "auto"}[args.weight_delay],
     )
     step = meshpar.parallelize(train_step, method=method)
     n_params = sum(x.size for x in jax.tree.leaves(params))
