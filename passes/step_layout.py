@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .apply_split import ApplySplit, OuterRef
 from .edge_transfer import TransferKind, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
-from .stage_graph import Ref, StageGraph
+from .stage_graph import StageGraph
 
 __all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step"]
 
