@@ -7,10 +7,10 @@ durations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import numpy as np
 from jax._src import core
+
+from .stage_graph import subjaxprs
 
 __all__ = ["DEVICE_FLOPS", "jaxpr_flops", "compute_seconds", "transfer_seconds"]
 
@@ -32,20 +32,11 @@ def _eqn_flops(eqn: core.JaxprEqn) -> float:
     if name == "conv_general_dilated":
         rhs = eqn.invars[1].aval.shape
         return 2.0 * _size(eqn.outvars[0].aval) * int(np.prod(rhs[1:], dtype=np.int64))
-    inner = [j for j in _subjaxprs(eqn)]
+    inner = list(subjaxprs(eqn))
     if inner:
         trips = eqn.params.get("length", 1) if name == "scan" else 1
         return trips * sum(jaxpr_flops(j) for j in inner)
     return float(sum(_size(v.aval) for v in eqn.outvars))
-
-
-def _subjaxprs(eqn: core.JaxprEqn) -> Iterable[core.Jaxpr]:
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, core.Jaxpr):
-                yield v
 
 
 def jaxpr_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> float:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from jax._src import core
 from jax._src import linear_util as lu
 
-__all__ = ["Ref", "Stage", "StageGraph", "split_stages", "verify_stage_graph", "StageMarkerError"]
+__all__ = ["Ref", "Stage", "StageGraph", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError"]
 
 MARKER = "meshpar_stage_boundary"
 
@@ -98,7 +98,8 @@ class StageGraph:
         )
 
 
-def _subjaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
+def subjaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
+    """The jaxprs nested in ``eqn``'s parameters (scan, cond, while and call bodies)."""
     for value in eqn.params.values():
         for v in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(v, core.ClosedJaxpr):
@@ -109,7 +110,7 @@ def _subjaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
 
 def _find_nested_marker(jaxpr: core.Jaxpr) -> bool:
     return any(
-        e.primitive.name == MARKER or any(_find_nested_marker(j) for j in _subjaxprs(e)) for e in jaxpr.eqns
+        e.primitive.name == MARKER or any(_find_nested_marker(j) for j in subjaxprs(e)) for e in jaxpr.eqns
     )
 
 
@@ -132,7 +133,7 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
     """
     jaxpr = loss_jaxpr.jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name != MARKER and any(_find_nested_marker(j) for j in _subjaxprs(eqn)):
+        if eqn.primitive.name != MARKER and any(_find_nested_marker(j) for j in subjaxprs(eqn)):
             raise StageMarkerError(
                 f"mark_stage_boundary() is called inside a `{eqn.primitive.name}` body at {_where(eqn)}; "
                 f"meshpar can only cut straight-line code between stages (move the marker out of the "
