@@ -104,6 +104,9 @@ class PipelineExecutable:
                         for s, ops in enumerate(layout.stage_operands) for op in ops
                         if op.source.kind == "const" and self.local[s]}
         self._apply_fns = {a.mesh: self._compile_apply(a) for a in split.stages}
+        # Per stage, its parameters' shapes and dtypes (Stage.param_inputs order).
+        self._param_avals = [[a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind == "param"]
+                             for stage in graph.stages]
         # Per stage, the most micro-batches whose forward residuals were alive
         # at once during the last step (what the schedule costs in memory), and
         # the most weight passes waiting at once; 0 on other processes' meshes.
@@ -165,11 +168,14 @@ class PipelineExecutable:
             for op in ops:
                 if op.per_micro_batch:
                     continue
-                if op.source.kind == "const":
-                    fixed.append(self._consts.get((s, op.position)))
-                elif (s, op.position) in self._fetches:
-                    arrays = placed[op.source.index]
-                    fixed.append(self._fetches[(s, op.position)](arrays[self.layout.in_placements[op.source.index].meshes[0]]))
+                if op.fetch is not None:
+                    # Every process joins the move, whether or not it owns stage s.
+                    owner = self.layout.in_placements[op.source.index].meshes[0]
+                    fixed.append(self._fetches[(s, op.position)](placed[op.source.index][owner]))
+                elif not self.local[s]:
+                    continue
+                elif op.source.kind == "const":
+                    fixed.append(self._consts[(s, op.position)])
                 else:
                     fixed.append(placed[op.source.index][s])
             if not self.local[s]:
@@ -185,11 +191,10 @@ class PipelineExecutable:
 
     def _zero_grads(self) -> list[list[jax.Array] | None]:
         grads: list[list[jax.Array] | None] = []
-        for stage, shardings in zip(self.graph.stages, self.layout.grad_shardings):
+        for stage, shardings, avals in zip(self.graph.stages, self.layout.grad_shardings, self._param_avals):
             if not self.local[stage.index]:
                 grads.append(None)
                 continue
-            avals = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind == "param"]
             grads.append([jnp.zeros(a.shape, a.dtype, device=sh) for a, sh in zip(avals, shardings)])
         return grads
 
@@ -207,8 +212,8 @@ class PipelineExecutable:
         else:
             loss = absent(loss_aval.shape, loss_aval.dtype, NamedSharding(self.meshes[loss_stage], P()))
         param_grads: dict[int, jax.Array] = {}
-        for stage, gs, shardings, moves in zip(graph.stages, run.grads, self.layout.grad_shardings, self._gradient_moves):
-            avals = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind == "param"]
+        for stage, gs, shardings, moves, avals in zip(
+                graph.stages, run.grads, self.layout.grad_shardings, self._gradient_moves, self._param_avals):
             for n, k in enumerate(stage.param_inputs):
                 g = gs[n] if gs is not None else absent(avals[n].shape, avals[n].dtype, shardings[n])
                 if moves[n] is not None:
