@@ -30,6 +30,7 @@ from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, StageInputs
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import compile_stage, on_mesh
+from meshpar.runtime.step_trace import StepRecorder
 
 __all__ = ["PipelineExecutable", "PrepareMove"]
 
@@ -141,10 +142,12 @@ class PipelineExecutable:
 
     # -- the step -------------------------------------------------------------
 
-    def __call__(self, leaves: Sequence[Any]) -> list[Any]:
+    def __call__(self, leaves: Sequence[Any], recorder: StepRecorder | None = None) -> list[Any]:
+        """One step on the flattened arguments; ``recorder`` (made for ``self.program`` and
+        ``self.local``) times the program's instructions."""
         placed = [place(v, p) for v, p in zip(leaves, self.layout.in_placements)]
         inputs = self._stage_inputs(placed, leaves)
-        run = self._interpreter.run(inputs, self._zero_grads())
+        run = self._interpreter.run(inputs, self._zero_grads(), recorder)
         self.peak_live_activations, self.peak_weight_states = run.peak_live_activations, run.peak_weight_states
         loss, param_grads = self._reduce(run)
         computed = self._apply_updates(placed, loss, param_grads)

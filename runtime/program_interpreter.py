@@ -5,11 +5,15 @@ mesh with no device here is skipped; every process joins every send, since
 a point-to-point move needs all processes to take part (each move knows
 where it has nothing to do). Launches are asynchronous, so stages on
 different meshes, and the moves between them, overlap as the order allows.
+
+Each handler returns the arrays it launched (nothing when it launched
+nothing), which a ``StepRecorder`` (``runtime.step_trace``) times.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,10 +26,12 @@ from meshpar.passes.pipeline_program import (
 )
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables
+from meshpar.runtime.step_trace import StepRecorder
 
 __all__ = ["StageInputs", "ProgramRun", "ProgramInterpreter"]
 
 Move = Callable[[jax.Array], jax.Array]
+Launched = tuple[jax.Array, ...]  # what a handler launched: the arrays its instruction produced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +84,7 @@ class ProgramInterpreter:
     ) -> None:
         self.program, self.executables, self.moves = program, tuple(executables), tuple(moves)
         self.local, self.watch = tuple(local), watch
-        self._handlers: dict[type, Callable[[int, Any, _State], None]] = {
+        self._handlers: dict[type, Callable[[int, Any, _State], Launched]] = {
             RunForward: self._forward,
             RunBackward: self._backward,
             RunBackwardInput: self._backward_input,
@@ -89,20 +95,30 @@ class ProgramInterpreter:
         }
         self._sequence: list[tuple[int, Instruction]] = program.launch_sequence()
 
-    def run(self, inputs: Sequence[StageInputs | None], grads: list[list[jax.Array] | None]) -> ProgramRun:
-        """Runs every instruction; ``inputs`` and ``grads`` (zeros, donated) per stage, ``None`` where not local."""
+    def run(self, inputs: Sequence[StageInputs | None], grads: list[list[jax.Array] | None],
+            recorder: StepRecorder | None = None) -> ProgramRun:
+        """Runs every instruction; ``inputs`` and ``grads`` (zeros, donated) per stage, ``None`` where
+        not local. ``recorder`` is told of every launch."""
         n = len(self.program.stages)
         state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [])
-        for mesh, ins in self._sequence:
-            self._handlers[type(ins)](mesh, ins, state)
+        if recorder is None:
+            for mesh, ins in self._sequence:
+                self._handlers[type(ins)](mesh, ins, state)
+        else:
+            operands = [v for i in inputs if i is not None for v in (*i.fixed, *(x for mb in i.batch for x in mb))]
+            recorder.begin(operands, grads)
+            for mesh, ins in self._sequence:
+                launch_time = time.perf_counter()
+                launched = self._handlers[type(ins)](mesh, ins, state)
+                recorder.launched(mesh, ins, launched, launch_time)
         results = {b: state.buffers[b] for b in self.program.results if b in state.buffers}
         return ProgramRun(results, state.grads, state.peak_live, state.peak_weight, state.arriving)
 
     # -- handlers -------------------------------------------------------------
 
-    def _forward(self, mesh: int, ins: RunForward, state: _State) -> None:
+    def _forward(self, mesh: int, ins: RunForward, state: _State) -> Launched:
         if not self.local[mesh]:
-            return
+            return ()
         inputs = state.inputs[ins.stage]
         outs, residuals = self.executables[ins.stage].forward(
             inputs.fixed, inputs.batch[ins.micro_batch] if inputs.batch else (),
@@ -112,18 +128,20 @@ class ProgramInterpreter:
         state.buffers[ins.residuals] = residuals
         state.live[ins.stage] += 1
         state.peak_live[ins.stage] = max(state.peak_live[ins.stage], state.live[ins.stage])
+        return (*outs, *residuals)
 
-    def _backward(self, mesh: int, ins: RunBackward, state: _State) -> None:
+    def _backward(self, mesh: int, ins: RunBackward, state: _State) -> Launched:
         if not self.local[mesh]:
-            return
+            return ()
         input_cts, state.grads[ins.stage] = self.executables[ins.stage].backward(
             state.buffers[ins.residuals], [state.buffers[b] for b in ins.cotangents], state.grads[ins.stage])
         for b, v in zip(ins.input_cotangents, input_cts):
             state.buffers[b] = v
+        return (*input_cts, *state.grads[ins.stage])
 
-    def _backward_input(self, mesh: int, ins: RunBackwardInput, state: _State) -> None:
+    def _backward_input(self, mesh: int, ins: RunBackwardInput, state: _State) -> Launched:
         if not self.local[mesh]:
-            return
+            return ()
         executables = self.executables[ins.stage]
         residuals = state.buffers[ins.residuals]
         input_cts, computed = executables.backward_input(residuals, [state.buffers[b] for b in ins.cotangents])
@@ -132,24 +150,27 @@ class ProgramInterpreter:
         state.buffers[ins.weight_state] = executables.weight_state(residuals, computed)
         state.waiting[ins.stage] += 1
         state.peak_weight[ins.stage] = max(state.peak_weight[ins.stage], state.waiting[ins.stage])
+        return (*input_cts, *computed)
 
-    def _backward_weight(self, mesh: int, ins: RunBackwardWeight, state: _State) -> None:
+    def _backward_weight(self, mesh: int, ins: RunBackwardWeight, state: _State) -> Launched:
         if not self.local[mesh]:
-            return
+            return ()
         state.grads[ins.stage] = self.executables[ins.stage].backward_weight(
             state.buffers[ins.weight_state], state.grads[ins.stage])
+        return tuple(state.grads[ins.stage])
 
-    def _send(self, mesh: int, ins: Send, state: _State) -> None:
+    def _send(self, mesh: int, ins: Send, state: _State) -> Launched:
         transfer = self.program.transfers[ins.transfer]
         value = state.buffers.get(ins.buffer)
         if value is None:  # computed on a mesh of another process
             value = absent(transfer.shape, transfer.dtype, transfer.src)
-        state.in_flight[(ins.transfer, ins.micro_batch)] = self.moves[ins.transfer](value)
+        moved = state.in_flight[(ins.transfer, ins.micro_batch)] = self.moves[ins.transfer](value)
+        return (moved,)
 
-    def _recv(self, mesh: int, ins: Recv, state: _State) -> None:
+    def _recv(self, mesh: int, ins: Recv, state: _State) -> Launched:
         value = state.in_flight.pop((ins.transfer, ins.micro_batch))
         if not self.local[mesh]:
-            return
+            return ()
         state.buffers[ins.buffer] = value
         transfer = self.program.transfers[ins.transfer]
         if self.watch:
@@ -157,14 +178,16 @@ class ProgramInterpreter:
             what = "activation" if transfer.direction is Direction.ACTIVATION else "gradient"
             state.arriving.append((value, f"{what} of act{producer}.{transfer.slot} stage {transfer.src_stage} "
                                           f"-> {transfer.dst_stage}, micro-batch {ins.micro_batch}"))
+        return ()
 
-    def _free(self, mesh: int, ins: Free, state: _State) -> None:
+    def _free(self, mesh: int, ins: Free, state: _State) -> Launched:
         if state.buffers.pop(ins.buffer, None) is None:
-            return
+            return ()
         if ins.buffer.kind is BufferKind.RESIDUALS:
             state.live[ins.buffer.index] -= 1
         elif ins.buffer.kind is BufferKind.WEIGHT_STATE:
             state.waiting[ins.buffer.index] -= 1
+        return ()
 
 
 @dataclasses.dataclass
