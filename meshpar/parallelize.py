@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,12 +21,14 @@ from meshpar.passes.pipeline_passes import PipelineOptions, compile_pipeline
 from meshpar.passes.pipeline_schedule import SCHEDULES
 from meshpar.passes.stage_graph import StageGraph, StageMarkerError
 from meshpar.passes.strategies import get_strategy
+from meshpar.passes.timeline import Timeline, write_chrome_trace
 from meshpar.passes.weight_delay import check_weight_delay
 from meshpar.reshard import plan_between, prepare_reshard
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.remote import absent
 from meshpar.runtime.signal_move import SignalMove
+from meshpar.runtime.step_trace import StepRecorder
 
 __all__ = ["PipeshardParallel", "parallelize", "ParallelizedStep"]
 
@@ -61,7 +64,8 @@ class PipeshardParallel:
       cluster: hosts and bandwidths for planning transfers; default one host
         per process.
       timeout_s: how long a process waits for its peers (agreeing on the
-        compiled pipeline, values other processes send it) before raising.
+        compiled pipeline, values other processes send it) before raising;
+        ``ParallelizedStep.trace`` waits as long for the traced step's work.
       batch_argnums: positional arguments holding the batch (cut into
         micro-batches along dimension 0).
       devices: devices to use; default ``jax.devices()``.
@@ -104,7 +108,9 @@ def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = Pipe
     The step calls ``meshpar.value_and_grad`` (or ``meshpar.grad``) once on a
     loss whose model calls ``meshpar.mark_stage_boundary()`` between stages.
     Returns a callable taking and returning the same pytrees; state arrays
-    stay sharded on their stage meshes between calls.
+    stay sharded on their stage meshes between calls. Its ``trace(path,
+    *args)`` runs one step the same way and also records when each task ran,
+    written to ``path`` as a Chrome / Perfetto trace (``ParallelizedStep.trace``).
     """
     if fun is None:
         return functools.partial(parallelize, method=method)
@@ -157,6 +163,44 @@ class ParallelizedStep:
         leaves, in_tree = jax.tree.flatten(args)
         executable = self.get_executable(*args)
         return jax.tree.unflatten(executable.out_tree, executable(leaves))
+
+    def trace(self, path: str, *args: Any, serialize: bool = False) -> tuple[Any, Timeline]:
+        """Runs one step like calling this, recording when each task of the pipeline ran.
+
+        Writes the step's measured ``Timeline`` to ``path`` as a Chrome / Perfetto trace (open
+        it at https://ui.perfetto.dev); with several processes, process ``i`` records what it
+        observes (its meshes' compute, the transfers it receives) and writes
+        ``<stem>.p<i><ext>`` with pid ``i``. A step that compiles (the first per input
+        structure) is timed with its compilation: trace a later one.
+
+        Args:
+          path: the trace file; its directory must exist.
+          args: the step's arguments, as for a call.
+          serialize: run each instruction alone, waiting for it before launching the next:
+            isolated durations per task instead of the step as it overlaps
+            (``runtime.step_trace``).
+
+        Returns:
+          The step's outputs, as a call returns them, and its timeline (times in seconds from
+          the first task's start).
+
+        Raises:
+          ValueError: ``path`` is not a file path in an existing directory (before running).
+        """
+        if not isinstance(path, str) or not path or os.path.isdir(path) \
+                or not os.path.isdir(os.path.dirname(path) or "."):
+            raise ValueError(f"path: expected a file path in an existing directory, got {path!r}")
+        leaves, _ = jax.tree.flatten(args)
+        executable = self.get_executable(*args)
+        with StepRecorder(executable.program, executable.local, serialize, self.method.timeout_s) as recorder:
+            outputs = jax.block_until_ready(executable(leaves, recorder))
+            timeline = recorder.timeline()
+        process = jax.process_index()
+        if jax.process_count() > 1:
+            stem, ext = os.path.splitext(path)
+            path = f"{stem}.p{process}{ext}"
+        write_chrome_trace(path, timeline, process)
+        return jax.tree.unflatten(executable.out_tree, outputs), timeline
 
     def get_executable(self, *args: Any) -> PipelineExecutable:
         """The compiled pipeline for these arguments (compiling it if needed)."""
