@@ -4,12 +4,13 @@
 process 1's. Each process checks the parameters it holds, and the loss where it lives,
 against the same step under jax.jit on one local device: the GPT with the default
 transfers (p2p across processes), an MLP with the collective ones and with eager-1F1B, ZB-H1
-and weight delaying. Then process 1 skips a
+and weight delaying; one traced step writes a trace per process. Then process 1 skips a
 step: process 0 must fail within its timeout naming the transfer it waited for.
 """
 
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -25,6 +26,7 @@ import numpy as np  # noqa: E402
 import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.mlp import MLP  # noqa: E402
+from meshpar.passes.timeline import LaneKind, read_chrome_trace  # noqa: E402
 from meshpar.runtime.coordination import CoordinationError, kv_client  # noqa: E402
 from pipeline_models import make_state, make_step, mse  # noqa: E402
 
@@ -89,6 +91,22 @@ for schedule, weight_delay in (("eager_1f1b", True), ("zb_h1", False), ("1f1b", 
         num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), schedule=schedule, weight_delay=weight_delay))
     check_mlp_step(run)
     print(f"process {pid}: {schedule} with weight_delay={weight_delay} matches", flush=True)
+
+# One traced step of the last of those: each process writes its own trace, with its own
+# stage's compute and the transfers it receives (stage i's mesh is process i's).
+run.trace(os.path.join(tempfile.gettempdir(), f"mp_pipeline_trace_{port}.json"), mlp_state, mlp_batch)
+mine_path = os.path.join(tempfile.gettempdir(), f"mp_pipeline_trace_{port}.p{pid}.json")
+mine = read_chrome_trace(mine_path)
+os.remove(mine_path)
+schedule = run.get_executable(mlp_state, mlp_batch).schedule
+compute = [e for e in mine.events if e.lane.kind is LaneKind.COMPUTE]
+assert sorted(str(e.task) for e in compute) == sorted(
+    str(t) for t in schedule.order if t.kind.is_compute and t.where == pid), mine
+assert all(e.lane.src == pid for e in compute), mine
+received = [e for e in mine.events if e.lane.kind is LaneKind.LINK]
+assert received and all(e.lane.dst == pid for e in received), mine
+print(f"process {pid}: trace has only its own stage's compute ({len(compute)} tasks, {len(received)} arrivals)",
+      flush=True)
 
 # Upper-bound transfers: one byte per move, across processes too.
 signal = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
