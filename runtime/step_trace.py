@@ -78,7 +78,7 @@ class _Launch:
     task: Task
     lane: Lane
     launch: float
-    witness: tuple[jax.Array, ...]
+    witness: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ class _LaneWaiter:
         while (launch := self.pending.get()) is not None:
             self.waiting_for = launch.task
             try:
-                jax.block_until_ready(launch.witness)
+                launch.witness.block_until_ready()
             except Exception as e:  # reported by StepRecorder.timeline
                 self.error = e
                 return
@@ -176,10 +176,10 @@ class StepRecorder:
             jax.block_until_ready(arrays)
             self._records.append(_Record(seq, task, lane, launch_time, time.perf_counter()))
             return
-        # All outputs of one execution are ready together, so one marker on the last
-        # accumulator times the whole pass; the accumulators themselves get donated.
-        witness = ((_ready_marker(arrays[-1]),) if isinstance(instruction, (RunBackward, RunBackwardWeight))
-                   else tuple(arrays))
+        # Each instruction is one execution (or one move), whose outputs are ready together:
+        # one of them times it. Accumulated gradients get donated, so a marker on one does.
+        last = arrays[-1]
+        witness = _ready_marker(last) if isinstance(instruction, (RunBackward, RunBackwardWeight)) else last
         if lane not in self._waiters:
             self._waiters[lane] = _LaneWaiter(lane)
         self._waiters[lane].pending.put(_Launch(seq, task, lane, launch_time, witness))
