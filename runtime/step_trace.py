@@ -7,11 +7,15 @@ those arrays become ready:
 
 - ``serialize=False``: a waiter thread per lane takes the lane's launches in
   launch order and blocks on each (``block_until_ready`` releases the GIL),
-  so the pipeline's overlap is undisturbed. A lane runs what was launched on
-  it first in, first out, so by the time its waiter reaches a launch the
-  previous one has finished, and each ready time is noted as it happens,
-  late only by the waiter's wait for the GIL: while recording, the GIL is
-  handed over every ``SWITCH_INTERVAL_S`` instead of every 5 ms.
+  so the launching thread never waits and the pipeline keeps its overlap
+  (each waiter's wake-up still takes some CPU time from it). A lane runs
+  what was launched on it first in, first out, so by the time its waiter
+  reaches a launch the previous one has finished, and each ready time is
+  noted as it happens, late only by the waiter's wait for the GIL: while
+  recording, the GIL is handed over every ``SWITCH_INTERVAL_S`` instead of
+  every 5 ms. A gradient pass's accumulators are donated to the stage's next
+  one, and a donated array cannot be waited on, so the waiter waits on a
+  0-d marker computed from them, launched right after the pass.
 - ``serialize=True``: the recorder blocks right after each launch, so every
   instruction runs alone: isolated durations, the per-task compute a cost
   model wants, not the step's overlap.
