@@ -80,7 +80,6 @@ class _Launch:
 
     seq: int
     task: Task
-    lane: Lane
     launch: float
     witness: jax.Array
 
@@ -186,7 +185,7 @@ class StepRecorder:
         witness = _ready_marker(last) if isinstance(instruction, (RunBackward, RunBackwardWeight)) else last
         if lane not in self._waiters:
             self._waiters[lane] = _LaneWaiter(lane)
-        self._waiters[lane].pending.put(_Launch(seq, task, lane, launch_time, witness))
+        self._waiters[lane].pending.put(_Launch(seq, task, launch_time, witness))
 
     def _task_lane(self, mesh: int, instruction: Instruction) -> tuple[Task, Lane] | None:
         """The task ``instruction`` runs and its lane, or ``None`` when this process cannot see it."""

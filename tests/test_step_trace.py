@@ -3,6 +3,8 @@
 import collections
 import dataclasses
 import json
+import threading
+import time
 from typing import Any
 
 import jax
@@ -12,9 +14,11 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from meshpar.passes.edge_transfer import Direction
+from meshpar.passes.pipeline_program import RunForward
 from meshpar.passes.pipeline_tasks import TaskKind, task_dependencies
 from meshpar.passes.timeline import Lane, LaneKind, Timeline, read_chrome_trace
 from meshpar.runtime.pipeline_executor import PipelineExecutable
+from meshpar.runtime.step_trace import StepRecorder
 from pipeline_models import assert_trees_close, make_state, make_step, mse
 
 SCHEDULES = [("1f1b", False), ("eager_1f1b", True), ("zb_h1", False)]
@@ -122,6 +126,26 @@ def test_compute_lanes_never_overlap_and_tasks_start_after_their_dependencies(tr
 
 def test_serialized_tasks_run_one_at_a_time(traced):
     _assert_no_overlap([e for e in traced.serialized_timeline.events if e.task.kind.is_compute])
+
+
+def test_a_launch_that_never_finishes_times_out_naming_it(traced):
+    """A waiter stuck on a launch (a peer that never sent) ends timeline() with its lane and task."""
+    release = threading.Event()
+
+    class Stuck:
+        def block_until_ready(self):
+            release.wait()
+            return self
+
+    forward = next(ins for ins in traced.executable.program.instructions[0] if isinstance(ins, RunForward))
+    program = traced.executable.program
+    try:
+        with StepRecorder(program, [True] * len(program.stages), serialize=False, timeout_s=0.2) as recorder:
+            recorder.launched(0, forward, [Stuck()], time.perf_counter())
+            with pytest.raises(TimeoutError, match=rf"stage 0 mesh did not finish F0\.{forward.micro_batch} within 0\.2 s"):
+                recorder.timeline()
+    finally:
+        release.set()
 
 
 BAD_PATHS = {
