@@ -22,7 +22,7 @@ from typing import Any
 from .pipeline_tasks import Task
 
 __all__ = [
-    "LaneKind", "Lane", "TimelineEvent", "Timeline", "timeline_of", "chrome_trace", "write_chrome_trace",
+    "LaneKind", "Lane", "TimelineEvent", "Timeline", "timeline_of", "merge_timelines", "chrome_trace", "write_chrome_trace",
     "read_chrome_trace",
 ]
 
@@ -71,10 +71,13 @@ class TimelineEvent:
 @dataclasses.dataclass(frozen=True)
 class Timeline:
     """Events of one step, by start time; ``source`` says where they came from ("simulated",
-    "measured", ...) and titles the trace."""
+    "measured", ...) and titles the trace. ``origin`` is the clock reading time 0 stands for
+    (``time.perf_counter()`` when measured: one monotonic clock shared by every process of a
+    machine, so timelines of several processes line up by it)."""
 
     events: tuple[TimelineEvent, ...]
     source: str
+    origin: float = 0.0
 
     @property
     def makespan(self) -> float:
@@ -103,7 +106,8 @@ def chrome_trace(timeline: Timeline, process: int = 0) -> dict[str, Any]:
             "args": {"kind": e.task.kind.value, "where": e.task.where, "micro_batch": e.task.micro_batch,
                      "lane_kind": e.lane.kind.value, "lane_src": e.lane.src, "lane_dst": e.lane.dst},
         })
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": timeline.source}}
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"source": timeline.source, "origin_s": timeline.origin}}
 
 
 def write_chrome_trace(path: str, timeline: Timeline, process: int = 0) -> None:
@@ -127,13 +131,24 @@ def read_chrome_trace(trace: dict[str, Any] | str) -> Timeline:
         lane = Lane(LaneKind(args["lane_kind"]), args["lane_src"], args["lane_dst"])
         task = Task(TaskKind(args["kind"]), args["where"], args["micro_batch"])
         events.append(TimelineEvent(task, lane, e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6))
-    return Timeline(tuple(sorted(events, key=lambda e: (e.start, e.lane.sort_key()))), trace["otherData"]["source"])
+    other = trace["otherData"]
+    return Timeline(tuple(sorted(events, key=lambda e: (e.start, e.lane.sort_key()))), other["source"],
+                    other.get("origin_s", 0.0))
 
 
 def timeline_of(events: Sequence[TimelineEvent], source: str) -> Timeline:
-    """A ``Timeline`` of ``events`` sorted by start, shifted so the first starts at 0."""
+    """A ``Timeline`` of ``events`` sorted by start, shifted so the first starts at 0 (the
+    ``origin``)."""
     t0 = min((e.start for e in events), default=0.0)
     shifted = sorted((dataclasses.replace(e, start=e.start - t0, end=e.end - t0) for e in events),
                      key=lambda e: (e.start, e.lane.sort_key()))
-    return Timeline(tuple(shifted), source)
+    return Timeline(tuple(shifted), source, t0)
+
+
+def merge_timelines(timelines: Sequence[Timeline], source: str) -> Timeline:
+    """One ``Timeline`` of the events of several (e.g. one per process of a step), placed on
+    their common clock by their origins."""
+    events = [dataclasses.replace(e, start=e.start + t.origin, end=e.end + t.origin)
+              for t in timelines for e in t.events]
+    return timeline_of(events, source)
 
