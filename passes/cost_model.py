@@ -1,18 +1,26 @@
 """A simple cost model of pipeline tasks: FLOPs of a jaxpr, bytes over a link.
 
-Estimates, not measurements: they rank choices (how long to delay a weight
-pass) before anything runs. The simulator refines them with measured
-durations.
+Estimates, not measurements: ``estimate_durations`` gives the schedule
+simulator (``passes.schedule_simulator``) task durations to rank choices
+(how long to delay a weight pass) before anything runs; measured durations
+(``stage_seconds_from``) can replace them.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 from jax._src import core
+from jax.sharding import Mesh
 
+from .edge_transfer import Direction, EdgeTransfer, TransferKind
+from .schedule_simulator import StageSeconds, TaskDurations
 from .stage_graph import subjaxprs
+from .stage_parts import StageParts
 
-__all__ = ["DEVICE_FLOPS", "jaxpr_flops", "compute_seconds", "transfer_seconds"]
+__all__ = ["DEVICE_FLOPS", "jaxpr_flops", "compute_seconds", "transfer_seconds", "estimate_durations"]
 
 # Sustained FLOP/s of one device, by platform: orders of magnitude, enough to
 # compare a stage's compute with its transfers.
@@ -54,3 +62,43 @@ def compute_seconds(flops: float, num_devices: int, platform: str) -> float:
 def transfer_seconds(num_bytes: int, bandwidth: float) -> float:
     """``num_bytes`` over a link of ``bandwidth`` bytes/s."""
     return num_bytes / bandwidth
+
+
+def _stage_seconds(parts: StageParts, mesh: Mesh) -> StageSeconds:
+    platform = mesh.devices.flat[0].platform
+
+    def seconds(jaxpr: core.ClosedJaxpr) -> float:
+        return compute_seconds(jaxpr_flops(jaxpr), mesh.size, platform)
+
+    return StageSeconds(seconds(parts.forward), seconds(parts.backward), seconds(parts.backward_input),
+                        seconds(parts.backward_weight))
+
+
+def estimate_durations(
+    parts: Sequence[StageParts],
+    meshes: Sequence[Mesh],
+    transfers: Sequence[EdgeTransfer],
+    num_edges: int,
+    inter_host_bandwidth: float,
+    intra_host_bandwidth: float,
+) -> TaskDurations:
+    """One micro-batch's task durations, estimated.
+
+    Args:
+      parts: per stage, its compute jaxprs; each runs at its platform's
+        ``DEVICE_FLOPS`` on every device of ``meshes[stage]``.
+      transfers: every edge's moves; an edge's activation (cotangent) time is
+        the bytes of its activation (cotangent) moves over the bandwidth:
+        ``intra_host_bandwidth`` for ``DEVICE_PUT`` (one process, one host),
+        ``inter_host_bandwidth`` otherwise (bytes/s).
+      num_edges: the stage graph's edges, indexed by ``EdgeTransfer.edge``.
+    """
+    seconds = {Direction.ACTIVATION: [0.0] * num_edges, Direction.COTANGENT: [0.0] * num_edges}
+    for t in transfers:
+        bandwidth = intra_host_bandwidth if t.kind is TransferKind.DEVICE_PUT else inter_host_bandwidth
+        seconds[t.direction][t.edge] += transfer_seconds(t.dtype.itemsize * math.prod(t.shape), bandwidth)
+    return TaskDurations(
+        tuple(_stage_seconds(p, meshes[p.stage]) for p in parts),
+        tuple(seconds[Direction.ACTIVATION]),
+        tuple(seconds[Direction.COTANGENT]),
+    )

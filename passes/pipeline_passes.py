@@ -8,7 +8,9 @@
 4. ``layout_step``: where every value lives -> ``StepLayout``;
 5. ``stage_parts``: each stage's forward, backward and split backward jaxprs;
 6. ``plan_edge_transfers``: how each boundary value moves, both ways;
-7. ``weight_delays``: each stage's weight-pass delay (cost model);
+7. ``estimate_durations`` and ``weight_delays``: task durations from the cost
+   model, and each stage's weight-pass delay chosen by simulating the
+   schedule with them (``schedule_simulator``);
 8. ``make_schedule``: the typed tasks and the networkx dependency graph
    (checked acyclic) -> ``PipelineSchedule``;
 9. ``lower_to_program``: per-mesh instructions over typed buffers ->
@@ -21,7 +23,6 @@ output broke the invariant.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -29,11 +30,12 @@ from jax._src import core
 from jax.sharding import Mesh, PartitionSpec as P
 
 from .apply_split import ApplySplit, split_apply
-from .cost_model import compute_seconds, jaxpr_flops, transfer_seconds
-from .edge_transfer import Direction, EdgeTransfer, TransferKind, plan_edge_transfers
+from .cost_model import estimate_durations
+from .edge_transfer import TransferKind, plan_edge_transfers
 from .mesh_assignment import assign_stage_meshes
 from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
 from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
+from .schedule_simulator import TaskDurations
 from .stage_graph import StageGraph, split_stages, verify_stage_graph
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout, layout_step
@@ -63,7 +65,9 @@ class PipelineOptions:
 
 @dataclasses.dataclass(frozen=True)
 class CompiledPipeline:
-    """Every IR the passes made, for the runtime and for ``describe()``."""
+    """Every IR the passes made, for the runtime and for ``describe()``; ``durations`` are the
+    cost model's task estimates the weight delays were chosen with (``simulate`` the schedule
+    with them, or with measured ones, to predict a step)."""
 
     graph: StageGraph
     split: ApplySplit
@@ -72,6 +76,7 @@ class CompiledPipeline:
     parts: tuple[StageParts, ...]
     schedule: PipelineSchedule
     program: PipelineProgram
+    durations: TaskDurations
 
 
 def _run(name: str, make: Callable[[], T], verify: Callable[[T], None]) -> T:
@@ -81,22 +86,6 @@ def _run(name: str, make: Callable[[], T], verify: Callable[[T], None]) -> T:
     except PlanVerificationError as e:
         raise PlanVerificationError(f"after pass {name}: {e}") from e
     return result
-
-
-def _round_trips(transfers: Sequence[EdgeTransfer], num_stages: int, options: PipelineOptions) -> list[float]:
-    """Per stage, its longest activation-out plus cotangent-back pair of transfers, estimated."""
-    def seconds(t: EdgeTransfer) -> float:
-        bandwidth = options.intra_host_bandwidth if t.kind is TransferKind.DEVICE_PUT else options.inter_host_bandwidth
-        return transfer_seconds(t.dtype.itemsize * math.prod(t.shape), bandwidth)
-
-    out = [0.0] * num_stages
-    by_edge: dict[int, float] = {}
-    for t in transfers:
-        by_edge[t.edge] = by_edge.get(t.edge, 0.0) + seconds(t)
-    for t in transfers:
-        if t.direction is Direction.ACTIVATION:
-            out[t.src_stage] = max(out[t.src_stage], by_edge[t.edge])
-    return out
 
 
 def compile_pipeline(
@@ -137,15 +126,15 @@ def compile_pipeline(
         [graph.stages[p].jaxpr.out_avals[ref.slot] for p, _, ref in edges],
         meshes, options.micro_batch_size, options.executor, options.resharding,
     )
-    platform = meshes[0].devices.flat[0].platform
-    delays = weight_delays(
-        options.weight_delay,
-        [compute_seconds(jaxpr_flops(p.forward), meshes[p.stage].size, platform) for p in parts],
-        [compute_seconds(jaxpr_flops(p.backward_input), meshes[p.stage].size, platform) for p in parts],
-        _round_trips(transfers, S, options),
-    )
+    schedule_edges = [(p, c) for p, c, _ in edges]
+    durations = estimate_durations(parts, meshes, transfers, len(edges), options.inter_host_bandwidth,
+                                   options.intra_host_bandwidth)
+    # A collective program holds both meshes; any other move runs beside their compute.
+    overlap = not all(t.kind is TransferKind.COLLECTIVE for t in transfers)
+    delays = weight_delays(options.weight_delay, options.schedule, options.num_micro_batches, schedule_edges,
+                           durations, overlap)
     schedule = _run("make_schedule", lambda: make_schedule(
-        options.schedule, S, options.num_micro_batches, [(p, c) for p, c, _ in edges], delays), verify_schedule)
+        options.schedule, S, options.num_micro_batches, schedule_edges, delays), verify_schedule)
     ios = stage_io(
         S,
         [(p, c, ref.slot, [r for r in graph.stages[c].inputs if r.kind == "act"].index(ref)) for p, c, ref in edges],
@@ -153,4 +142,4 @@ def compile_pipeline(
         [len(s.outputs) for s in graph.stages],
     )
     program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers), verify_pipeline_program)
-    return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program)
+    return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations)

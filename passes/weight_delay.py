@@ -2,24 +2,40 @@
 
 ``weight_delay`` is ``False`` (backwards stay whole), ``True`` (each weight
 pass runs after the stage's next compute task) or ``"auto"``: the paper's
-"delay the least to cover all communications" with a simple per-stage
-estimate. After its input pass for micro-batch ``m``, stage ``s`` waits for
-a round trip before its next input pass can start: its activation goes to
-the next stage and that stage's cotangent comes back. ``"auto"`` delays
-each weight pass past the least number of the stage's compute tasks whose
-estimated time covers that round trip, so the weight pass fills the wait
-instead of holding up the forwards other stages wait for; a stage with no
-round trip (the last) does not delay.
+"delay the least to cover all communications", chosen with the schedule
+simulator (``passes.schedule_simulator``) on the cost model's task
+durations. A weight pass nobody waits for can fill the time a stage would
+otherwise spend waiting for a cotangent, but held too long it delays the
+forwards other stages wait for and keeps its weight state alive.
+
+``"auto"`` searches per-stage delays by coordinate descent from all zeros:
+for each stage in turn it simulates the step with every delay from 0 to
+``max_delay`` and keeps the fastest, the smaller delay on a tie (it holds
+less memory); rounds repeat until no stage changes, at most
+``MAX_ROUNDS``. Each kept change makes the step faster or the delays
+smaller, so the result is never slower than no delay (up to rounding); like
+any coordinate descent it can stop at a local optimum, where only moving
+several stages' delays at once would help.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Sequence
 
-__all__ = ["WEIGHT_DELAYS", "check_weight_delay", "weight_delays"]
+from .pipeline_schedule import make_schedule
+from .schedule_simulator import TaskDurations, simulate
+
+__all__ = ["WEIGHT_DELAYS", "MAX_ROUNDS", "check_weight_delay", "max_delay", "weight_delays"]
 
 WEIGHT_DELAYS = (False, True, "auto")
+
+MAX_ROUNDS = 6
+"""Rounds of the ``"auto"`` search at most: it usually settles within three, and each round
+simulates up to ``S * (max_delay + 1)`` schedules."""
+
+# Step times this close (relative) are the same step summed in another order.
+_SAME_STEP = 1e-9
 
 
 def check_weight_delay(weight_delay: object, schedule: str) -> None:
@@ -33,26 +49,51 @@ def check_weight_delay(weight_delay: object, schedule: str) -> None:
         )
 
 
+def max_delay(num_stages: int, num_micro_batches: int) -> int:
+    """The largest delay ``"auto"`` tries: ``2S``, past the deepest warm-up of any schedule
+    (eager-1F1B's ``2S - 1`` forwards), and at most ``2M - 1``, which already puts every
+    weight pass after all of the stage's ``2M`` forwards and input passes."""
+    return min(2 * num_stages, 2 * num_micro_batches - 1)
+
+
 def weight_delays(
     weight_delay: bool | str,
-    forward_seconds: Sequence[float],
-    input_seconds: Sequence[float],
-    round_trip_seconds: Sequence[float],
+    schedule_name: str,
+    num_micro_batches: int,
+    edges: Sequence[tuple[int, int]],
+    durations: TaskDurations,
+    overlap: bool,
 ) -> tuple[int, ...] | None:
     """Per stage, the compute tasks each weight pass waits after its input pass (``None``: no split).
 
     Args:
-      forward_seconds, input_seconds: per stage, estimated forward and
-        input-pass (activation gradient) time of one micro-batch.
-      round_trip_seconds: per stage, the estimated time of its longest
-        activation-out, cotangent-back transfer pair (0 for the last stage).
+      weight_delay: ``False``, ``True`` or ``"auto"`` (module doc).
+      schedule_name, num_micro_batches, edges: the schedule to delay in.
+      durations: estimated task durations, one stage each.
+      overlap: whether transfers overlap with compute (``simulate``).
     """
     if weight_delay is False:
         return None
     if weight_delay is True:
-        return (1,) * len(forward_seconds)
-    delays = []
-    for f, i, r in zip(forward_seconds, input_seconds, round_trip_seconds):
-        slot = (f + i) / 2
-        delays.append(0 if r <= 0 else max(1, math.ceil(r / slot)) if slot > 0 else 1)
-    return tuple(delays)
+        return (1,) * len(durations.stages)
+    return _search(schedule_name, num_micro_batches, tuple(edges), durations, overlap)
+
+
+def _search(name: str, num_micro_batches: int, edges: tuple[tuple[int, int], ...], durations: TaskDurations,
+            overlap: bool) -> tuple[int, ...]:
+    S = len(durations.stages)
+
+    @functools.cache
+    def step_seconds(delays: tuple[int, ...]) -> float:
+        return simulate(make_schedule(name, S, num_micro_batches, edges, delays), durations, overlap).step_seconds
+
+    delays = (0,) * S
+    for _ in range(MAX_ROUNDS):
+        before = delays
+        for s in range(S):
+            candidates = [delays[:s] + (d,) + delays[s + 1:] for d in range(max_delay(S, num_micro_batches) + 1)]
+            fastest = min(map(step_seconds, candidates))
+            delays = next(c for c in candidates if step_seconds(c) <= fastest * (1 + _SAME_STEP))
+        if delays == before:
+            break
+    return delays

@@ -1,16 +1,22 @@
-"""Weight delaying: the option's validation, the "auto" delays, and the FLOP estimate behind them."""
+"""Weight delaying: the option's validation, the "auto" delays, and the cost model behind them
+(the simulator's own properties are in test_schedule_simulator)."""
 
-import random
-from fractions import Fraction
+import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import Mesh
 
-from meshpar.passes.cost_model import jaxpr_flops
-from meshpar.passes.pipeline_schedule import SCHEDULES
-from meshpar.passes.weight_delay import check_weight_delay, weight_delays
+from meshpar.passes.cost_model import DEVICE_FLOPS, estimate_durations, jaxpr_flops
+from meshpar.passes.edge_transfer import Direction, EdgeTransfer, TransferKind
+from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.schedule_simulator import StageSeconds, TaskDurations, simulate
+from meshpar.passes.stage_graph import Ref, Stage
+from meshpar.passes.stage_parts import stage_parts
+from meshpar.passes.weight_delay import check_weight_delay, max_delay, weight_delays
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
@@ -31,48 +37,88 @@ def test_check_weight_delay_rejects_other_values(name, value):
     assert repr(value) in str(info.value)
 
 
+def _durations(S, f=1.0, i=1.0, w=1.0, transfer=0.0):
+    return TaskDurations((StageSeconds(f, i + w, i, w),) * S, (transfer,) * (S - 1), (transfer,) * (S - 1))
+
+
+def _chain(S):
+    return [(s, s + 1) for s in range(S - 1)]
+
+
 def test_false_and_true():
-    assert weight_delays(False, [1.0, 2.0], [1.0, 2.0], [3.0, 0.0]) is None
-    assert weight_delays(True, [1.0, 2.0, 3.0], [1.0, 1.0, 1.0], [9.0, 9.0, 0.0]) == (1, 1, 1)
+    assert weight_delays(False, "1f1b", 4, _chain(2), _durations(2), True) is None
+    assert weight_delays(True, "gpipe", 4, _chain(3), _durations(3), False) == (1, 1, 1)
 
 
-def _least_delay(f, i, r):
-    """Brute force, in exact arithmetic: 0 without a round trip, else the least d >= 1 covering it."""
-    f, i, r = map(Fraction, (f, i, r))
-    if r <= 0:
-        return 0
-    d = 1
-    while d * (f + i) / 2 < r:
-        d += 1
-    return d
+@pytest.mark.parametrize("S, M, expected", [(1, 1, 1), (1, 4, 2), (3, 2, 3), (3, 8, 6), (4, 100, 8)])
+def test_max_delay_is_2s_capped_where_every_weight_pass_is_already_last(S, M, expected):
+    assert max_delay(S, M) == expected
 
 
-def test_auto_is_the_least_delay_covering_the_round_trip():
-    rng = random.Random(0)
-    for _ in range(300):
-        S = rng.randint(1, 5)
-        # Multiples of 1/8: exact in binary, so float and exact arithmetic agree.
-        f = [rng.randint(1, 40) / 8 for _ in range(S)]
-        i = [rng.randint(1, 40) / 8 for _ in range(S)]
-        r = [rng.choice([0, rng.randint(1, 200) / 8]) for _ in range(S - 1)] + [0.0]
-        assert weight_delays("auto", f, i, r) == tuple(map(_least_delay, f, i, r))
+def _step(name, M, durations, delays):
+    S = len(durations.stages)
+    return simulate(make_schedule(name, S, M, _chain(S), delays), durations).step_seconds
 
 
-def test_auto_exact_boundaries():
-    # (1 + 1) / 2 = 1 per compute task: a round trip of exactly d needs d, a hair more needs d + 1.
-    assert weight_delays("auto", [1.0] * 4, [1.0] * 4, [0.0, 0.5, 1.0, 3.0]) == (0, 1, 1, 3)
-    assert weight_delays("auto", [1.0], [1.0], [3.0000001]) == (4,)
-    assert weight_delays("auto", [3.0], [1.0], [0.0]) == (0,)  # the last stage never delays
+def test_auto_picks_the_delays_the_simulator_finds_fastest():
+    """Eager-1F1B, S = 3, M = 6, f = i = w = 1, transfers of 1: the last stage's weight passes
+    waiting 4 tasks let its input passes, which the others wait for, run first."""
+    durations = _durations(3, transfer=1.0)
+    auto = weight_delays("auto", "eager_1f1b", 6, _chain(3), durations, True)
+    assert auto == (0, 0, 4)
+    assert [_step("eager_1f1b", 6, durations, d) for d in (auto, (0, 0, 0), (1, 1, 1), None)] == [24, 26, 27, 28]
+    assert weight_delays("auto", "eager_1f1b", 6, _chain(3), durations, True) == auto  # deterministic
 
 
-def test_auto_is_monotone_in_the_round_trip():
-    rng = random.Random(1)
-    for _ in range(50):
-        f, i = rng.uniform(0.1, 3), rng.uniform(0.1, 3)
-        trips = sorted(rng.uniform(0, 30) for _ in range(40))
-        delays = [weight_delays("auto", [f], [i], [r])[0] for r in trips]
-        assert delays == sorted(delays)
-        assert all(d >= 1 for d, r in zip(delays, trips) if r > 0)
+def test_auto_with_transfers_longer_than_compute_splits_without_delaying():
+    """1F1B with transfers of 5 (f = i = w = 1): sending cotangents after the input pass is what
+    helps; a delayed weight pass only holds up the forwards behind it."""
+    durations = _durations(3, transfer=5.0)
+    assert weight_delays("auto", "1f1b", 6, _chain(3), durations, True) == (0, 0, 0)
+    assert [_step("1f1b", 6, durations, d) for d in ((0, 0, 0), (1, 1, 1), None)] == [69, 70, 74]
+
+
+def test_auto_with_one_stage_does_not_delay():
+    """Nothing waits on a lone stage: every delay takes as long, and the smallest wins."""
+    assert weight_delays("auto", "1f1b", 4, [], _durations(1), True) == (0,)
+
+
+def test_auto_prefers_the_smaller_delay_on_a_tie():
+    """GPipe with no transfer time, uniform stages: the last stage's weight passes take as long
+    at any delay (they wait for nothing), stage 1's at 0 or 1; the smaller, holding less, wins."""
+    S, M = 3, 4
+    durations = _durations(S)
+    assert {_step("gpipe", M, durations, (0, 0, d)) for d in range(max_delay(S, M) + 1)} == {16}
+    assert _step("gpipe", M, durations, (0, 1, 0)) == _step("gpipe", M, durations, (0, 0, 0)) == 16
+    assert weight_delays("auto", "gpipe", M, _chain(S), durations, True) == (0, 0, 0)
+
+
+def test_estimate_durations_from_flops_and_bytes():
+    """Compute: a stage's FLOPs over its mesh's devices; transfers: an edge's bytes per direction
+    over the intra-host bandwidth for jax.device_put, the inter-host one otherwise."""
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    stage = Stage(1, jax.make_jaxpr(lambda x, w: (jnp.tanh(x @ w),))(x, w), (Ref("act", 0, 0), Ref("param", 0)),
+                  (Ref("act", 1, 0),))
+    parts = stage_parts(stage)
+    devices = np.array(jax.devices()[:4])
+    meshes = [Mesh(devices[:2].reshape(2, 1), ("data", "model")), Mesh(devices[2:].reshape(2, 1), ("data", "model"))]
+
+    def move(edge, direction, kind, shape):
+        return EdgeTransfer(edge, direction, 0, 1, 0, shape, np.dtype(np.float32), None, None, kind)
+
+    transfers = [
+        move(0, Direction.ACTIVATION, TransferKind.DEVICE_PUT, (4, 8)),
+        move(0, Direction.COTANGENT, TransferKind.P2P, (4, 8)),
+        move(1, Direction.COTANGENT, TransferKind.COLLECTIVE, (2,)),
+    ]
+    durations = estimate_durations([dataclasses.replace(parts, stage=s) for s in range(2)], meshes, transfers,
+                                   num_edges=2, inter_host_bandwidth=1e3, intra_host_bandwidth=1e5)
+    flops = DEVICE_FLOPS[jax.devices()[0].platform] * 2
+    assert durations.stages[0] == durations.stages[1] == StageSeconds(
+        jaxpr_flops(parts.forward) / flops, jaxpr_flops(parts.backward) / flops,
+        jaxpr_flops(parts.backward_input) / flops, jaxpr_flops(parts.backward_weight) / flops)
+    assert durations.activation == (128 / 1e5, 0.0)
+    assert durations.gradient == (128 / 1e3, 8 / 1e3)
 
 
 def test_matmul_flops():
