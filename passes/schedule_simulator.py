@@ -151,6 +151,7 @@ def _check_sizes(schedule: PipelineSchedule, durations: TaskDurations) -> None:
 
 
 def _events(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool) -> list[TimelineEvent]:
+    """Every task of the launch order, timed in one walk (module doc)."""
     end: dict[Task, float] = {}
     free: dict[Lane, float] = {}
     events = []
