@@ -8,14 +8,15 @@ durations. A weight pass nobody waits for can fill the time a stage would
 otherwise spend waiting for a cotangent, but held too long it delays the
 forwards other stages wait for and keeps its weight state alive.
 
-``"auto"`` searches per-stage delays by coordinate descent from all zeros:
-for each stage in turn it simulates the step with every delay from 0 to
+``"auto"`` first simulates every uniform delay (each stage the same, 0 to
+``max_delay``) and starts from the fastest; then, by coordinate descent, for
+each stage in turn it simulates the step with every delay from 0 to
 ``max_delay`` and keeps the fastest, the smaller delay on a tie (it holds
 less memory); rounds repeat until no stage changes, at most
 ``MAX_ROUNDS``. Each kept change makes the step faster or the delays
-smaller, so the result is never slower than no delay (up to rounding); like
-any coordinate descent it can stop at a local optimum, where only moving
-several stages' delays at once would help.
+smaller, so the result is never slower than any uniform delay, no delay
+included (up to rounding); like any coordinate descent it can stop at a
+local optimum, where only moving several stages' delays at once would help.
 """
 
 from __future__ import annotations
@@ -87,11 +88,15 @@ def _search(name: str, num_micro_batches: int, edges: tuple[tuple[int, int], ...
     def step_seconds(delays: tuple[int, ...]) -> float:
         return simulate(make_schedule(name, S, num_micro_batches, edges, delays), durations, overlap).step_seconds
 
-    delays = (0,) * S
+    # Start from the fastest uniform delay, so the result is never slower than any of them.
+    limit = max_delay(S, num_micro_batches)
+    uniform = [(d,) * S for d in range(limit + 1)]
+    fastest = min(map(step_seconds, uniform))
+    delays = next(c for c in uniform if step_seconds(c) <= fastest * (1 + _SAME_STEP))
     for _ in range(MAX_ROUNDS):
         before = delays
         for s in range(S):
-            candidates = [delays[:s] + (d,) + delays[s + 1:] for d in range(max_delay(S, num_micro_batches) + 1)]
+            candidates = [delays[:s] + (d,) + delays[s + 1:] for d in range(limit + 1)]
             fastest = min(map(step_seconds, candidates))
             delays = next(c for c in candidates if step_seconds(c) <= fastest * (1 + _SAME_STEP))
         if delays == before:
