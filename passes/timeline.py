@@ -22,7 +22,8 @@ from typing import Any
 from .pipeline_tasks import Task
 
 __all__ = [
-    "LaneKind", "Lane", "TimelineEvent", "Timeline", "timeline_of", "merge_timelines", "chrome_trace", "write_chrome_trace",
+    "LaneKind", "Lane", "TimelineEvent", "Timeline", "timeline_of", "merge_timelines",
+    "clip_to_dependencies", "chrome_trace", "write_chrome_trace",
     "read_chrome_trace",
 ]
 
@@ -151,4 +152,25 @@ def merge_timelines(timelines: Sequence[Timeline], source: str) -> Timeline:
     events = [dataclasses.replace(e, start=e.start + t.origin, end=e.end + t.origin)
               for t in timelines for e in t.events]
     return timeline_of(events, source)
+
+
+def clip_to_dependencies(
+    timeline: Timeline, edges: Sequence[tuple[int, int]], split_backward: bool
+) -> Timeline:
+    """``timeline`` with each event starting no earlier than its data dependencies in it end.
+
+    A process infers a start from what it saw; after merging several processes' timelines, a
+    transfer received on one can be clipped to the end of the task that produced its value on
+    another. Dependencies end before their dependents, so one walk by end time suffices.
+    """
+    from .pipeline_tasks import task_dependencies
+
+    ends: dict[Task, float] = {}
+    events = []
+    for e in sorted(timeline.events, key=lambda e: e.end):
+        start = max([e.start] + [ends[d] for d in task_dependencies(e.task, edges, split_backward) if d in ends])
+        events.append(dataclasses.replace(e, start=min(start, e.end)))
+        ends[e.task] = e.end
+    return Timeline(tuple(sorted(events, key=lambda e: (e.start, e.lane.sort_key()))), timeline.source,
+                    timeline.origin)
 

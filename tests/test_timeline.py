@@ -8,7 +8,7 @@ import pytest
 
 from meshpar.passes.pipeline_tasks import Task, TaskKind
 from meshpar.passes.timeline import (
-    Lane, LaneKind, Timeline, TimelineEvent, chrome_trace, merge_timelines, read_chrome_trace, timeline_of,
+    Lane, LaneKind, Timeline, TimelineEvent, chrome_trace, clip_to_dependencies, merge_timelines, read_chrome_trace, timeline_of,
     write_chrome_trace,
 )
 
@@ -56,3 +56,13 @@ def test_merge_places_processes_on_one_clock():
     merged = merge_timelines([p1, p0], "both")
     assert [(str(e.task), e.start, e.end) for e in merged.events] == [("F0.0", 0.0, 0.5), ("F1.0", 0.5, 1.0)]
     assert merged == Timeline(merged.events, "both", 100.0)
+
+
+def test_clip_to_dependencies_starts_a_received_transfer_when_its_value_was_computed():
+    # Process 1 saw A0.0 from its launch at 100.0; process 0 computed F0.0 until 100.5.
+    p0 = timeline_of([TimelineEvent(Task(F, 0, 0), MESH0, 100.0, 100.5)], "measured")
+    p1 = timeline_of([TimelineEvent(Task(A, 0, 0), LINK, 100.0, 100.75),
+                      TimelineEvent(Task(F, 1, 0), MESH1, 100.75, 101.0)], "measured")
+    merged = clip_to_dependencies(merge_timelines([p0, p1], "both"), [(0, 1)], split_backward=False)
+    assert [(str(e.task), e.start, e.end) for e in merged.events] == [
+        ("F0.0", 0.0, 0.5), ("A0.0", 0.5, 0.75), ("F1.0", 0.75, 1.0)]
