@@ -1,0 +1,405 @@
+"""End-to-end pipeline benchmark: the paper's Fig. 7 and Fig. 9 methods, measured and simulated.
+
+    python -m benchmarks.pipeline [--link-gbit G] [--repeat N] [--cases C ...] [--methods M ...]
+        [--json PATH] [--png DIR] [--no-emulated] [--no-single-process]
+
+Runs every case of ``benchmarks.pipeline_cases`` (GPT at (2, 2, 2) and
+(4, 1, 2), U-Transformer at (4, 1, 2)) with every method (``send_recv``,
+``alpa``, ``broadcast``, ``overlap``, ``ours``, ``zb_h1``, ``upper_bound``;
+see that module) on
+
+- ``emulated``: 2 emulated hosts x 4 CPU devices, one process each, links
+  shaped to ``G`` Gbit/s (default 0.25: the links, not the two cores, are
+  the bottleneck, as NICs are on a real cluster); needs root;
+- ``single_process``: 8 CPU devices in one process (transfers are
+  ``jax.device_put``; ``send_recv`` and ``alpa`` would repeat ``overlap``).
+
+Per (cluster, case, method): the measured step (median over ``N`` steps of
+the slower process), and the schedule simulator's prediction
+(``passes.schedule_simulator``) from each task's isolated duration (a
+serialized traced step) and the planner's estimate of every transfer at the
+measured link rate. The share ``link busy / stage compute`` of each case is
+printed for 1F1B: the busiest link's transfer time per step over the busiest
+stage's compute time per step.
+
+Records (``--json``), one per (cluster, case, method)::
+
+    {"model", "config", "method", "cluster", "measured_step_s", "predicted_step_s", "samples_per_s",
+     "step_times_s", "over_upper_bound", "prediction_error", "transfer_share", "link_gbit", ...}
+
+``--png DIR`` draws the measured 1F1B (``overlap``) and eager-1F1B
+(``ours``) timelines of one case (``--png-case``) per cluster, and the
+simulated ones beside them (matplotlib: ``pip install -e ".[plot]"``).
+
+Importing this module touches neither JAX nor the network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+from benchmarks.pipeline_cases import CASES, METHODS
+
+__all__ = ["aggregate", "main", "table", "targets"]
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET_OVER_UPPER_BOUND = 0.95
+TARGET_OVER_ALPA_UT = 1.3
+TARGET_PREDICTION_ERROR = 0.15
+PLOT_METHODS = ("overlap", "ours")
+# Bytes/s of a copy between two CPU devices of one process, for the planner's
+# estimates in single-process runs (order of magnitude of memcpy on this class
+# of machine; those transfers are a few percent of a step either way).
+SINGLE_PROCESS_COPY_BPS = 5e9
+
+
+def _read_lines(directory: str) -> list[dict]:
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(directory, name)) as f:
+                out += [json.loads(line) for line in f if line.endswith("\n")]
+    return out
+
+
+def _trace_files(trace_dir: str, name: str) -> list[str]:
+    """The trace ``name`` as one process wrote it, or its ``.p<i>`` files from several."""
+    stem, ext = os.path.splitext(name)
+    single = os.path.join(trace_dir, name)
+    if os.path.exists(single):
+        return [single]
+    return sorted(os.path.join(trace_dir, f) for f in os.listdir(trace_dir)
+                  if f.startswith(stem + ".p") and f.endswith(ext))
+
+
+def merged_timeline(trace_dir: str, name: str, source: str, spec: dict):
+    """Every process's events of one traced step of schedule ``spec``, in one ``Timeline`` on the
+    machine's clock, each transfer starting once its value was computed on the sending process."""
+    from meshpar.passes.timeline import clip_to_dependencies, merge_timelines, read_chrome_trace
+
+    paths = _trace_files(trace_dir, name)
+    if not paths:
+        raise FileNotFoundError(f"no trace {name} in {trace_dir}")
+    merged = merge_timelines([read_chrome_trace(p) for p in paths], source)
+    split = spec["name"] == "zb_h1" or spec["weight_delays"] is not None
+    return clip_to_dependencies(merged, [tuple(e) for e in spec["edges"]], split)
+
+
+def _schedule(spec: dict):
+    from meshpar.passes.pipeline_schedule import make_schedule
+
+    return make_schedule(spec["name"], spec["num_stages"], spec["num_micro_batches"],
+                         [tuple(e) for e in spec["edges"]], spec["weight_delays"])
+
+
+def _durations(group: Sequence[dict], trace_dir: str):
+    """Measured isolated compute per stage, the planner's transfer estimates per edge."""
+    from meshpar.passes.schedule_simulator import TaskDurations, stage_seconds_from
+
+    first = group[0]
+    S = first["schedule"]["num_stages"]
+    timeline = merged_timeline(trace_dir, first["serialized_trace"], "measured, serialized", first["schedule"])
+    stages = stage_seconds_from(timeline, S)
+    num_edges = len(first["schedule"]["edges"])
+    act, grad = [0.0] * num_edges, [0.0] * num_edges
+    for t in first["transfers"]:
+        (act if t["activation"] else grad)[t["edge"]] += t["seconds"]
+    return TaskDurations(tuple(stages), tuple(act), tuple(grad))
+
+
+def _share(durations, spec: dict) -> float:
+    """Per step: the busiest link's transfer seconds over the busiest stage's compute seconds."""
+    M = spec["num_micro_batches"]
+    links: dict[tuple[int, int], float] = {}
+    for e, (p, c) in enumerate(spec["edges"]):
+        links[(p, c)] = links.get((p, c), 0.0) + M * durations.activation[e]
+        links[(c, p)] = links.get((c, p), 0.0) + M * durations.gradient[e]
+    compute = max(M * (s.forward + s.backward) for s in durations.stages)
+    return max(links.values()) / compute
+
+
+def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes: int) -> list[dict]:
+    """One record per (case, method) every process reported, with the simulator's prediction."""
+    from meshpar.passes.schedule_simulator import simulate
+
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in lines:
+        if r.get("kind") == "method":
+            groups.setdefault((r["case"], r["method"]), []).append(r)
+    records = []
+    for (case, method), group in groups.items():
+        if len(group) < num_processes:
+            continue
+        group.sort(key=lambda r: r["process"])
+        first = group[0]
+        n = min(len(g["step_times_s"]) for g in group)
+        per_step = [max(g["step_times_s"][i] for g in group) for i in range(n)]
+        measured = statistics.median(per_step)
+        durations = _durations(group, trace_dir)
+        simulated = simulate(_schedule(first["schedule"]), durations, overlap=first["overlap"])
+        losses = [g["loss"] for g in group if g["loss"] is not None]
+        records.append({
+            "model": first["model"], "config": first["config"], "method": method, "cluster": cluster,
+            "case": case, "measured_step_s": measured, "predicted_step_s": simulated.step_seconds,
+            "samples_per_s": first["batch"] / measured, "step_times_s": per_step,
+            "prediction_error": simulated.step_seconds / measured - 1,
+            "predicted_bubble": simulated.bubble_fraction,
+            "transfer_share": _share(durations, first["schedule"]),
+            "stage_seconds": [vars(s) for s in durations.stages],
+            "transfer_seconds": {"activation": list(durations.activation), "gradient": list(durations.gradient)},
+            "weight_delays": first["schedule"]["weight_delays"],
+            "schedule": first["schedule"], "overlap": first["overlap"],
+            "peak_live_activations": [max(g["peak_live_activations"][s] for g in group)
+                                      for s in range(first["schedule"]["num_stages"])],
+            "compile_s": max(g["compile_s"] for g in group),
+            "loss": losses[0] if losses else None,
+        })
+    bound = {(r["case"], r["cluster"]): r["measured_step_s"] for r in records if r["method"] == "upper_bound"}
+    for r in records:
+        b = bound.get((r["case"], r["cluster"]))
+        r["over_upper_bound"] = b / r["measured_step_s"] if b else None
+    order = {m.name: i for i, m in enumerate(METHODS)}
+    cases = {c.name: i for i, c in enumerate(CASES)}
+    return sorted(records, key=lambda r: (cases.get(r["case"], 99), order.get(r["method"], 99)))
+
+
+def table(records: Sequence[dict]) -> str:
+    """Markdown: one row per (cluster, case, method)."""
+    lines = ["| cluster | model | (data, model, pipeline) | method | step (ms) | predicted (ms) | error | "
+             "samples/s | upper bound / step | weight delays | peak live |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ub = f"{r['over_upper_bound']:.2f}" if r.get("over_upper_bound") else "-"
+        delays = r["weight_delays"] if r["weight_delays"] is not None else "-"
+        lines.append(
+            f"| {r['cluster']} | {r['model']} | {tuple(r['config'])} | {r['method']} | "
+            f"{r['measured_step_s'] * 1e3:.0f} | {r['predicted_step_s'] * 1e3:.0f} | "
+            f"{r['prediction_error'] * 100:+.0f}% | {r['samples_per_s']:.0f} | {ub} | {delays} | "
+            f"{r['peak_live_activations']} |")
+    return "\n".join(lines)
+
+
+def targets(records: Sequence[dict]) -> list[str]:
+    """The issue's targets, on the emulated cluster; one line each, ``met`` or ``MISSED``."""
+    out = []
+    by = {(r["cluster"], r["case"], r["method"]): r for r in records}
+
+    def line(ok: bool, text: str) -> None:
+        out.append(f"{'met   ' if ok else 'MISSED'} {text}")
+
+    for case in CASES:
+        get = lambda m: by.get(("emulated", case.name, m))  # noqa: E731
+        ours, bound, alpa = get("ours"), get("upper_bound"), get("alpa")
+        overlap, broadcast = get("overlap"), get("broadcast")
+        if ours and bound:
+            ratio = bound["measured_step_s"] / ours["measured_step_s"]
+            line(ratio >= TARGET_OVER_UPPER_BOUND,
+                 f"{case.name}: ours at {ratio:.2f}x the upper bound's speed (target >= {TARGET_OVER_UPPER_BOUND})")
+        if case.model == "u_transformer" and ours and alpa:
+            ratio = alpa["measured_step_s"] / ours["measured_step_s"]
+            line(ratio >= TARGET_OVER_ALPA_UT, f"{case.name}: ours {ratio:.2f}x alpa (target >= {TARGET_OVER_ALPA_UT})")
+        if overlap and broadcast:
+            ratio = broadcast["measured_step_s"] / overlap["measured_step_s"]
+            line(ratio > 1, f"{case.name}: overlap {ratio:.2f}x broadcast (target > 1)")
+        if ours and overlap:
+            ratio = overlap["measured_step_s"] / ours["measured_step_s"]
+            line(ratio >= 1, f"{case.name}: ours {ratio:.2f}x overlap (target >= 1)")
+    errors = [r for r in records if r["cluster"] == "emulated"]
+    if errors:
+        worst = max(errors, key=lambda r: abs(r["prediction_error"]))
+        line(abs(worst["prediction_error"]) <= TARGET_PREDICTION_ERROR,
+             f"simulator within {abs(worst['prediction_error']) * 100:.0f}% of every emulated step "
+             f"(worst: {worst['case']} {worst['method']}; target <= {TARGET_PREDICTION_ERROR * 100:.0f}%)")
+    return out
+
+
+class _Progress(threading.Thread):
+    """Prints each record line as the workers write it."""
+
+    def __init__(self, directory: str, prefix: str, start: float) -> None:
+        super().__init__(daemon=True)
+        self.directory, self.prefix, self.start_time = directory, prefix, start
+        self.stop = threading.Event()
+        self._seen: set = set()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            self.poll()
+
+    def poll(self) -> None:
+        try:
+            lines = _read_lines(self.directory)
+        except (OSError, ValueError):
+            return
+        for r in lines:
+            key = (r.get("process"), r.get("case"), r.get("method"), r.get("kind"))
+            if r.get("kind") in ("method", "error") and key not in self._seen:
+                self._seen.add(key)
+                elapsed = time.perf_counter() - self.start_time
+                if r["kind"] == "error":
+                    print(f"[{elapsed:6.0f}s] {self.prefix}process {r['process']}: ERROR {r['error']}", flush=True)
+                else:
+                    steps = " ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"])
+                    print(f"[{elapsed:6.0f}s] {self.prefix}process {r['process']}: {r['case']} {r['method']}: "
+                          f"compile+first step {r['compile_s']:.1f} s; steps {steps} ms", flush=True)
+
+
+def _worker_argv(args: argparse.Namespace, out: str, traces: str, rate: float) -> list[str]:
+    argv = ["-m", "benchmarks.pipeline_worker", "--out", out, "--trace-dir", traces, "--link-rate", repr(rate),
+            "--repeat", str(args.repeat), "--timeout", repr(args.step_timeout), "--cases", *args.cases,
+            "--methods", *args.methods]
+    if args.png:
+        argv += ["--trace-methods", *PLOT_METHODS]
+    return argv
+
+
+def _env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join([_REPO, path]) if path else _REPO, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _run_emulated(args: argparse.Namespace, traces: str, start: float) -> tuple[list[dict], list[str]]:
+    from benchmarks.emulated_cluster import EmulatedCluster
+
+    traces = os.path.join(traces, "emulated")
+    os.makedirs(traces, exist_ok=True)
+    ok, why = EmulatedCluster.available()
+    if not ok:
+        return [], [f"emulated cluster unavailable: {why}"]
+    print(f"emulated cluster: 2 hosts x 4 CPU devices, {args.link_gbit:g} Gbit/s tbf-shaped links", flush=True)
+    with EmulatedCluster(2, 4, args.link_gbit, timeout_s=args.timeout) as cluster:
+        rate = cluster.measure_link_rate(0, 1)
+        print(f"measured link rate host0 -> host1: {rate / 1e6:.1f} MB/s", flush=True)
+        with tempfile.TemporaryDirectory(prefix="meshpar-pipeline-") as out:
+            errors = cluster.run_reporting(_worker_argv(args, out, traces, rate), env=_env(), timeout_s=args.timeout,
+                                           progress=_Progress(out, "emulated ", start), what="emulated pipeline run")
+            lines = _read_lines(out)
+    errors += [f"emulated, process {r['process']}: {r['error']}" for r in lines if r.get("kind") == "error"]
+    records = aggregate(lines, traces, "emulated", 2)
+    for r in records:
+        r.update(link_gbit=args.link_gbit, link_rate_Bps=rate)
+    return records, errors
+
+
+def _run_single(args: argparse.Namespace, traces: str, start: float) -> tuple[list[dict], list[str]]:
+    traces = os.path.join(traces, "single_process")
+    os.makedirs(traces, exist_ok=True)
+    # One process: every transfer is an in-memory copy, for the planner too.
+    rate = SINGLE_PROCESS_COPY_BPS
+    print("single process: 8 CPU devices", flush=True)
+    with tempfile.TemporaryDirectory(prefix="meshpar-pipeline-") as out:
+        progress = _Progress(out, "single_process ", start)
+        progress.start()
+        try:
+            proc = subprocess.run([sys.executable, *_worker_argv(args, out, traces, rate), "--single-process"],
+                                  env={**os.environ, **_env()}, timeout=args.timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return [], [f"single-process run overran {args.timeout:g} s"]
+        finally:
+            progress.stop.set()
+            progress.join()
+            progress.poll()
+        lines = _read_lines(out)
+    errors = [] if proc.returncode == 0 else [f"single-process run failed:\n{proc.stderr[-3000:]}"]
+    records = aggregate(lines, traces, "single_process", 1)
+    for r in records:
+        r.update(link_gbit=None, link_rate_Bps=None)
+    return records, errors
+
+
+def _plot(args: argparse.Namespace, traces: str, records: Sequence[dict]) -> list[str]:
+    """Per cluster: the measured and the simulated timelines of ``PLOT_METHODS`` on ``--png-case``."""
+    from benchmarks.pipeline_worker import slug
+    from benchmarks.timeline_plot import plot_timelines
+    from meshpar.passes.schedule_simulator import StageSeconds, TaskDurations, simulate
+
+    os.makedirs(args.png, exist_ok=True)
+    written = []
+    for cluster in ("emulated", "single_process"):
+        cluster_traces = os.path.join(traces, cluster)
+        by = {r["method"]: r for r in records if r["cluster"] == cluster and r["case"] == args.png_case}
+        if not all(m in by for m in PLOT_METHODS):
+            continue
+        timelines, titles = [], []
+        for method in PLOT_METHODS:
+            r = by[method]
+            label = "1F1B" if method == "overlap" else "eager-1F1B + weight delay"
+            measured = merged_timeline(cluster_traces, f"{slug(args.png_case)}-{method}.json", "measured",
+                                       r["schedule"])
+            timelines.append(measured)
+            titles.append(f"{method} ({label}), median step {r['measured_step_s'] * 1e3:.0f} ms; one traced step")
+            durations = TaskDurations(tuple(StageSeconds(**s) for s in r["stage_seconds"]),
+                                      tuple(r["transfer_seconds"]["activation"]),
+                                      tuple(r["transfer_seconds"]["gradient"]))
+            simulated = simulate(_schedule(r["schedule"]), durations, overlap=r["overlap"])
+            timelines.append(simulated.timeline)
+            titles.append(f"{method} ({label}), predicted from isolated task times")
+        path = os.path.join(args.png, f"timeline-{cluster}-{slug(args.png_case)}.png")
+        plot_timelines(timelines, titles, path)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pipeline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--link-gbit", type=float, default=0.25, help="emulated link rate (default 0.25)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed steps per method (default 5)")
+    parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
+    parser.add_argument("--methods", nargs="+", default=[m.name for m in METHODS], choices=[m.name for m in METHODS])
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--png", help="write timeline figures into this directory")
+    parser.add_argument("--png-case", default=CASES[-1].name, choices=[c.name for c in CASES],
+                        help=f"the case whose timelines --png draws (default {CASES[-1].name})")
+    parser.add_argument("--trace-dir", help="keep every traced step's Chrome trace here (default: discarded)")
+    parser.add_argument("--no-emulated", action="store_true", help="skip the emulated cluster")
+    parser.add_argument("--no-single-process", action="store_true", help="skip the single-process rows")
+    parser.add_argument("--timeout", type=float, default=1500.0, help="bound on each run of the workers, s")
+    parser.add_argument("--step-timeout", type=float, default=300.0, help="bound on each wait inside the workers, s")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    records: list[dict] = []
+    errors: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="meshpar-pipeline-traces-") as scratch:
+        traces = args.trace_dir or scratch
+        os.makedirs(traces, exist_ok=True)
+        if not args.no_emulated:
+            got, errs = _run_emulated(args, traces, start)
+            records, errors = records + got, errors + errs
+        if not args.no_single_process:
+            got, errs = _run_single(args, traces, start)
+            records, errors = records + got, errors + errs
+        if records:
+            shares = {(r["cluster"], r["case"]): r["transfer_share"] for r in records if r["method"] == "overlap"}
+            print("\nUnder 1F1B (overlap), the busiest link's transfer time per step over the busiest stage's "
+                  "compute time per step (planner estimates over measured isolated compute):")
+            for (cluster, case), share in shares.items():
+                print(f"  {cluster} {case}: {share * 100:.0f}%")
+            print("\nStep time: median over steps of the slower process; predicted by the schedule simulator.\n")
+            print(table(records))
+            print("\nTargets (emulated cluster):")
+            print("\n".join(targets(records)))
+        if args.png and records:
+            for path in _plot(args, traces, records):
+                print(f"wrote {path}")
+    for e in errors:
+        print(f"ERROR: {e}", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
+    print(f"done in {time.perf_counter() - start:.1f} s")
+    return 1 if errors or not records else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
