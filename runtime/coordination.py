@@ -9,7 +9,7 @@ timeout and says which processes did not answer or disagreed.
 from __future__ import annotations
 
 import json
-import time
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -91,18 +91,27 @@ def wait_ready(arrays: Sequence[jax.Array], timeout_s: float, what: str, names: 
       CoordinationError: naming ``what``, how many arrays were still missing
         and (with ``names``) the first of them.
     """
-    deadline = time.monotonic() + timeout_s
-    pending = list(range(len(arrays)))
-    pause = 1e-4
-    while pending:
-        pending = [k for k in pending if not arrays[k].is_ready()]
-        if not pending:
-            return
-        if time.monotonic() > deadline:
-            first = f", the first being {names[pending[0]]}" if names else ""
-            raise CoordinationError(
-                f"{what}: {len(pending)} of {len(arrays)} did not arrive within {timeout_s:g} s{first} "
-                f"(process {jax.process_index()} is waiting; did every process make the same meshpar calls?)"
-            )
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
+    # A helper thread blocks (releasing the GIL), so the caller wakes the moment the last array
+    # is ready instead of at a polling tick; if the wait gives up, the thread is left blocked.
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            for a in arrays:
+                a.block_until_ready()
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, daemon=True, name=f"meshpar wait: {what}").start()
+    if not done.wait(timeout_s):
+        pending = [k for k in range(len(arrays)) if not arrays[k].is_ready()]
+        first = f", the first being {names[pending[0]]}" if names and pending else ""
+        raise CoordinationError(
+            f"{what}: {len(pending)} of {len(arrays)} did not arrive within {timeout_s:g} s{first} "
+            f"(process {jax.process_index()} is waiting; did every process make the same meshpar calls?)"
+        )
+    if failed:
+        raise failed[0]

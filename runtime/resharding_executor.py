@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.transfer_program import TransferProgram
+from meshpar.runtime.coordination import wait_ready
 
 __all__ = ["ReshardingExecutable"]
 
@@ -203,7 +204,18 @@ class ReshardingExecutable:
         """Whether this process owns a device of either mesh."""
         return bool(self._local)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, complete_within: float | None = None) -> jax.Array:
+        """Moves ``x``; with ``complete_within`` (seconds), returns only once this process's part
+        of the collective has finished.
+
+        Several processes must run their collectives in one order. Each launches them in the
+        same order, but a device runs a launched program once its inputs are ready, so two in
+        flight at once can start in different orders on different processes and wait on each
+        other forever; a pipeline with several collective moves in flight waits for each.
+
+        Raises:
+          CoordinationError: the collective did not finish within ``complete_within``.
+        """
         shards = {s.device.id: s.data for s in x.addressable_shards}
         buffers = []
         for d in self._local:
@@ -217,5 +229,7 @@ class ReshardingExecutable:
             self._in_shape, self._union_sharding, buffers, dtype=self.dtype
         )
         union_out = self._compiled(union_in)
+        if complete_within is not None:
+            wait_ready([union_out], complete_within, f"a collective resharding of {self.shape} {self.dtype}")
         mine = [s.data for s in union_out.addressable_shards if s.device.id in self._dst_ids]
         return jax.make_array_from_single_device_arrays(self.shape, self.dst, mine, dtype=self.dtype)
