@@ -32,7 +32,12 @@ from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import compile_stage, on_mesh
 from meshpar.runtime.step_trace import StepRecorder
 
-__all__ = ["PipelineExecutable", "PrepareMove"]
+__all__ = ["LAUNCH_WINDOW", "PipelineExecutable", "PrepareMove"]
+
+# Unfinished launches a process keeps in flight with several processes
+# (``ProgramInterpreter``'s launch_window): enough to run ahead into the next
+# micro-batches, well under what XLA's CPU client holds before it blocks.
+LAUNCH_WINDOW = 8
 
 # (kind, shape, dtype, src, dst) -> a callable moving such a value from src to dst.
 PrepareMove = Callable[[TransferKind, tuple, Any, NamedSharding, NamedSharding], Callable[[jax.Array], jax.Array]]
@@ -95,8 +100,10 @@ class PipelineExecutable:
         self.edges = graph.edges()
         # Per program.transfers entry, its prepared move.
         self.transfer_moves = tuple(self._move(t.kind, t.shape, t.dtype, t.src, t.dst) for t in program.transfers)
+        several = jax.process_count() > 1
         self._interpreter = ProgramInterpreter(
-            program, self.executables, self.transfer_moves, self.local, watch=jax.process_count() > 1)
+            program, self.executables, self.transfer_moves, self.local, watch=several,
+            launch_window=LAUNCH_WINDOW if several else None, timeout_s=timeout_s)
         self._fetches = {(s, op.position): self._prepare(op.fetch)
                          for s, ops in enumerate(layout.stage_operands) for op in ops if op.fetch}
         self._gradient_moves = [[self._prepare(mv) if mv else None for mv in moves] for moves in layout.gradient_moves]

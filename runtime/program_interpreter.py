@@ -12,6 +12,7 @@ nothing), which a ``StepRecorder`` (``runtime.step_trace``) times.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ from meshpar.passes.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, RunBackward, RunBackwardInput,
     RunBackwardWeight, RunForward, Send,
 )
+from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables
 from meshpar.runtime.step_trace import StepRecorder
@@ -72,6 +74,13 @@ class ProgramInterpreter:
       moves: per ``program.transfers`` entry, the callable that moves it.
       local: per mesh, whether this process owns a device of it.
       watch: record values arriving from other processes (multi-process runs).
+      launch_window: at most this many launches not yet finished before the next launch waits
+        for the oldest (``None``: unbounded). XLA's CPU client blocks a launch, with no time
+        limit, once a device holds too many unfinished programs; with several processes the
+        ones it holds can wait on values a peer sends only after its own launch blocked, and
+        both hang. Waiting here instead, for the oldest launch, cannot deadlock: every process
+        launches in one order, which puts what the oldest reads earlier still.
+      timeout_s: how long that wait lasts before raising ``CoordinationError``.
     """
 
     def __init__(
@@ -81,9 +90,12 @@ class ProgramInterpreter:
         moves: Sequence[Move],
         local: Sequence[bool],
         watch: bool,
+        launch_window: int | None = None,
+        timeout_s: float = 120.0,
     ) -> None:
         self.program, self.executables, self.moves = program, tuple(executables), tuple(moves)
         self.local, self.watch = tuple(local), watch
+        self.launch_window, self.timeout_s = launch_window, timeout_s
         self._handlers: dict[type, Callable[[int, Any, _State], Launched]] = {
             RunForward: self._forward,
             RunBackward: self._backward,
@@ -101,18 +113,27 @@ class ProgramInterpreter:
         not local. ``recorder`` is told of every launch."""
         n = len(self.program.stages)
         state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [])
-        if recorder is None:
-            for mesh, ins in self._sequence:
-                self._handlers[type(ins)](mesh, ins, state)
-        else:
+        if recorder is not None:
             operands = [v for i in inputs if i is not None for v in (*i.fixed, *(x for mb in i.batch for x in mb))]
             recorder.begin(operands, grads)
-            for mesh, ins in self._sequence:
-                launch_time = time.perf_counter()
-                launched = self._handlers[type(ins)](mesh, ins, state)
+        unfinished: collections.deque[tuple[jax.Array, Instruction]] = collections.deque()
+        for mesh, ins in self._sequence:
+            launch_time = time.perf_counter() if recorder is not None else 0.0
+            launched = self._handlers[type(ins)](mesh, ins, state)
+            if recorder is not None:
                 recorder.launched(mesh, ins, launched, launch_time)
+            if self.launch_window is not None and launched:
+                # An execution's outputs are ready together: one array stands for the launch.
+                unfinished.append((launched[0], ins))
+                if len(unfinished) > self.launch_window:
+                    self._wait(*unfinished.popleft())
         results = {b: state.buffers[b] for b in self.program.results if b in state.buffers}
         return ProgramRun(results, state.grads, state.peak_live, state.peak_weight, state.arriving)
+
+    def _wait(self, array: jax.Array, ins: Instruction) -> None:
+        # A gradient accumulator donated to the stage's next pass is that pass's to finish.
+        if not array.is_deleted():
+            wait_ready([array], self.timeout_s, f"the launch window (waiting for {ins})")
 
     # -- handlers -------------------------------------------------------------
 
