@@ -281,9 +281,10 @@ class ParallelizedStep:
             if kind is TransferKind.COLLECTIVE and not executable.participates:
                 nothing = absent(shape, dtype, dst)
                 return lambda x: nothing
-            if kind is TransferKind.COLLECTIVE and jax.process_count() > 1:
+            if kind is TransferKind.COLLECTIVE:
                 # Collectives in flight at once could start in different orders on different
-                # processes and deadlock: each completes before the next launch.
+                # devices (processes, or a process's device threads) and deadlock: each
+                # completes before the next launch.
                 return functools.partial(executable, complete_within=method.timeout_s)
             return executable
 

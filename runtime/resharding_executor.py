@@ -211,7 +211,8 @@ class ReshardingExecutable:
         Several processes must run their collectives in one order. Each launches them in the
         same order, but a device runs a launched program once its inputs are ready, so two in
         flight at once can start in different orders on different processes and wait on each
-        other forever; a pipeline with several collective moves in flight waits for each.
+        other forever (across processes, or between the device threads of one); a pipeline with
+        several collective moves waits for each.
 
         Raises:
           CoordinationError: the collective did not finish within ``complete_within``.
