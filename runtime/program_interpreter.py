@@ -25,7 +25,7 @@ from meshpar.passes.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, RunBackward, RunBackwardInput,
     RunBackwardWeight, RunForward, Send,
 )
-from meshpar.runtime.coordination import wait_ready
+from meshpar.runtime.coordination import CoordinationError, wait_ready
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables
 from meshpar.runtime.step_trace import StepRecorder
@@ -126,14 +126,26 @@ class ProgramInterpreter:
                 # An execution's outputs are ready together: one array stands for the launch.
                 unfinished.append((launched[0], ins))
                 if len(unfinished) > self.launch_window:
-                    self._wait(*unfinished.popleft())
+                    self._wait(*unfinished.popleft(), state)
         results = {b: state.buffers[b] for b in self.program.results if b in state.buffers}
         return ProgramRun(results, state.grads, state.peak_live, state.peak_weight, state.arriving)
 
-    def _wait(self, array: jax.Array, ins: Instruction) -> None:
+    def _wait(self, array: jax.Array, ins: Instruction, state: _State) -> None:
         # A gradient accumulator donated to the stage's next pass is that pass's to finish.
-        if not array.is_deleted():
+        if array.is_deleted():
+            return
+        try:
             wait_ready([array], self.timeout_s, f"the launch window (waiting for {ins})")
+        except CoordinationError as e:
+            # What holds a launch up across processes is a value a peer has not sent: name it.
+            missing = [what for value, what in state.arriving if not value.is_ready()]
+            if not missing:
+                raise
+            raise CoordinationError(
+                f"pipeline transfers: {len(missing)} of {len(state.arriving)} did not arrive within "
+                f"{self.timeout_s:g} s, the first being {missing[0]} (process {jax.process_index()} "
+                f"is waiting to launch past {ins}; did every process make the same meshpar calls?)"
+            ) from e
 
     # -- handlers -------------------------------------------------------------
 
