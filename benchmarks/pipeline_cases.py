@@ -5,7 +5,7 @@ cores and a micro-batch's activation is megabytes, well above the emulated
 links' token-bucket burst):
 
 - ``gpt`` at ``(data, model, pipeline) = (2, 2, 2)`` and ``(4, 1, 2)``: a
-  GPT of short, wide-batch micro-batches (``d_model`` 64), one block per stage,
+  GPT of short, wide-batch micro-batches (``d_model`` 64), two blocks per stage,
   so its boundary activations are large next to its compute, as in the
   paper's setting where cross-mesh communication matters;
 - ``u_transformer`` at ``(4, 1, 2)``: a U-Net Transformer cut in two, so the
