@@ -32,29 +32,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
+
+from benchmarks.worker_records import ProgressPrinter, read_records, worker_env
 
 __all__ = ["TARGET_RATIO", "aggregate", "main", "table", "targets"]
 
 EXECUTORS = ("p2p", "collective")
 PHASES = ("compute", "transfer", "both")
 TARGET_RATIO = 1.15
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _read_lines(directory: str) -> list[dict]:
-    out = []
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".jsonl"):
-            with open(os.path.join(directory, name)) as f:
-                out += [json.loads(line) for line in f if line.endswith("\n")]
-    return out
 
 
 def aggregate(lines: Sequence[dict], num_processes: int = 2) -> list[dict]:
@@ -151,26 +141,6 @@ def _progress_lines(lines: Sequence[dict], done: set, prefix: str, elapsed: floa
     return out
 
 
-class _Progress(threading.Thread):
-    def __init__(self, directory: str, prefix: str, start: float) -> None:
-        super().__init__(daemon=True)
-        self.directory, self.prefix, self.start_time = directory, prefix, start
-        self.stop = threading.Event()
-        self._done: set = set()
-
-    def run(self) -> None:
-        while not self.stop.wait(1.0):
-            self.poll()
-
-    def poll(self) -> None:
-        try:
-            lines = _read_lines(self.directory)
-            for line in _progress_lines(lines, self._done, self.prefix, time.perf_counter() - self.start_time):
-                print(line, flush=True)
-        except (OSError, ValueError, KeyError):
-            return
-
-
 def _run_rate(args: argparse.Namespace, link_gbit: float, start: float) -> tuple[list[dict], list[str]]:
     from benchmarks.emulated_cluster import EmulatedCluster
 
@@ -185,12 +155,12 @@ def _run_rate(args: argparse.Namespace, link_gbit: float, start: float) -> tuple
             argv = ["-m", "benchmarks.overlap_worker", "--out", out, "--link-rate", repr(rate),
                     "--mib", repr(args.mib), "--repeat", str(args.repeat), "--timeout", repr(args.step_timeout),
                     "--matmul-n", str(args.matmul_n), "--executors", *args.executors]
-            path = os.environ.get("PYTHONPATH", "")
-            env = {"PYTHONPATH": os.pathsep.join([_REPO, path]) if path else _REPO}
-            errors += cluster.run_reporting(argv, env=env, timeout_s=args.timeout,
-                                            progress=_Progress(out, f"{link_gbit:g} Gbit/s ", start),
+            done: set = set()
+            progress = ProgressPrinter(
+                out, lambda lines, elapsed: _progress_lines(lines, done, f"{link_gbit:g} Gbit/s ", elapsed), start)
+            errors += cluster.run_reporting(argv, env=worker_env(), timeout_s=args.timeout, progress=progress,
                                             what=f"overlap run at {link_gbit:g} Gbit/s")
-            lines = _read_lines(out)
+            lines = read_records(out)
     errors += [f"{link_gbit:g} Gbit/s, process {r['process']}: {r['error']}" for r in lines if r.get("kind") == "error"]
     records = aggregate(lines)
     for r in records:

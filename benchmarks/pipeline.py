@@ -43,15 +43,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from benchmarks.pipeline_cases import CASES, METHODS
+from benchmarks.worker_records import ProgressPrinter, read_records, worker_env
 
 __all__ = ["aggregate", "main", "table", "targets"]
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_OVER_UPPER_BOUND = 0.95
 TARGET_OVER_ALPA_UT = 1.3
 TARGET_PREDICTION_ERROR = 0.15
@@ -60,15 +59,6 @@ PLOT_METHODS = ("overlap", "ours")
 # estimates in single-process runs (order of magnitude of memcpy on this class
 # of machine; those transfers are a few percent of a step either way).
 SINGLE_PROCESS_COPY_BPS = 5e9
-
-
-def _read_lines(directory: str) -> list[dict]:
-    out = []
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".jsonl"):
-            with open(os.path.join(directory, name)) as f:
-                out += [json.loads(line) for line in f if line.endswith("\n")]
-    return out
 
 
 def _trace_files(trace_dir: str, name: str) -> list[str]:
@@ -222,35 +212,26 @@ def targets(records: Sequence[dict]) -> list[str]:
     return out
 
 
-class _Progress(threading.Thread):
-    """Prints each record line as the workers write it."""
+def _progress(prefix: str) -> Callable[[list[dict], float], list[str]]:
+    """A ``ProgressPrinter`` report: a line per method record and per error, once each."""
+    seen: set = set()
 
-    def __init__(self, directory: str, prefix: str, start: float) -> None:
-        super().__init__(daemon=True)
-        self.directory, self.prefix, self.start_time = directory, prefix, start
-        self.stop = threading.Event()
-        self._seen: set = set()
-
-    def run(self) -> None:
-        while not self.stop.wait(1.0):
-            self.poll()
-
-    def poll(self) -> None:
-        try:
-            lines = _read_lines(self.directory)
-        except (OSError, ValueError):
-            return
+    def report(lines: list[dict], elapsed: float) -> list[str]:
+        out = []
         for r in lines:
             key = (r.get("process"), r.get("case"), r.get("method"), r.get("kind"))
-            if r.get("kind") in ("method", "error") and key not in self._seen:
-                self._seen.add(key)
-                elapsed = time.perf_counter() - self.start_time
-                if r["kind"] == "error":
-                    print(f"[{elapsed:6.0f}s] {self.prefix}process {r['process']}: ERROR {r['error']}", flush=True)
-                else:
-                    steps = " ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"])
-                    print(f"[{elapsed:6.0f}s] {self.prefix}process {r['process']}: {r['case']} {r['method']}: "
-                          f"compile+first step {r['compile_s']:.1f} s; steps {steps} ms", flush=True)
+            if r.get("kind") not in ("method", "error") or key in seen:
+                continue
+            seen.add(key)
+            if r["kind"] == "error":
+                out.append(f"[{elapsed:6.0f}s] {prefix}process {r['process']}: ERROR {r['error']}")
+            else:
+                steps = " ".join(f"{t * 1e3:.0f}" for t in r["step_times_s"])
+                out.append(f"[{elapsed:6.0f}s] {prefix}process {r['process']}: {r['case']} {r['method']}: "
+                           f"compile+first step {r['compile_s']:.1f} s; steps {steps} ms")
+        return out
+
+    return report
 
 
 def _worker_argv(args: argparse.Namespace, out: str, traces: str, rate: float) -> list[str]:
@@ -263,8 +244,7 @@ def _worker_argv(args: argparse.Namespace, out: str, traces: str, rate: float) -
 
 
 def _env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH", "")
-    return {"PYTHONPATH": os.pathsep.join([_REPO, path]) if path else _REPO, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return {**worker_env(), "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def _run_emulated(args: argparse.Namespace, traces: str, start: float) -> tuple[list[dict], list[str]]:
@@ -281,8 +261,8 @@ def _run_emulated(args: argparse.Namespace, traces: str, start: float) -> tuple[
         print(f"measured link rate host0 -> host1: {rate / 1e6:.1f} MB/s", flush=True)
         with tempfile.TemporaryDirectory(prefix="meshpar-pipeline-") as out:
             errors = cluster.run_reporting(_worker_argv(args, out, traces, rate), env=_env(), timeout_s=args.timeout,
-                                           progress=_Progress(out, "emulated ", start), what="emulated pipeline run")
-            lines = _read_lines(out)
+                                           progress=ProgressPrinter(out, _progress("emulated "), start), what="emulated pipeline run")
+            lines = read_records(out)
     errors += [f"emulated, process {r['process']}: {r['error']}" for r in lines if r.get("kind") == "error"]
     records = aggregate(lines, traces, "emulated", 2)
     for r in records:
@@ -297,7 +277,7 @@ def _run_single(args: argparse.Namespace, traces: str, start: float) -> tuple[li
     rate = SINGLE_PROCESS_COPY_BPS
     print("single process: 8 CPU devices", flush=True)
     with tempfile.TemporaryDirectory(prefix="meshpar-pipeline-") as out:
-        progress = _Progress(out, "single_process ", start)
+        progress = ProgressPrinter(out, _progress("single_process "), start)
         progress.start()
         try:
             proc = subprocess.run([sys.executable, *_worker_argv(args, out, traces, rate), "--single-process"],
@@ -308,7 +288,7 @@ def _run_single(args: argparse.Namespace, traces: str, start: float) -> tuple[li
             progress.stop.set()
             progress.join()
             progress.poll()
-        lines = _read_lines(out)
+        lines = read_records(out)
     errors = [] if proc.returncode == 0 else [f"single-process run failed:\n{proc.stderr[-3000:]}"]
     records = aggregate(lines, traces, "single_process", 1)
     for r in records:

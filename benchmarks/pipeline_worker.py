@@ -30,7 +30,6 @@ exiting non-zero. Every multi-process wait is bounded by ``--timeout``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -38,6 +37,7 @@ import time
 import traceback
 
 from benchmarks.pipeline_cases import CASES, METHODS, SINGLE_PROCESS_METHODS, build_step
+from benchmarks.worker_records import RecordWriter
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -60,16 +60,6 @@ def slug(text: str) -> str:
     return "-".join(text.replace("(", " ").replace(")", " ").replace(",", " ").split())
 
 
-class _Out:
-    def __init__(self, directory: str, process: int) -> None:
-        self.f = open(os.path.join(directory, f"p{process}.jsonl"), "a")
-        self.process = process
-
-    def write(self, record: dict) -> None:
-        self.f.write(json.dumps({"process": self.process, **record}) + "\n")
-        self.f.flush()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.single_process:
@@ -88,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         initialize_from_env()
     import jax
 
-    out = _Out(args.out, jax.process_index())
+    out = RecordWriter(args.out, jax.process_index(), {"process": jax.process_index()})
     try:
         _run(args, out)
     except Exception as e:  # noqa: BLE001 -- reported to the parent, then exit non-zero
@@ -119,7 +109,7 @@ def _transfer_estimates(executable, method, cluster) -> list[dict]:
     return out
 
 
-def _run(args: argparse.Namespace, out: _Out) -> None:
+def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     import jax
 
     import meshpar

@@ -53,16 +53,16 @@ case definitions before it configures JAX.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
+
+from benchmarks.worker_records import ProgressPrinter, read_records, worker_env
 
 from .cases import FIG5, TABLE2
 
@@ -101,7 +101,6 @@ SUITES = ("n_to_m", "one_to_m")
 _BASE_MIB = 32.0
 # The comparison set's default tensor size (the 4-devices-per-host target).
 COMPARISON_MIB = 8.0
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Method(NamedTuple):
@@ -316,55 +315,25 @@ def not_applicable(case: RealCase, method: Method) -> str | None:
 # -- running ------------------------------------------------------------------
 
 
-def _child_env() -> dict[str, str]:
-    # The worker runs as `python -m benchmarks.resharding.real_worker`, whatever
-    # the caller's working directory.
-    path = os.environ.get("PYTHONPATH", "")
-    return {"PYTHONPATH": os.pathsep.join([_REPO, path]) if path else _REPO}
+def _progress(cases: Sequence[RealCase], methods: Sequence[Method], num_processes: int, prefix: str = ""):
+    """A ``ProgressPrinter`` report: one line per case once every process has reported all its
+    applicable methods."""
+    printed: set[tuple[str, str]] = set()
 
-
-def _read_lines(directory: str) -> list[dict]:
-    out = []
-    for name in sorted(os.listdir(directory)):
-        if not name.endswith(".jsonl"):
-            continue
-        with open(os.path.join(directory, name)) as f:
-            for line in f:
-                if line.endswith("\n"):  # a line still being written is skipped
-                    out.append(json.loads(line))
-    return out
-
-
-class _Progress(threading.Thread):
-    """Prints one line per case as soon as every process has reported all its applicable methods."""
-
-    def __init__(self, directory: str, cases: Sequence[RealCase], methods: Sequence[Method],
-                 num_processes: int, start: float, prefix: str = "") -> None:
-        super().__init__(daemon=True)
-        self.directory, self.cases, self.methods = directory, list(cases), list(methods)
-        self.num_processes, self.start_time, self.prefix = num_processes, start, prefix
-        self.stop = threading.Event()
-        self._printed: set[tuple[str, str]] = set()
-
-    def run(self) -> None:
-        while not self.stop.wait(1.0):
-            self.poll()
-
-    def poll(self) -> None:
-        try:
-            records = aggregate(_read_lines(self.directory), self.num_processes)
-        except (OSError, ValueError):
-            return
-        by_case = _by_case(records)
-        for c in self.cases:
+    def report(lines: list[dict], elapsed: float) -> list[str]:
+        by_case = _by_case(aggregate(lines, num_processes))
+        out = []
+        for c in cases:
             key = (c.suite, c.name)
             row = by_case.get(key, {})
-            wanted = [m for m in self.methods if c.suite == "single_host" or not_applicable(c, m) is None]
-            if key in self._printed or not row or any(m not in row for m in wanted):
+            wanted = [m for m in methods if c.suite == "single_host" or not_applicable(c, m) is None]
+            if key in printed or not row or any(m not in row for m in wanted):
                 continue
-            self._printed.add(key)
-            print(self.prefix + _progress_line(c, row, self.methods, time.perf_counter() - self.start_time),
-                  flush=True)
+            printed.add(key)
+            out.append(prefix + _progress_line(c, row, methods, elapsed))
+        return out
+
+    return report
 
 
 def _progress_line(case: RealCase, row: dict[Method, dict], methods: Sequence[Method], elapsed: float) -> str:
@@ -472,10 +441,10 @@ def _run_emulated(args, link_gbit: float, cases: list[RealCase], methods: list[M
             if args.plan_gbit:
                 argv += ["--plan-rate", repr(args.plan_gbit * 1e9 / 8 * rate / (link_gbit * 1e9 / 8))]
             errors += cluster.run_reporting(
-                argv, env=_child_env(), timeout_s=args.timeout,
-                progress=_Progress(out, cases, methods, hosts, start, prefix=f"{link_gbit:g} Gbit/s "),
+                argv, env=worker_env(), timeout_s=args.timeout,
+                progress=ProgressPrinter(out, _progress(cases, methods, hosts, f"{link_gbit:g} Gbit/s "), start),
                 what=f"emulated run at {link_gbit:g} Gbit/s")
-            lines = _read_lines(out)
+            lines = read_records(out)
     errors += [f"{link_gbit:g} Gbit/s, process {r['process']}: {r['error']}" for r in lines if r.get("kind") == "error"]
     records = aggregate(lines, hosts)
     for r in records:
@@ -495,8 +464,8 @@ def _run_single_host(args, cases: list[RealCase], start: float) -> tuple[list[di
                "--latency", repr(args.latency), "--mib", repr(args.mib), "--repeat", str(args.repeat),
                "--cases", *[c.name for c in cases], "--methods", *[m.key for m in methods]]
         env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
-        env.update(_child_env())
-        progress = _Progress(out, cases, methods, 1, start)
+        env.update(worker_env())
+        progress = ProgressPrinter(out, _progress(cases, methods, 1), start)
         progress.start()
         try:
             r = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
@@ -509,7 +478,7 @@ def _run_single_host(args, cases: list[RealCase], start: float) -> tuple[list[di
             progress.stop.set()
             progress.join()
         progress.poll()
-        lines = _read_lines(out)
+        lines = read_records(out)
     errors += [f"single host: {r['error']}" for r in lines if r.get("kind") == "error"]
     for e in errors:
         print(f"ERROR: {e}", file=sys.stderr, flush=True)

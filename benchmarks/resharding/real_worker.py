@@ -57,7 +57,6 @@ results if the run is killed):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -69,6 +68,7 @@ from benchmarks.resharding.real import (
     COMPARISON, COMPARISON_MIB, OURS_P2P, SINGLE_DEVICE_PUT, STOCK, Method, not_applicable, real_cases, single_host_cases,
     stock_mesh_shape,
 )
+from benchmarks.worker_records import RecordWriter
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -94,15 +94,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class _Out:
-    def __init__(self, directory: str, process: int) -> None:
-        self._f = open(os.path.join(directory, f"p{process}.jsonl"), "a", buffering=1)
-
-    def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import jax
@@ -115,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         initialize_from_env()  # before anything touches a JAX backend
 
     me = jax.process_index()
-    out = _Out(args.out, me)
+    out = RecordWriter(args.out, me)
     try:
         _run(args, out)
     except BaseException as e:
@@ -203,7 +194,7 @@ def _warm_links(by_process, mib: float, barrier) -> None:
     barrier("warm-links")
 
 
-def _run(args: argparse.Namespace, out: _Out) -> None:
+def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     import dataclasses
 
     import jax
