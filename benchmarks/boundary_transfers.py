@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     import meshpar
     from examples.gpt import GPT, gpt_batch, gpt_loss
+    from examples.train_step import supervised_step
     from meshpar.reshard import prepare_reshard
 
     model = GPT(num_stages=2)
@@ -51,14 +52,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     params = model.init(jax.random.PRNGKey(0), batch["x"][:1])
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
 
-    def train_step(state, batch):
-        def loss_fn(params):
-            return gpt_loss(state.apply_fn(params, batch["x"]), batch["y"])
-
-        loss, grads = meshpar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    parallel = meshpar.parallelize(train_step, method=meshpar.PipeshardParallel(
+    parallel = meshpar.parallelize(supervised_step(gpt_loss), method=meshpar.PipeshardParallel(
         num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2)))
     executable = parallel.get_executable(state, batch)
     records = []

@@ -101,6 +101,7 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
     from flax.training import train_state
 
     import meshpar
+    from examples.train_step import supervised_step
 
     data, model_axis, stages = case.config
     if case.model == "gpt":
@@ -120,16 +121,9 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
     params = net.init(jax.random.PRNGKey(0), batch["x"][:1])
     state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-3))
 
-    def train_step(state, batch):
-        def loss_fn(params):
-            return loss_of(state.apply_fn(params, batch["x"]), batch["y"])
-
-        loss, grads = meshpar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
     parallel = meshpar.PipeshardParallel(
         num_micro_batches=case.micro_batches, num_stages=stages, stage_mesh_shape=(data, model_axis),
         schedule=method.schedule, weight_delay=method.weight_delay, resharding=method.resharding,
         balancer="ensemble", executor=method.executor, cluster=cluster, timeout_s=timeout_s,
     )
-    return meshpar.parallelize(train_step, method=parallel), state, batch
+    return meshpar.parallelize(supervised_step(loss_of), method=parallel), state, batch

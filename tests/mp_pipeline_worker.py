@@ -26,16 +26,17 @@ import numpy as np  # noqa: E402
 import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.mlp import MLP  # noqa: E402
+from examples.train_step import supervised_step  # noqa: E402
 from meshpar.passes.timeline import LaneKind, read_chrome_trace  # noqa: E402
 from meshpar.runtime.coordination import CoordinationError, kv_client  # noqa: E402
-from pipeline_models import make_state, make_step, mse  # noqa: E402
+from pipeline_models import make_state, mse  # noqa: E402
 
 model = GPT(num_stages=2)
 batch = gpt_batch(0, 16, 8, 64)
 local = jax.local_devices()[0]
 with jax.default_device(local):
     state = make_state(model, batch["x"][:1])
-    step = make_step(gpt_loss)
+    step = supervised_step(gpt_loss)
     reference = jax.jit(step)
     ref_state, ref_losses = state, []
     for _ in range(3):
@@ -66,7 +67,7 @@ mlp_batch = {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.stan
 mlp = MLP(features=(16, 16, 16, 4), num_stages=2)
 with jax.default_device(local):
     mlp_state = make_state(mlp, mlp_batch["x"][:1])
-    mlp_step = make_step(mse)
+    mlp_step = supervised_step(mse)
     want_state, want_loss = jax.jit(mlp_step)(mlp_state, mlp_batch)
 collective = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
     num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), executor="collective"))

@@ -1,4 +1,5 @@
-"""Train steps for the pipeline equality tests: the same step under jax.jit and meshpar.parallelize."""
+"""Train states, losses and tree comparisons for the pipeline equality tests, which run one step
+(``examples.train_step.supervised_step``) under jax.jit and meshpar.parallelize."""
 
 from __future__ import annotations
 
@@ -8,18 +9,6 @@ import numpy as np
 import optax
 from flax.training import train_state
 
-import meshpar
-
-
-def make_step(loss_of_output):
-    def train_step(state, batch):
-        def loss_fn(params):
-            return loss_of_output(state.apply_fn(params, batch["x"]), batch["y"])
-
-        loss, grads = meshpar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    return train_step
 
 
 def make_state(model, example_x, learning_rate=1e-3):

@@ -9,8 +9,9 @@ from flax import linen as nn
 import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.mlp import MLP
+from examples.train_step import supervised_step
 from examples.u_transformer import UTransformer, ut_batch, ut_loss
-from pipeline_models import assert_trees_close, make_state, make_step, mse
+from pipeline_models import assert_trees_close, make_state, mse
 
 CONFIGS = [(2, 2, 2), (4, 1, 2), (1, 2, 4), (1, 1, 8), (2, 1, 4)]  # (data, model, pipeline)
 # The large models compile 20-60 s per configuration on 2 cores: CI runs a
@@ -31,7 +32,7 @@ def _grid(model):
 def _run_both(model, batch, loss, config, schedule, steps=3, num_micro_batches=4, executor="auto", weight_delay=False):
     data, op, pp = config
     state = make_state(model, batch["x"][:1])
-    step = make_step(loss)
+    step = supervised_step(loss)
     method = meshpar.PipeshardParallel(
         num_micro_batches=num_micro_batches, num_stages=pp, stage_mesh_shape=(data, op), schedule=schedule,
         executor=executor, weight_delay=weight_delay,
@@ -81,7 +82,7 @@ def test_batch_goes_per_micro_batch_to_its_stage_and_on_device_batches_stay_ther
     model = MLP(features=(16, 16, 4), num_stages=2)
     batch = _mlp_batch()
     state = make_state(model, batch["x"][:1])
-    step = make_step(mse)
+    step = supervised_step(mse)
     parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2))
     executable = parallel.get_executable(state, batch)
     batch_leaves = range(len(jax.tree.leaves(state)), len(jax.tree.leaves((state, batch))))
@@ -130,11 +131,11 @@ def test_describe_shows_stages_plans_and_schedule():
     model = MLP(features=(16, 16, 4), num_stages=2)
     batch = _mlp_batch()
     state = make_state(model, batch["x"][:1])
-    parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 2)))
+    parallel = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 2)))
     text = parallel.get_executable(state, batch).describe()
     assert "stage 0: mesh {'data': 2, 'model': 2}" in text and "stage 1:" in text
     assert "activation act0.0 float32[8,16] stage 0 -> 1: jax.device_put (one process owns both meshes)" in text
-    forced = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(
+    forced = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(
         num_micro_batches=2, stage_mesh_shape=(2, 2), executor="p2p"))
     text = forced.get_executable(state, batch).describe()
     assert "activation act0.0 float32[8,16] stage 0 -> 1: p2p: " in text and "broadcast/ensemble" in text
@@ -148,7 +149,7 @@ def test_num_stages_without_markers():
     model = MLP(features=(16, 4), num_stages=1)
     batch = _mlp_batch()
     state = make_state(model, batch["x"][:1])
-    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(num_stages=2))
+    step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(num_stages=2))
     with pytest.raises(ValueError, match="num_stages: 2 stages asked for, but the model calls meshpar.mark_stage_boundary"):
         step(state, batch)
 
@@ -157,7 +158,7 @@ def test_micro_batches_must_divide_the_batch():
     model = MLP(features=(16, 4), num_stages=2)
     batch = _mlp_batch(n=10)
     state = make_state(model, batch["x"][:1])
-    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=4))
+    step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=4))
     with pytest.raises(ValueError, match="num_micro_batches: 4 does not divide the batch size 10"):
         step(state, batch)
 
@@ -169,13 +170,13 @@ def test_overlapping_or_too_many_meshes():
     state = make_state(model, batch["x"][:1])
     a = jax.sharding.Mesh(devices[:4].reshape(2, 2), ("data", "model"))
     b = jax.sharding.Mesh(devices[2:6].reshape(2, 2), ("data", "model"))
-    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(stage_meshes=[a, b]))
+    step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(stage_meshes=[a, b]))
     with pytest.raises(ValueError, match="stage_meshes: meshes 0 and 1 overlap on device"):
         step(state, batch)
-    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(stage_meshes=[a, b, a]))
+    step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(stage_meshes=[a, b, a]))
     with pytest.raises(ValueError, match="stage_meshes: 3 meshes for a model with 2 stages"):
         step(state, batch)
-    step = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(stage_mesh_shape=(4, 2)))
+    step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(stage_mesh_shape=(4, 2)))
     with pytest.raises(ValueError, match=r"stage_mesh_shape: \(4, 2\) does not hold the 4 devices"):
         step(state, batch)
 
@@ -241,9 +242,9 @@ def test_bare_partition_spec_constraints_apply_within_each_stage():
     batch = _mlp_batch()
     with jax.set_mesh(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))):
         state = make_state(Constrained(), batch["x"][:2])
-        ref_state, ref_loss = jax.jit(make_step(mse))(state, batch)
+        ref_state, ref_loss = jax.jit(supervised_step(mse))(state, batch)
     method = meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 2))
-    par_state, par_loss = meshpar.parallelize(make_step(mse), method=method)(state, batch)
+    par_state, par_loss = meshpar.parallelize(supervised_step(mse), method=method)(state, batch)
     np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(par_state.params, ref_state.params)
 
@@ -279,7 +280,7 @@ def test_signal_resharding_moves_one_byte_with_the_same_dependencies():
     batch = _mlp_batch()
     state = make_state(model, batch["x"][:1])
     method = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), resharding="signal")
-    parallel = meshpar.parallelize(make_step(mse), method=method)
+    parallel = meshpar.parallelize(supervised_step(mse), method=method)
     _, loss = parallel(state, batch)
     assert np.isfinite(float(loss))
     executable = parallel.get_executable(state, batch)
@@ -304,7 +305,7 @@ def test_runtime_counts_live_activations_per_stage(schedule, weight_delay, live)
     model = MLP(features=(16, 16, 4), num_stages=2)
     batch = _mlp_batch()
     state = make_state(model, batch["x"][:1])
-    parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(
+    parallel = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(
         num_micro_batches=4, num_stages=2, schedule=schedule, weight_delay=weight_delay))
     parallel(state, batch)
     executable = parallel.get_executable(state, batch)
@@ -360,7 +361,7 @@ def test_split_backward_equals_whole_backward_bit_for_bit_and_compiles_once(sche
     state = make_state(model, batch["x"][:1])
     runs = {}
     for name, delay in (("1f1b", False), (schedule, weight_delay)):
-        parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(
+        parallel = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(
             num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), schedule=name, weight_delay=delay))
         s, loss = parallel(state, batch)
         executable = parallel.get_executable(state, batch)
@@ -387,7 +388,7 @@ def test_simulated_memory_peaks_equal_the_runtime_counts(num_stages, num_micro_b
     state = make_state(model, batch["x"][:1])
     rng = np.random.default_rng(num_stages)
     for schedule, weight_delay in [(name, False) for name in SCHEDULES] + [("1f1b", True)]:
-        parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(
+        parallel = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(
             num_micro_batches=num_micro_batches, num_stages=num_stages, schedule=schedule, weight_delay=weight_delay))
         parallel(state, batch)
         executable = parallel.get_executable(state, batch)

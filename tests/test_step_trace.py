@@ -13,13 +13,14 @@ import pytest
 
 import meshpar
 from examples.mlp import MLP
+from examples.train_step import supervised_step
 from meshpar.passes.edge_transfer import Direction
 from meshpar.passes.pipeline_program import RunForward
 from meshpar.passes.pipeline_tasks import TaskKind, task_dependencies
 from meshpar.passes.timeline import Lane, LaneKind, Timeline, read_chrome_trace
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.step_trace import StepRecorder
-from pipeline_models import assert_trees_close, make_state, make_step, mse
+from pipeline_models import assert_trees_close, make_state, mse
 
 SCHEDULES = [("1f1b", False), ("eager_1f1b", True), ("zb_h1", False)]
 
@@ -51,7 +52,7 @@ def traced(request, tmp_path_factory) -> Traced:
     schedule, weight_delay = request.param
     batch = _batch()
     state = make_state(MLP(features=(16, 16, 16, 16, 4), num_stages=3), batch["x"][:1])
-    step = make_step(mse)
+    step = supervised_step(mse)
     parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(
         num_micro_batches=4, num_stages=3, stage_mesh_shape=(2, 1), devices=jax.devices()[:6],
         schedule=schedule, weight_delay=weight_delay))
@@ -160,7 +161,7 @@ BAD_PATHS = {
 def test_bad_path_raises_before_running(bad, tmp_path):
     batch = _batch()
     state = make_state(MLP(features=(16, 4), num_stages=2), batch["x"][:1])
-    parallel = meshpar.parallelize(make_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=2))
+    parallel = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=2))
     with pytest.raises(ValueError, match="path"):
         parallel.trace(bad(tmp_path), state, batch)
     assert not parallel._cache, "trace compiled the step before checking its path"
