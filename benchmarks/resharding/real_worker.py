@@ -60,7 +60,6 @@ import argparse
 import os
 import resource
 import sys
-import threading
 import time
 import traceback
 
@@ -140,29 +139,13 @@ def _expected(shape: tuple[int, ...]):
 
 
 def ready(y, timeout_s: float, what: str):
-    """``y.block_until_ready()``, giving up after ``timeout_s`` (a peer that never sends must not hang us).
+    """``y`` once it is ready, giving up after ``timeout_s`` (a peer that never sends must not
+    hang us); ``meshpar.runtime.coordination.wait_ready`` waits in a helper thread, so the
+    caller wakes the moment ``y`` is ready (no polling interval in the timing)."""
+    from meshpar.runtime.coordination import wait_ready
 
-    The wait runs in a helper thread, so the caller wakes the moment ``y`` is
-    ready (no polling interval in the timing).
-    """
-    if y is None:
-        return None
-    done = threading.Event()
-    failed: list[BaseException] = []
-
-    def wait() -> None:
-        try:
-            y.block_until_ready()
-        except BaseException as e:  # noqa: BLE001 -- handed to the caller
-            failed.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=wait, daemon=True).start()
-    if not done.wait(timeout_s):
-        raise TimeoutError(f"{what}: result not ready within {timeout_s:g} s")
-    if failed:
-        raise failed[0]
+    if y is not None:
+        wait_ready([y], timeout_s, what)
     return y
 
 
