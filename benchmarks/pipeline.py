@@ -71,8 +71,8 @@ def _trace_files(trace_dir: str, name: str) -> list[str]:
                   if f.startswith(stem + ".p") and f.endswith(ext))
 
 
-def merged_timeline(trace_dir: str, name: str, source: str, spec: dict):
-    """Every process's events of one traced step of schedule ``spec``, in one ``Timeline`` on the
+def merged_timeline(trace_dir: str, name: str, source: str, schedule):
+    """Every process's events of one traced step of ``schedule``, in one ``Timeline`` on the
     machine's clock, each transfer starting once its value was computed on the sending process."""
     from meshpar.passes.timeline import clip_to_dependencies, merge_timelines, read_chrome_trace
 
@@ -80,8 +80,7 @@ def merged_timeline(trace_dir: str, name: str, source: str, spec: dict):
     if not paths:
         raise FileNotFoundError(f"no trace {name} in {trace_dir}")
     merged = merge_timelines([read_chrome_trace(p) for p in paths], source)
-    split = spec["name"] == "zb_h1" or spec["weight_delays"] is not None
-    return clip_to_dependencies(merged, [tuple(e) for e in spec["edges"]], split)
+    return clip_to_dependencies(merged, schedule.edges, schedule.split_backward)
 
 
 def _schedule(spec: dict):
@@ -91,26 +90,24 @@ def _schedule(spec: dict):
                          [tuple(e) for e in spec["edges"]], spec["weight_delays"])
 
 
-def _durations(group: Sequence[dict], trace_dir: str):
+def _durations(first: dict, schedule, trace_dir: str):
     """Measured isolated compute per stage, the planner's transfer estimates per edge."""
     from meshpar.passes.schedule_simulator import TaskDurations, stage_seconds_from
 
-    first = group[0]
-    S = first["schedule"]["num_stages"]
-    timeline = merged_timeline(trace_dir, first["serialized_trace"], "measured, serialized", first["schedule"])
-    stages = stage_seconds_from(timeline, S)
-    num_edges = len(first["schedule"]["edges"])
+    timeline = merged_timeline(trace_dir, first["serialized_trace"], "measured, serialized", schedule)
+    stages = stage_seconds_from(timeline, schedule.num_stages)
+    num_edges = len(schedule.edges)
     act, grad = [0.0] * num_edges, [0.0] * num_edges
     for t in first["transfers"]:
         (act if t["activation"] else grad)[t["edge"]] += t["seconds"]
     return TaskDurations(tuple(stages), tuple(act), tuple(grad))
 
 
-def _share(durations, spec: dict) -> float:
+def _share(durations, schedule) -> float:
     """Per step: the busiest link's transfer seconds over the busiest stage's compute seconds."""
-    M = spec["num_micro_batches"]
+    M = schedule.num_micro_batches
     links: dict[tuple[int, int], float] = {}
-    for e, (p, c) in enumerate(spec["edges"]):
+    for e, (p, c) in enumerate(schedule.edges):
         links[(p, c)] = links.get((p, c), 0.0) + M * durations.activation[e]
         links[(c, p)] = links.get((c, p), 0.0) + M * durations.gradient[e]
     compute = max(M * (s.forward + s.backward) for s in durations.stages)
@@ -134,8 +131,9 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
         n = min(len(g["step_times_s"]) for g in group)
         per_step = [max(g["step_times_s"][i] for g in group) for i in range(n)]
         measured = statistics.median(per_step)
-        durations = _durations(group, trace_dir)
-        simulated = simulate(_schedule(first["schedule"]), durations, overlap=first["overlap"])
+        schedule = _schedule(first["schedule"])
+        durations = _durations(first, schedule, trace_dir)
+        simulated = simulate(schedule, durations, overlap=first["overlap"])
         losses = [g["loss"] for g in group if g["loss"] is not None]
         records.append({
             "model": first["model"], "config": first["config"], "method": method, "cluster": cluster,
@@ -143,13 +141,13 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
             "samples_per_s": first["batch"] / measured, "step_times_s": per_step,
             "prediction_error": simulated.step_seconds / measured - 1,
             "predicted_bubble": simulated.bubble_fraction,
-            "transfer_share": _share(durations, first["schedule"]),
+            "transfer_share": _share(durations, schedule),
             "stage_seconds": [vars(s) for s in durations.stages],
             "transfer_seconds": {"activation": list(durations.activation), "gradient": list(durations.gradient)},
             "weight_delays": first["schedule"]["weight_delays"],
             "schedule": first["schedule"], "overlap": first["overlap"],
             "peak_live_activations": [max(g["peak_live_activations"][s] for g in group)
-                                      for s in range(first["schedule"]["num_stages"])],
+                                      for s in range(schedule.num_stages)],
             "compile_s": max(g["compile_s"] for g in group),
             "loss": losses[0] if losses else None,
         })
@@ -312,15 +310,15 @@ def _plot(args: argparse.Namespace, traces: str, records: Sequence[dict]) -> lis
         timelines, titles = [], []
         for method in PLOT_METHODS:
             r = by[method]
+            schedule = _schedule(r["schedule"])
             label = "1F1B" if method == "overlap" else "eager-1F1B + weight delay"
-            measured = merged_timeline(cluster_traces, f"{slug(args.png_case)}-{method}.json", "measured",
-                                       r["schedule"])
+            measured = merged_timeline(cluster_traces, f"{slug(args.png_case)}-{method}.json", "measured", schedule)
             timelines.append(measured)
             titles.append(f"{method} ({label}), median step {r['measured_step_s'] * 1e3:.0f} ms; one traced step")
             durations = TaskDurations(tuple(StageSeconds(**s) for s in r["stage_seconds"]),
                                       tuple(r["transfer_seconds"]["activation"]),
                                       tuple(r["transfer_seconds"]["gradient"]))
-            simulated = simulate(_schedule(r["schedule"]), durations, overlap=r["overlap"])
+            simulated = simulate(schedule, durations, overlap=r["overlap"])
             timelines.append(simulated.timeline)
             titles.append(f"{method} ({label}), predicted from isolated task times")
         path = os.path.join(args.png, f"timeline-{cluster}-{slug(args.png_case)}.png")
