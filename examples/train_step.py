@@ -15,6 +15,9 @@ def supervised_step(loss_of_output: Callable[[Any, Any], Any]) -> Callable[[Any,
     ``loss_of_output(state.apply_fn(params, batch["x"]), batch["y"])``, differentiated with
     ``meshpar.value_and_grad`` and applied with the state's optimizer. The same function runs
     under ``jax.jit``."""
+    if not callable(loss_of_output):
+        raise TypeError(f"loss_of_output: expected a function (predictions, targets) -> loss, "
+                        f"got {type(loss_of_output).__name__}")
 
     def train_step(state, batch):
         def loss_fn(params):

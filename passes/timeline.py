@@ -149,6 +149,9 @@ def timeline_of(events: Sequence[TimelineEvent], source: str) -> Timeline:
 def merge_timelines(timelines: Sequence[Timeline], source: str) -> Timeline:
     """One ``Timeline`` of the events of several (e.g. one per process of a step), placed on
     their common clock by their origins."""
+    wrong = [type(t).__name__ for t in timelines if not isinstance(t, Timeline)]
+    if wrong:
+        raise TypeError(f"timelines: expected Timeline objects, got {wrong[0]}")
     events = [dataclasses.replace(e, start=e.start + t.origin, end=e.end + t.origin)
               for t in timelines for e in t.events]
     return timeline_of(events, source)

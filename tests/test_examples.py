@@ -201,3 +201,10 @@ def test_u_transformer_partition_specs():
         assert attn["qkv"]["kernel"] == P(None, "model")
         assert attn["out"]["kernel"] == P("model", None)
     assert len([s for s in jax.tree.leaves(specs) if s != P()]) == 4
+
+
+def test_supervised_step_names_a_loss_that_is_not_a_function():
+    from examples.train_step import supervised_step
+
+    with pytest.raises(TypeError, match="loss_of_output: expected a function"):
+        supervised_step("mse")

@@ -66,3 +66,8 @@ def test_clip_to_dependencies_starts_a_received_transfer_when_its_value_was_comp
     merged = clip_to_dependencies(merge_timelines([p0, p1], "both"), [(0, 1)], split_backward=False)
     assert [(str(e.task), e.start, e.end) for e in merged.events] == [
         ("F0.0", 0.0, 0.5), ("A0.0", 0.5, 0.75), ("F1.0", 0.75, 1.0)]
+
+
+def test_merge_rejects_what_is_not_a_timeline():
+    with pytest.raises(TypeError, match="timelines: expected Timeline objects, got dict"):
+        merge_timelines([{"events": ()}], "both")
