@@ -4,7 +4,7 @@ from meshpar.cluster import Cluster
 from meshpar.mesh import DeviceMesh
 from meshpar.sharding_spec import ShardingSpec
 from meshpar.tiles import Tile, tiles
-from meshpar.autodiff import grad, value_and_grad
+from meshpar.autodiff import AuxReduction, grad, value_and_grad
 from meshpar.parallelize import ParallelizedStep, PipeshardParallel, parallelize
 from meshpar.reshard import plan_between, plan_for, reshard
 from meshpar.stage_boundary import mark_stage_boundary
@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ALPA_BASELINE",
+    "AuxReduction",
     "BALANCERS",
     "BalancerOptions",
     "Cluster",

@@ -3,23 +3,45 @@
 Outside ``meshpar.parallelize`` they are ``jax.grad`` / ``jax.value_and_grad``.
 While ``parallelize`` traces a train step they bind one ``pipeline_grad``
 primitive instead, which carries the loss function's jaxpr (stage markers
-included) and stands for "loss and gradients here": the compiler cuts the
-loss into forward stages, derives their backward stages, and keeps what comes
-after (the optimizer update) as the apply-gradient computation.
+included) and stands for "loss, aux and gradients here": the compiler cuts
+the loss into forward stages, derives their backward stages, runs them per
+micro-batch, and keeps what comes before and after (the update) as
+computations around the pipeline.
+
+Micro-batching semantics (what the pipeline returns for a batch cut into M
+micro-batches):
+
+- loss and gradients: ``reduction="mean"`` (the default) averages the
+  micro-batches' losses and gradients, which equals the whole batch's when
+  the loss is a mean over examples; ``reduction="sum"`` adds them, which
+  equals it when the loss sums over examples.
+- aux (``has_aux=True``): each leaf is combined over micro-batches by an
+  ``AuxReduction``: by default ``CONCAT`` along dimension 0 for leaves that
+  carry the batch dimension, else ``MEAN`` for floating leaves, ``SUM`` for
+  integer ones (counts add up) and ``LAST`` for the rest (bools, keys).
+  ``aux_reduction`` overrides it per leaf (a pytree prefix of the aux).
+- PRNG keys: with ``fold_rng=True`` (the default) every key the loss reads
+  once per step (typed ``jax.random.key`` or a raw ``uint32`` key) is
+  replaced, for micro-batch ``m``, by ``jax.random.fold_in(key, m)``, so
+  micro-batches draw distinct randomness, the same in every run and process.
+  ``fold_rng=False`` hands every micro-batch the same key.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax._src import core
 from jax._src import linear_util as lu
 
-__all__ = ["grad", "value_and_grad", "pipeline_grad_p", "tracing_pipeline"]
+from meshpar.passes.micro_batching import REDUCTIONS, AuxReduction
+
+__all__ = ["AuxReduction", "grad", "value_and_grad", "pipeline_grad_p", "tracing_pipeline"]
 
 _state = threading.local()
 
@@ -40,39 +62,149 @@ pipeline_grad_p.multiple_results = True
 
 
 @pipeline_grad_p.def_abstract_eval
-def _abstract_eval(*avals: core.AbstractValue, loss_jaxpr: core.ClosedJaxpr, num_diff: int) -> list:
-    return [loss_jaxpr.out_avals[0], *avals[:num_diff]]
+def _abstract_eval(*avals: core.AbstractValue, loss_jaxpr: core.ClosedJaxpr, num_diff: int, num_aux: int,
+                   **params: Any) -> list:
+    # At the whole batch's shapes (the trace the update is taken from), the loss function's
+    # aux avals are what combining the micro-batches' gives: concatenated leaves have the
+    # whole batch's leading dimension, the others keep their shape.
+    return [*loss_jaxpr.out_avals[:1 + num_aux], *avals[:num_diff]]
 
 
 @pipeline_grad_p.def_impl
-def _impl(*args: Any, loss_jaxpr: core.ClosedJaxpr, num_diff: int) -> list:
+def _impl(*args: Any, loss_jaxpr: core.ClosedJaxpr, num_diff: int, num_aux: int, **params: Any) -> list:
     # Evaluating the traced step directly (no pipeline): plain value_and_grad.
     def loss(diff, rest):
-        return core.jaxpr_as_fun(loss_jaxpr)(*diff, *rest)[0]
+        value, *aux = core.jaxpr_as_fun(loss_jaxpr)(*diff, *rest)
+        return value, aux
 
-    value, grads = jax.value_and_grad(loss)(list(args[:num_diff]), list(args[num_diff:]))
-    return [value, *grads]
+    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(list(args[:num_diff]), list(args[num_diff:]))
+    return [value, *aux, *grads]
 
 
-def value_and_grad(fun: Callable[..., Any], argnums: int = 0) -> Callable[..., tuple[Any, Any]]:
-    """Like ``jax.value_and_grad(fun)`` for a scalar loss of its first argument.
+def _check_aux_reduction(aux_reduction: Any) -> None:
+    for leaf in jax.tree.leaves(aux_reduction):
+        if not isinstance(leaf, AuxReduction) and leaf not in {r.value for r in AuxReduction}:
+            raise ValueError(f"aux_reduction: expected a pytree prefix of the aux whose leaves are one of "
+                             f"{[r.value for r in AuxReduction]} or meshpar.AuxReduction, got {leaf!r}")
 
-    Inside a ``meshpar.parallelize``-d step the loss must be a mean over the
-    batch: the step's gradient is the mean of the micro-batches' gradients.
+
+def _aux_reductions(aux_reduction: Any, aux: Any) -> tuple[AuxReduction | None, ...]:
+    """Per aux leaf (``jax.tree.leaves`` order), its user-chosen reduction (``None``: the default
+    for its kind). ``aux_reduction`` is a reduction for a whole subtree, or a dict naming some
+    keys of a dict (the others keep their defaults), or a list/tuple as long as the aux's."""
+    def spread(spec: Any, sub: Any, where: str) -> Any:
+        if spec is None or isinstance(spec, (str, AuxReduction)):
+            r = None if spec is None else AuxReduction(spec)
+            return jax.tree.map(lambda _: r, sub, is_leaf=lambda x: x is None)
+        if isinstance(spec, dict) and hasattr(sub, "keys"):
+            unknown = set(spec) - set(sub.keys())
+            if unknown:
+                raise ValueError(f"aux_reduction: names {sorted(map(str, unknown))} at {where or 'the top'}, "
+                                 f"which the aux does not have (it has {sorted(map(str, sub.keys()))})")
+            return {k: spread(spec.get(k), sub[k], f"{where}[{k!r}]") for k in sub.keys()}
+        if isinstance(spec, (list, tuple)) and isinstance(sub, (list, tuple)) and len(spec) == len(sub):
+            return type(sub)(spread(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(spec, sub))) \
+                if not hasattr(sub, "_fields") else type(sub)(*(spread(a, b, f"{where}[{i}]")
+                                                                 for i, (a, b) in enumerate(zip(spec, sub))))
+        raise ValueError(f"aux_reduction: at {where or 'the top'} expected a reduction name, or a dict / "
+                         f"sequence shaped like the aux there, got {spec!r}")
+
+    mirror = spread(aux_reduction, aux, "")
+    return tuple(jax.tree.leaves(mirror, is_leaf=lambda x: x is None or isinstance(x, AuxReduction)))
+
+
+def _owned(x: Any) -> Any:
+    """An aux leaf as a value the loss function computes: one it merely passes through (an
+    input, a constant) is copied, so the stage that ends the loss owns it."""
+    return jnp.array(x, copy=True)
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
+    *,
+    reduction: str = "mean",
+    aux_reduction: Any = None,
+    fold_rng: bool = True,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad`` (same positional signature); the keywords say how a
+    ``meshpar.parallelize``-d step combines micro-batches (module docstring).
+
+    Args:
+      fun, argnums, has_aux, holomorphic, allow_int, reduce_axes: as for JAX. Inside a
+        pipeline the differentiated arguments must be step inputs (e.g. ``state.params``),
+        ``holomorphic`` and ``allow_int`` are not supported.
+      reduction: ``"mean"`` or ``"sum"``: the step's loss and gradients are the mean (resp.
+        sum) of the micro-batches'.
+      aux_reduction: an ``AuxReduction`` (or its name) for the whole aux, or a dict naming
+        some keys of an aux dict (nested as the aux is; unnamed keys keep their defaults),
+        or a sequence as long as an aux tuple; ``None``: every leaf its default.
+      fold_rng: fold each micro-batch's index into the PRNG keys the loss reads.
+
+    Returns:
+      ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux``; ``grads`` is shaped
+      like the argument (a tuple of them when ``argnums`` is a sequence).
     """
-    if argnums != 0:
-        raise ValueError(f"argnums: meshpar differentiates the first argument only, got {argnums}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    if not isinstance(fold_rng, bool):
+        raise TypeError(f"fold_rng: expected a bool, got {fold_rng!r}")
+    _check_aux_reduction(aux_reduction)
+    if aux_reduction is not None and not has_aux:
+        raise ValueError("aux_reduction: given, but has_aux=False (the loss function returns no aux)")
+    several = not isinstance(argnums, int)
+    positions = tuple(argnums) if several else (argnums,)
+    if not positions or not all(isinstance(a, int) and a >= 0 for a in positions) or len(set(positions)) != len(positions):
+        raise ValueError(f"argnums: expected a non-negative int or a sequence of distinct ones, got {argnums!r}")
+    plain = jax.value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, reduce_axes)
 
-    def wrapped(params: Any, *args: Any) -> tuple[Any, Any]:
+    def wrapped(*args: Any) -> tuple[Any, Any]:
         if not getattr(_state, "active", False):
-            return jax.value_and_grad(fun)(params, *args)
-        converted, consts = jax.closure_convert(lambda p: fun(p, *args), params)
-        leaves, treedef = jax.tree.flatten(params)
-        closed = jax.make_jaxpr(lambda ls, cs: converted(jax.tree.unflatten(treedef, ls), *cs))(leaves, consts)
-        if len(closed.out_avals) != 1 or closed.out_avals[0].shape != ():
-            raise TypeError(
-                f"value_and_grad: the loss function must return one scalar, got {closed.out_avals}"
-            )
+            return plain(*args)
+        if holomorphic or allow_int:
+            raise ValueError("value_and_grad: holomorphic and allow_int are not supported inside meshpar.parallelize")
+        if max(positions) >= len(args):
+            raise ValueError(f"argnums: {argnums!r} for a call with {len(args)} positional arguments")
+        diff = tuple(args[a] for a in positions)
+        rest = [a for i, a in enumerate(args) if i not in positions]
+
+        def loss_of(diff_args, *rest_args):
+            call = list(rest_args)
+            for a, d in sorted(zip(positions, diff_args)):
+                call.insert(a, d)
+            out = fun(*call)
+            if not has_aux:
+                return out, ()
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError("value_and_grad: with has_aux=True the loss function must return (loss, aux)")
+            return out[0], out[1]
+
+        converted, consts = jax.closure_convert(lambda d: loss_of(d, *rest), diff)
+        leaves, treedef = jax.tree.flatten(diff)
+        aux_tree = None
+
+        def flat(ls, cs):
+            nonlocal aux_tree
+            loss, aux = converted(jax.tree.unflatten(treedef, ls), *cs)
+            aux_leaves, aux_tree = jax.tree.flatten(aux)
+            return [loss, *aux_leaves]
+
+        closed = jax.make_jaxpr(flat)(leaves, consts)
+        loss_aval = closed.out_avals[0]
+        if loss_aval.shape != () or not jnp.issubdtype(loss_aval.dtype, jnp.inexact):
+            raise TypeError(f"value_and_grad: the loss function must return one floating scalar, got {loss_aval}")
+        passed = {k for k, v in enumerate(closed.jaxpr.outvars[1:]) if not _computed(closed.jaxpr, v)}
+        if passed:
+            closed = jax.make_jaxpr(
+                lambda ls, cs: [o if k == 0 or k - 1 not in passed else _owned(o) for k, o in enumerate(flat(ls, cs))]
+            )(leaves, consts)
+        reductions = _aux_reductions(aux_reduction, jax.tree.unflatten(aux_tree, [0] * aux_tree.num_leaves))
+        if len(reductions) != aux_tree.num_leaves:
+            raise ValueError(f"aux_reduction: gives {len(reductions)} leaf reductions for {aux_tree.num_leaves} aux leaves")
         # Operands: the differentiated leaves first, then the jaxpr's own
         # constants and the closed-over values, all as plain inputs so the
         # compiler can cut the loss anywhere.
@@ -86,18 +218,46 @@ def value_and_grad(fun: Callable[..., Any], argnums: int = 0) -> Callable[..., t
             effects=jaxpr.effects,
             debug_info=lu.DebugInfo(
                 "meshpar.value_and_grad", getattr(fun, "__name__", "loss"),
-                tuple(f"arg{i}" for i in range(len(jaxpr.invars) + len(jaxpr.constvars))), ("loss",),
+                tuple(f"arg{i}" for i in range(len(jaxpr.invars) + len(jaxpr.constvars))),
+                ("loss", *(f"aux{k}" for k in range(aux_tree.num_leaves))),
             ),
         )
-        value, *grads = pipeline_grad_p.bind(
-            *leaves, *closed.consts, *consts, loss_jaxpr=core.ClosedJaxpr(reordered, ()), num_diff=n
+        outs = pipeline_grad_p.bind(
+            *leaves, *closed.consts, *consts, loss_jaxpr=core.ClosedJaxpr(reordered, ()), num_diff=n,
+            num_aux=aux_tree.num_leaves, aux_reductions=reductions, reduction=reduction, fold_rng=fold_rng,
         )
-        return value, jax.tree.unflatten(treedef, grads)
+        value, aux, grads = outs[0], outs[1:1 + aux_tree.num_leaves], outs[1 + aux_tree.num_leaves:]
+        grads = jax.tree.unflatten(treedef, grads)
+        grads = grads if several else grads[0]
+        if has_aux:
+            return (value, jax.tree.unflatten(aux_tree, aux)), grads
+        return value, grads
 
     return wrapped
 
 
-def grad(fun: Callable[..., Any], argnums: int = 0) -> Callable[..., Any]:
-    """Like ``jax.grad``; see ``value_and_grad``."""
-    vg = value_and_grad(fun, argnums)
-    return lambda *args: vg(*args)[1]
+def _computed(jaxpr: core.Jaxpr, v: core.Atom) -> bool:
+    return isinstance(v, core.Var) and any(v in e.outvars for e in jaxpr.eqns)
+
+
+def grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
+    *,
+    reduction: str = "mean",
+    aux_reduction: Any = None,
+    fold_rng: bool = True,
+) -> Callable[..., Any]:
+    """Like ``jax.grad``: ``grads``, or ``(grads, aux)`` with ``has_aux``; see ``value_and_grad``."""
+    vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, reduce_axes,
+                        reduction=reduction, aux_reduction=aux_reduction, fold_rng=fold_rng)
+
+    def run(*args: Any) -> Any:
+        value, grads = vg(*args)
+        return (grads, value[1]) if has_aux else grads
+
+    return run

@@ -16,10 +16,12 @@ from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.passes.balancers import get_balancer
 from meshpar.passes.edge_transfer import EXECUTORS, SIGNAL, Direction, TransferKind, choose_transfer
-from meshpar.passes.mesh_assignment import DEFAULT_AXES
+from meshpar.passes.mesh_assignment import check_stage_split, mesh_shapes
+from meshpar.passes.micro_batching import resolve_micro_batching
 from meshpar.passes.pipeline_passes import PipelineOptions, compile_pipeline
 from meshpar.passes.pipeline_schedule import SCHEDULES
-from meshpar.passes.stage_graph import StageGraph, StageMarkerError
+from meshpar.passes.stage_graph import StageGraph, StageMarkerError, user_location
+from meshpar.passes.step_split import GradCallError, OuterCompute, OuterMove
 from meshpar.passes.strategies import get_strategy
 from meshpar.passes.timeline import Timeline, write_chrome_trace
 from meshpar.passes.weight_delay import check_weight_delay
@@ -37,13 +39,19 @@ __all__ = ["PipeshardParallel", "parallelize", "ParallelizedStep"]
 class PipeshardParallel:
     """Inter-op (pipeline) plus intra-op (sharded) parallelism.
 
+    Every argument is checked when this is made, and the ones the devices decide (when
+    ``devices`` is not given) when the step first compiles, before it is traced; the errors
+    name the argument and a fix.
+
     Attributes:
       num_micro_batches: micro-batches per step; must divide the batch.
-      stage_meshes: one ``jax.sharding.Mesh`` per stage, disjoint; by default
-        the devices are cut evenly, host-major.
+      stage_meshes: one ``jax.sharding.Mesh`` per stage, disjoint, each with the
+        axis ``data_axis`` or ``model_axis`` (or both); by default the devices
+        are cut evenly, host-major.
       num_stages: expected number of stages (stage markers + 1); checked.
-      stage_mesh_shape: ``(data, model)`` shape of each cut mesh; default all
-        devices of a stage on ``data``.
+      stage_mesh_shape: ``(data, model)`` shape of each cut mesh, two positive
+        integers whose product is the devices per stage; default all devices
+        of a stage on ``data``. Not with ``stage_meshes``.
       schedule: ``gpipe``, ``1f1b``, ``eager_1f1b`` or ``zb_h1``
         (``passes.pipeline_schedule``).
       weight_delay: split each backward into an activation-gradient and a
@@ -66,9 +74,16 @@ class PipeshardParallel:
       timeout_s: how long a process waits for its peers (agreeing on the
         compiled pipeline, values other processes send it) before raising;
         ``ParallelizedStep.trace`` waits as long for the traced step's work.
-      batch_argnums: positional arguments holding the batch (cut into
-        micro-batches along dimension 0).
-      devices: devices to use; default ``jax.devices()``.
+      batch_argnums: positions of the arguments holding the batch (cut into
+        micro-batches along dimension 0), a tuple of non-negative integers.
+      devices: the distinct ``jax.Device``s to use; default ``jax.devices()``.
+      data_axis, model_axis: the stage mesh axes the batch and the parameters
+        shard over. Cut meshes are named ``(data_axis, model_axis)``, and a
+        flax partitioning name ``"data"`` or ``"model"`` means that axis: for
+        meshes with axes ``("dp", "tp")`` pass ``data_axis="dp", model_axis="tp"``.
+        When all stage meshes have one shape the step is traced under them,
+        and flax constrains parameters by their own names there: then name
+        the mesh's axes (``(None, "tp")``).
     """
 
     num_micro_batches: int = 1
@@ -84,12 +99,15 @@ class PipeshardParallel:
     executor: str = "auto"
     timeout_s: float = 120.0
     weight_delay: bool | str = False
+    data_axis: str = "data"
+    model_axis: str = "model"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
+        if not self._is_count(self.num_micro_batches):
             raise ValueError(f"num_micro_batches: expected a positive integer, got {self.num_micro_batches!r}")
-        if self.num_stages is not None and self.num_stages < 1:
-            raise ValueError(f"num_stages: expected a positive integer, got {self.num_stages!r}")
+        if self.num_stages is not None and not self._is_count(self.num_stages):
+            raise ValueError(f"num_stages: expected a positive integer (stage markers + 1) or None, "
+                             f"got {self.num_stages!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule: unknown {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
         check_weight_delay(self.weight_delay, self.schedule)
@@ -100,13 +118,129 @@ class PipeshardParallel:
             raise ValueError(f"executor: expected one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
+        if self.cluster is not None and not isinstance(self.cluster, Cluster):
+            raise ValueError(f"cluster: expected a meshpar.Cluster (e.g. meshpar.Cluster.aws_p3_8xlarge(2)) "
+                             f"or None, got {type(self.cluster).__name__}")
+        argnums = self.batch_argnums
+        if (not isinstance(argnums, tuple) or not argnums
+                or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in argnums)):
+            example = f"({argnums},)" if isinstance(argnums, int) and argnums >= 0 else "(1,)"
+            raise ValueError(f"batch_argnums: expected a non-empty tuple of non-negative integers (the positions "
+                             f"of the batch arguments), got {argnums!r}; e.g. batch_argnums={example}")
+        for name in ("data_axis", "model_axis"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name}: expected a mesh axis name (a non-empty str), got {getattr(self, name)!r}")
+        if self.data_axis == self.model_axis:
+            raise ValueError(f"data_axis, model_axis: both are {self.data_axis!r}; pass two different mesh axis "
+                             f"names, e.g. data_axis='data', model_axis='model'")
+        self._check_stage_mesh_shape()
+        self._check_stage_meshes()
+        if self.devices is not None:
+            devices = self.devices
+            if isinstance(devices, np.ndarray):
+                devices = list(devices.flat)
+            if (isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence) or not devices
+                    or not all(isinstance(d, jax.Device) for d in devices)):
+                raise ValueError(f"devices: expected a non-empty list of jax devices (e.g. jax.devices()[:4]) "
+                                 f"or None for all of them, got {self.devices!r}")
+            if len({d.id for d in devices}) != len(devices):
+                raise ValueError(f"devices: device ids {[d.id for d in devices]} repeat; pass each device once")
+            # Frozen: a normalised copy keeps the dataclass hashable and its devices flat.
+            object.__setattr__(self, "devices", tuple(devices))
+            # The devices are known without starting JAX's backend: check them now too.
+            self.check_devices()
+
+    @staticmethod
+    def _is_count(x: Any) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+
+    def _check_stage_mesh_shape(self) -> None:
+        shape = self.stage_mesh_shape
+        if shape is None:
+            return
+        if (isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) != 2
+                or not all(self._is_count(n) for n in shape)):
+            raise ValueError(f"stage_mesh_shape: expected (data, model), two positive integers, got {shape!r}; "
+                             f"e.g. stage_mesh_shape=(2, 2) for 4 devices per stage")
+        if self.stage_meshes is not None:
+            raise ValueError("stage_mesh_shape: shapes the meshes cut from devices, but stage_meshes are given; "
+                             "pass one of stage_meshes or stage_mesh_shape")
+        object.__setattr__(self, "stage_mesh_shape", (int(shape[0]), int(shape[1])))
+
+    def _check_stage_meshes(self) -> None:
+        meshes = self.stage_meshes
+        if meshes is None:
+            return
+        if (isinstance(meshes, (str, bytes)) or not isinstance(meshes, Sequence) or not meshes
+                or not all(isinstance(m, Mesh) for m in meshes)):
+            raise ValueError(f"stage_meshes: expected a non-empty list of jax.sharding.Mesh, one per stage "
+                             f"(e.g. stage_meshes=[mesh0, mesh1]), got {meshes!r}")
+        if self.num_stages is not None and len(meshes) != self.num_stages:
+            raise ValueError(f"stage_meshes: {len(meshes)} meshes, but num_stages={self.num_stages}; pass one "
+                             f"mesh per stage")
+        seen: dict[int, int] = {}
+        for i, mesh in enumerate(meshes):
+            for d in mesh.devices.flat:
+                if d.id in seen:
+                    raise ValueError(f"stage_meshes: meshes {seen[d.id]} and {i} overlap on device {d.id}; pass "
+                                     f"disjoint meshes (each device in one stage)")
+                seen[d.id] = i
+            names = tuple(mesh.axis_names)
+            missing = [arg for arg in ("data_axis", "model_axis") if getattr(self, arg) not in names]
+            # An axis of neither role gets neither the batch nor the parameters: its devices
+            # would repeat each other's work, which a misnamed axis does silently.
+            idle = [a for a in names if a not in (self.data_axis, self.model_axis) and mesh.shape[a] > 1]
+            if missing and idle:
+                fix = ", ".join(f"{arg}={a!r}" for arg, a in zip(missing, idle))
+                raise ValueError(
+                    f"stage_meshes: mesh {i} has axes {names} (shape {dict(mesh.shape)}) but no "
+                    f"{' or '.join(f'{arg}={getattr(self, arg)!r}' for arg in missing)}; the batch shards over "
+                    f"data_axis and parameters over model_axis, so axis {idle[0]!r} would only repeat work; "
+                    f"pass {fix}"
+                )
+        object.__setattr__(self, "stage_meshes", tuple(meshes))
+
+    def check_devices(self) -> None:
+        """Checks the arguments the devices decide, against ``devices`` or else ``jax.devices()``
+        (which starts JAX's backend: run when the step first compiles, before tracing, so an
+        argument error is not reported as a tracing error).
+
+        Raises:
+          ValueError: a stage mesh using a device not in ``devices``; ``num_stages`` that do
+            not divide the devices; a ``stage_mesh_shape`` that does not fit them.
+        """
+        devices = list(self.devices) if self.devices is not None else jax.devices()
+        if self.stage_meshes is not None:
+            pool = {d.id for d in devices}
+            for i, mesh in enumerate(self.stage_meshes):
+                outside = [d.id for d in mesh.devices.flat if d.id not in pool]
+                if outside:
+                    raise ValueError(f"stage_meshes: mesh {i} uses device {outside[0]}, which is not among the "
+                                     f"devices {sorted(pool)}; build the meshes from those, or pass devices= "
+                                     f"including it")
+        elif self.num_stages is not None:
+            check_stage_split(len(devices), self.num_stages, self.stage_mesh_shape, f"num_stages={self.num_stages}")
+        elif self.stage_mesh_shape is not None:
+            per_stage = self.stage_mesh_shape[0] * self.stage_mesh_shape[1]
+            if len(devices) % per_stage:
+                stages = 2 if len(devices) % 2 == 0 else 1
+                raise ValueError(
+                    f"stage_mesh_shape: {self.stage_mesh_shape} holds {per_stage} devices per stage, but "
+                    f"{len(devices)} devices do not split into stages of {per_stage}; pass a shape holding "
+                    f"{len(devices)} / (number of stages) devices (for {stages} stage{'s' * (stages > 1)}: "
+                    f"{mesh_shapes(len(devices) // stages)}), or stage_meshes=[...] (one jax.sharding.Mesh per "
+                    f"stage) for an uneven split"
+                )
 
 
 def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = PipeshardParallel()) -> Any:
     """Decorates a train step ``(state, batch, ...) -> outputs`` to run as a pipeline.
 
     The step calls ``meshpar.value_and_grad`` (or ``meshpar.grad``) once on a
-    loss whose model calls ``meshpar.mark_stage_boundary()`` between stages.
+    loss whose model calls ``meshpar.mark_stage_boundary()`` between stages;
+    that module's docstring states how micro-batches combine (loss reduction,
+    aux, PRNG keys). The rest of the step runs once per step at the whole
+    batch's shapes, each value on the mesh of the parameters it derives from.
     Returns a callable taking and returning the same pytrees; state arrays
     stay sharded on their stage meshes between calls. Its ``trace(path,
     *args)`` runs one step the same way and also records when each task ran,
@@ -132,13 +266,18 @@ def _trace_mesh(method: PipeshardParallel) -> Any:
     elif method.stage_mesh_shape is not None:
         devices = list(method.devices) if method.devices is not None else jax.devices()
         n = int(np.prod(method.stage_mesh_shape))
-        return jax.set_mesh(Mesh(np.array(devices[:n]).reshape(method.stage_mesh_shape), DEFAULT_AXES))
+        return jax.set_mesh(Mesh(np.array(devices[:n]).reshape(method.stage_mesh_shape),
+                                 (method.data_axis, method.model_axis)))
     return contextlib.nullcontext()
 
 
-def _dtype(x: Any) -> np.dtype:
-    """The dtype JAX gives ``x`` (Python scalars and int64 numpy data canonicalised)."""
-    return jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
+def _dtype(x: Any) -> Any:
+    """The dtype JAX gives ``x`` (Python scalars and int64 numpy data canonicalised; typed PRNG
+    keys keep their key dtype)."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def _flax_specs(args: Any) -> list[P | None]:
@@ -207,8 +346,19 @@ class ParallelizedStep:
         leaves, in_tree = jax.tree.flatten(args)
         key = (in_tree, tuple((np.shape(x), _dtype(x)) for x in leaves))
         if key not in self._cache:
+            self.method.check_devices()
             self._cache[key] = self._compile(args, leaves, in_tree)
         return self._cache[key]
+
+    def _trace(self, method: PipeshardParallel, in_tree: Any, abstract: list) -> tuple[Any, Any]:
+        """The step's jaxpr and output shapes for arguments shaped ``abstract``."""
+        try:
+            with tracing_pipeline(), _trace_mesh(method):
+                return jax.make_jaxpr(lambda *ls: self.fun(*jax.tree.unflatten(in_tree, ls)), return_shape=True)(*abstract)
+        except (StageMarkerError, GradCallError):
+            raise
+        except Exception as e:
+            raise TypeError(f"{getattr(self.fun, '__name__', 'step')}: cannot be traced by meshpar.parallelize: {e}") from e
 
     def _compile(self, args: tuple, leaves: list, in_tree: Any) -> PipelineExecutable:
         method = self.method
@@ -227,38 +377,34 @@ class ParallelizedStep:
         if batch_size % M:
             raise ValueError(f"num_micro_batches: {M} does not divide the batch size {batch_size}")
         micro_batch_size = batch_size // M
-        abstract = [
-            jax.ShapeDtypeStruct(
-                (micro_batch_size, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), _dtype(x)
-            )
-            for i, x in enumerate(leaves)
-        ]
-        try:
-            with tracing_pipeline(), _trace_mesh(method):
-                outer, out_shapes = jax.make_jaxpr(
-                    lambda *ls: self.fun(*jax.tree.unflatten(in_tree, ls)), return_shape=True
-                )(*abstract)
-        except StageMarkerError:
-            raise
-        except Exception as e:
-            raise TypeError(f"{getattr(self.fun, '__name__', 'step')}: cannot be traced by meshpar.parallelize: {e}") from e
+        # Traced twice: per micro-batch for the stages, and at the whole batch's shapes for what
+        # runs once per step around the pipeline (a count over the whole batch, the update).
+        name = getattr(self.fun, '__name__', 'step')
+        micro, _ = self._trace(method, in_tree, [
+            jax.ShapeDtypeStruct((micro_batch_size, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), _dtype(x))
+            for i, x in enumerate(leaves)])
+        outer, out_shapes = self._trace(method, in_tree, [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves])
         # 2. Everything else is the pass pipeline's: stages, meshes, layout,
         # stage parts, transfers, schedule and program, each verified.
-        grad_eqns = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
-        if len(grad_eqns) != 1:
-            raise ValueError(
-                f"{getattr(self.fun, '__name__', 'step')}: must call meshpar.value_and_grad or meshpar.grad "
-                f"exactly once, found {len(grad_eqns)}"
-            )
+        grad_micro, grad_whole = (_grad_eqn(name, jaxpr) for jaxpr in (micro, outer))
+        params = grad_micro.params
+        num_diff, num_aux = params["num_diff"], params["num_aux"]
+        if len(grad_micro.invars) != len(grad_whole.invars) or num_aux != grad_whole.params["num_aux"]:
+            raise ValueError(f"{name}: traced per micro-batch and for the whole batch, the loss function reads "
+                             f"different values; its structure must not depend on the batch size")
+        micro_batching = resolve_micro_batching(
+            params, [v.aval for v in grad_micro.invars[num_diff:]], [v.aval for v in grad_whole.invars[num_diff:]],
+            [v.aval for v in grad_whole.outvars[1:1 + num_aux]], M, user_location(grad_whole))
         cluster = method.cluster
         options = PipelineOptions(
             M, micro_batch_size, method.schedule, method.weight_delay, method.executor, method.resharding,
             method.stage_meshes, method.stage_mesh_shape,
             cluster.inter_host_bandwidth if cluster else 1.25e9, cluster.intra_host_bandwidth if cluster else 100e9,
+            method.data_axis, method.model_axis,
         )
         devices = list(method.devices) if method.devices is not None else jax.devices()
         compiled = compile_pipeline(
-            outer, grad_eqns[0].params, leaves, _flax_specs(args), frozenset(batch_leaves), in_tree,
+            outer, params, micro_batching, leaves, _flax_specs(args), frozenset(batch_leaves), in_tree,
             jax.tree.structure(out_shapes), devices, options, functools.partial(_check_num_stages, method),
         )
         fingerprints: list[str] = []
@@ -291,7 +437,7 @@ class ParallelizedStep:
         executable = PipelineExecutable(
             compiled.graph, compiled.split, compiled.layout, compiled.program, compiled.parts, compiled.meshes,
             micro_batch_size, prepare_move, jax.tree.structure(out_shapes), jax.tree.leaves(out_shapes),
-            timeout_s=method.timeout_s,
+            compiled.micro_batching, timeout_s=method.timeout_s,
         )
         if jax.process_count() > 1:
             # One agreement for the whole pipeline: every process compiled the
@@ -307,17 +453,24 @@ class ParallelizedStep:
         return executable
 
 
+def _grad_eqn(name: str, traced: Any) -> Any:
+    found = [e for e in traced.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
+    if len(found) != 1:
+        raise ValueError(f"{name}: must call meshpar.value_and_grad or meshpar.grad exactly once, found {len(found)}")
+    return found[0]
+
+
 def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
     S = graph.num_stages
     if method.num_stages is not None and method.num_stages != S:
         if S == 1:
             raise StageMarkerError(
                 f"num_stages: {method.num_stages} stages asked for, but the model calls "
-                f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends"
+                f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends, or pass num_stages=1"
             )
         raise StageMarkerError(
             f"num_stages: {method.num_stages} stages asked for, but the model's "
-            f"{S - 1} stage markers make {S} stages"
+            f"{S - 1} stage markers make {S} stages; pass num_stages={S} (or None), or move the markers"
         )
 
 
@@ -333,12 +486,16 @@ def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
     for stage in executable.graph.stages:
         mesh = executable.meshes[stage.index]
         specs = [sh.spec for sh in executable.layout.grad_shardings[stage.index]]
-        sharded = sum(1 for spec in specs if any(e is not None for e in spec))
+        # A spec naming a size-1 axis leaves its dimension whole on every device: not sharded.
+        split_over = [{a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)
+                       if mesh.shape[a] > 1} for spec in specs]
+        sharded = sum(1 for axes in split_over if axes)
+        placed = (f"{sharded} sharded over {', '.join(map(repr, sorted(set().union(*split_over))))}, the rest replicated"
+               if sharded else "all replicated")
         others = [str(r) for r in stage.inputs if r.kind != "param"]
         lines.append(
             f"  stage {stage.index}: mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}; "
-            f"{len(specs)} parameter leaves ({sharded} sharded over 'model', the rest replicated); "
-            f"also reads {', '.join(others) or 'nothing else'}"
+            f"{len(specs)} parameter leaves ({placed}); also reads {', '.join(others) or 'nothing else'}"
         )
     for t in executable.program.transfers:
         if t.kind is TransferKind.DEVICE_PUT:
@@ -355,4 +512,24 @@ def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
         value = jax.core.ShapedArray(t.shape, t.dtype).str_short()
         lines.append(f"  {what} {executable.edges[t.edge][2]} {value} stage {t.src_stage} -> {t.dst_stage}: {how}")
     lines.append("  launch order: " + " ".join(map(str, schedule.order)))
+    mb = executable.micro_batching
+    aux = ", ".join(f"aux{k} {r.value}" for k, r in enumerate(mb.aux))
+    lines.append(f"  micro-batches combine: loss and gradients by {mb.reduction}" + (f"; {aux}" if aux else "")
+                 + (f"; {len(mb.fold_keys)} PRNG key(s) folded with the micro-batch index" if mb.fold_keys else ""))
+    for phase, steps in (("before the pipeline", executable.split.before), ("after it", executable.split.after)):
+        computes = [st for st in steps if isinstance(st, OuterCompute)]
+        moves = [st for st in steps if isinstance(st, OuterMove)]
+        if not steps:
+            continue
+        lines.append(f"  {phase}: {len(computes)} computations on meshes {sorted({c.mesh for c in computes})}"
+                     + "".join(f"; {_values_str(executable.split, mv.values)} move{'s' * (len(mv.values) == 1)} "
+                               f"mesh {mv.src} -> {mv.dst}" + (" packed into one transfer" if len(mv.values) > 1 else "")
+                               for mv in moves))
     return "\n".join(lines)
+
+
+def _values_str(split: Any, values: Sequence[Any]) -> str:
+    """``values`` for a description: each one, or a count when there are many."""
+    if len(values) <= 3:
+        return ", ".join(f"{v} {split.avals[v].str_short()}" for v in values)
+    return f"{len(values)} values ({split.avals[values[0]].str_short()}, ...)"

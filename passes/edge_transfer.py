@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from .mesh_assignment import batch_sharding
+from .stage_graph import is_differentiable
 
 __all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "TransferKind", "choose_transfer", "plan_edge_transfers"]
 
@@ -109,10 +110,12 @@ def plan_edge_transfers(
     micro_batch_size: int,
     executor: str,
     strategy: str,
+    data_axis: str,
 ) -> tuple[EdgeTransfer, ...]:
-    """Both moves of every edge ``(producer, consumer, producer slot)`` whose value has ``avals[e]``.
+    """Both moves of every edge ``(producer, consumer, producer slot)`` whose value travels as
+    ``avals[e]`` (``wire_format``); only the activation's for values without a cotangent.
 
-    A boundary value is sharded over its mesh's ``data`` axis along the batch
+    A boundary value is sharded over its mesh's ``data_axis`` along the batch
     dimension (``mesh_assignment.batch_sharding``), the same way in both
     directions, so the cotangent moves exactly as its activation did, reversed.
     """
@@ -120,8 +123,10 @@ def plan_edge_transfers(
     for e, ((p, c, slot), aval) in enumerate(zip(edges, avals)):
         shape = tuple(aval.shape)
         for direction, (a, b) in ((Direction.ACTIVATION, (p, c)), (Direction.COTANGENT, (c, p))):
-            src = batch_sharding(meshes[a], shape, micro_batch_size)
-            dst = batch_sharding(meshes[b], shape, micro_batch_size)
+            if direction is Direction.COTANGENT and not is_differentiable(aval):
+                continue  # an integer, bool or key value: its cotangent is float0, never moved
+            src = batch_sharding(meshes[a], shape, micro_batch_size, data_axis)
+            dst = batch_sharding(meshes[b], shape, micro_batch_size, data_axis)
             processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]
             kind = choose_transfer(executor, processes, len(shape), strategy)
             out.append(EdgeTransfer(e, direction, a, b, slot, shape, np.dtype(aval.dtype), src, dst, kind))

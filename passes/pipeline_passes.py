@@ -3,7 +3,8 @@
 ``compile_pipeline`` runs, in order:
 
 1. ``split_stages``: the loss jaxpr cut at stage markers -> ``StageGraph``;
-2. ``split_apply``: the rest of the step (the update) per mesh -> ``ApplySplit``;
+2. ``split_step``: the rest of the step (values the loss reads, the update) per
+   mesh, with the moves between meshes -> ``StepSplit``;
 3. ``assign_stage_meshes``: one device mesh per stage;
 4. ``layout_step``: where every value lives -> ``StepLayout``;
 5. ``stage_parts``: each stage's forward, backward and split backward jaxprs;
@@ -29,16 +30,18 @@ from typing import Any, TypeVar
 from jax._src import core
 from jax.sharding import Mesh, PartitionSpec as P
 
-from .apply_split import ApplySplit, split_apply
 from .cost_model import estimate_durations
 from .edge_transfer import TransferKind, plan_edge_transfers
 from .mesh_assignment import assign_stage_meshes
 from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
 from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
 from .schedule_simulator import TaskDurations
-from .stage_graph import StageGraph, split_stages, verify_stage_graph
+from .stage_graph import Ref, StageGraph, split_stages, verify_stage_graph
+from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout, layout_step
+from .step_split import StepSplit, split_step, verify_step_split
+from .wire_format import wire_aval
 from .unit_tasks import PlanVerificationError
 from .weight_delay import weight_delays
 
@@ -61,6 +64,8 @@ class PipelineOptions:
     stage_mesh_shape: tuple[int, int] | None
     inter_host_bandwidth: float
     intra_host_bandwidth: float
+    data_axis: str
+    model_axis: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,13 +75,14 @@ class CompiledPipeline:
     with them, or with measured ones, to predict a step)."""
 
     graph: StageGraph
-    split: ApplySplit
+    split: StepSplit
     meshes: tuple[Mesh, ...]
     layout: StepLayout
     parts: tuple[StageParts, ...]
     schedule: PipelineSchedule
     program: PipelineProgram
     durations: TaskDurations
+    micro_batching: MicroBatching
 
 
 def _run(name: str, make: Callable[[], T], verify: Callable[[T], None]) -> T:
@@ -91,6 +97,7 @@ def _run(name: str, make: Callable[[], T], verify: Callable[[T], None]) -> T:
 def compile_pipeline(
     outer: core.ClosedJaxpr,
     grad_params: dict[str, Any],
+    micro_batching: MicroBatching,
     leaves: Sequence[Any],
     specs: Sequence[P | None],
     batch_leaves: frozenset[int],
@@ -100,31 +107,40 @@ def compile_pipeline(
     options: PipelineOptions,
     check_stages: Callable[[StageGraph], None] = lambda graph: None,
 ) -> CompiledPipeline:
-    """Runs the passes (module doc) on a traced step ``outer`` whose gradient equation has
-    ``grad_params``; ``check_stages`` validates the stage graph against the user's options."""
+    """Runs the passes (module doc) on a traced step ``outer`` (at the whole batch's shapes) whose
+    gradient equation, traced per micro-batch, has ``grad_params``, combining micro-batches as
+    ``micro_batching`` says; ``check_stages`` validates the stage graph against the user's options."""
     graph = _run("split_stages", lambda: split_stages(grad_params["loss_jaxpr"], grad_params["num_diff"]), verify_stage_graph)
     check_stages(graph)
     S = graph.num_stages
-    _, split = split_apply(outer, graph.param_owner, graph.loss.index, S)
-    meshes = tuple(assign_stage_meshes(list(devices), S, options.stage_meshes, options.stage_mesh_shape))
+    axis_names = (options.data_axis, options.model_axis)
+    meshes = tuple(assign_stage_meshes(list(devices), S, options.stage_meshes, options.stage_mesh_shape, axis_names))
     for mesh in meshes:
-        data = mesh.shape.get("data", 1)
+        data = mesh.shape.get(options.data_axis, 1)
         if options.micro_batch_size % data:
             raise ValueError(
                 f"num_micro_batches: micro-batches of {options.micro_batch_size} examples do not split over "
-                f"the {data}-way 'data' axis of the stage meshes"
+                f"the {data}-way {options.data_axis!r} axis (data_axis) of the stage meshes; pass "
+                f"num_micro_batches so that batch / num_micro_batches is a multiple of {data}"
             )
+    readers = [graph.consumers(Ref("input", k)) for k in range(graph.num_inputs)]
+    split = _run("split_step", lambda: split_step(
+        outer, graph.param_owner, graph.loss.index, [r.index for r in graph.aux], S,
+        [() if per_mb and _is_batch_leaf(outer, k, graph, batch_leaves) else r
+         for k, (r, per_mb) in enumerate(zip(readers, micro_batching.per_micro_batch))],
+        _counterparts(in_tree, out_tree)), lambda sp: verify_step_split(sp, S))
     layout = layout_step(graph, split, meshes, leaves, specs, batch_leaves, options.micro_batch_size,
-                         in_tree, out_tree, options.executor, options.resharding)
+                         in_tree, out_tree, options.executor, options.resharding,
+                         micro_batching.per_micro_batch, micro_batching.fold_keys, axis_names=axis_names)
     parts = tuple(
-        _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s), lambda p, s=s: verify_stage_parts(s, p))
+        _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s, graph.differentiated_slots(s.index)), lambda p, s=s: verify_stage_parts(s, p))
         for s in graph.stages
     )
     edges = graph.edges()
     transfers = plan_edge_transfers(
         [(p, c, ref.slot) for p, c, ref in edges],
-        [graph.stages[p].jaxpr.out_avals[ref.slot] for p, _, ref in edges],
-        meshes, options.micro_batch_size, options.executor, options.resharding,
+        [wire_aval(graph.stages[p].jaxpr.out_avals[ref.slot]) for p, _, ref in edges],
+        meshes, options.micro_batch_size, options.executor, options.resharding, options.data_axis,
     )
     schedule_edges = [(p, c) for p, c, _ in edges]
     durations = estimate_durations(parts, meshes, transfers, len(edges), options.inter_host_bandwidth,
@@ -140,6 +156,27 @@ def compile_pipeline(
         [(p, c, ref.slot, [r for r in graph.stages[c].inputs if r.kind == "act"].index(ref)) for p, c, ref in edges],
         (graph.loss.index, graph.loss.slot),
         [len(s.outputs) for s in graph.stages],
+        [(r.index, r.slot) for r in graph.aux],
+        frozenset(e for e, (p, _, ref) in enumerate(edges)
+                  if ref.slot not in graph.differentiated_slots(p)),
     )
     program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers), verify_pipeline_program)
-    return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations)
+    return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching)
+
+
+def _is_batch_leaf(outer: core.ClosedJaxpr, k: int, graph: StageGraph, batch_leaves: frozenset[int]) -> bool:
+    """Whether non-differentiated loss operand ``k`` is a batch input leaf itself (sliced on the
+    host per micro-batch, never placed whole)."""
+    (grad_eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
+    v = grad_eqn.invars[graph.num_params + k]
+    return v in outer.jaxpr.invars and outer.jaxpr.invars.index(v) in batch_leaves
+
+
+def _counterparts(in_tree: Any, out_tree: Any) -> list[int | None]:
+    """Per step output leaf, the input leaf at the same position of the state (the step's first
+    argument and first output share a structure), else ``None``."""
+    outs: list[int | None] = [None] * out_tree.num_leaves
+    in_children, out_children = in_tree.children(), out_tree.children()
+    if in_children and out_children and in_children[0] == out_children[0]:
+        outs[:in_children[0].num_leaves] = range(in_children[0].num_leaves)
+    return outs

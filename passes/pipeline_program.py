@@ -10,14 +10,17 @@ lists into the one launch order every process follows.
 Buffers (``m`` is the micro-batch):
 
 - ``ACTIVATION(s, slot, m)``: stage ``s``'s output ``slot`` on its own mesh,
-  kept until its last send; ``LOSS(s, slot, m)`` when it is the loss, kept
-  past the program (a result);
+  kept until its last send; ``RESULT(s, slot, m)`` when it is the loss or an
+  aux value, kept past the program (a result);
 - ``RECEIVED_ACTIVATION(e, m)``: edge ``e``'s activation on the consumer mesh;
 - ``RESIDUALS(s, m)``: what stage ``s``'s backward reads of its forward;
 - ``WEIGHT_STATE(s, m)``: what a weight pass reads (split backwards only);
 - ``INPUT_COTANGENT(e, m)``: the cotangent of edge ``e``'s activation on the
   consumer mesh, kept until it is sent;
 - ``RECEIVED_COTANGENT(e, m)``: the same on the producer mesh.
+
+An edge whose value has no cotangent (integer, bool or key values) moves only
+forward: its schedule's gradient tasks lower to nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ __all__ = [
 
 class BufferKind(enum.Enum):
     ACTIVATION = "act"
-    LOSS = "loss"
+    RESULT = "result"
     RECEIVED_ACTIVATION = "recv_act"
     RESIDUALS = "res"
     WEIGHT_STATE = "wstate"
@@ -57,7 +60,7 @@ class BufferId:
     slot: int = 0
 
     def __str__(self) -> str:
-        slot = f".{self.slot}" if self.kind in (BufferKind.ACTIVATION, BufferKind.LOSS) else ""
+        slot = f".{self.slot}" if self.kind in (BufferKind.ACTIVATION, BufferKind.RESULT) else ""
         return f"{self.kind.value}{self.index}{slot}[{self.micro_batch}]"
 
 
@@ -71,17 +74,26 @@ class StageIO:
       out_edges: for each output slot, the edges that carry it onwards; the
         slot's cotangent is the sum of what comes back along them.
       loss_slot: the output slot that is the loss (its cotangent is seeded
-        with ``1 / num_micro_batches``), or ``None``.
+        with the loss reduction's weight), or ``None``.
+      kept_slots: output slots kept past the program as results (the loss and aux values).
+      no_cotangent: edges in or out of the stage whose value has no cotangent.
     """
 
     in_edges: tuple[int, ...]
     out_edges: tuple[tuple[int, ...], ...]
     loss_slot: int | None
+    kept_slots: tuple[int, ...] = ()
+    no_cotangent: frozenset[int] = frozenset()
 
     @property
     def cotangent_edges(self) -> tuple[int, ...]:
         """The received cotangents a backward reads, flattened in slot order."""
-        return tuple(e for edges in self.out_edges for e in edges)
+        return tuple(e for edges in self.out_edges for e in edges if e not in self.no_cotangent)
+
+    @property
+    def cotangent_in_edges(self) -> tuple[int, ...]:
+        """The activation inputs whose cotangents a backward writes, in ``in_edges`` order."""
+        return tuple(e for e in self.in_edges if e not in self.no_cotangent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,14 +185,19 @@ class PipelineProgram:
         return [(mesh, self.instructions[mesh][k]) for mesh, k in self.order]
 
 
-def stage_io(num_stages: int, edges: Sequence[tuple[int, int, int, int]], loss: tuple[int, int], num_outputs: Sequence[int]) -> tuple[StageIO, ...]:
+def stage_io(num_stages: int, edges: Sequence[tuple[int, int, int, int]], loss: tuple[int, int],
+             num_outputs: Sequence[int], aux: Sequence[tuple[int, int]] = (),
+             no_cotangent: frozenset[int] = frozenset()) -> tuple[StageIO, ...]:
     """``edges`` as ``(producer, consumer, producer slot, consumer activation-input position)``;
-    ``loss`` as ``(stage, slot)``; ``num_outputs`` per stage."""
+    ``loss`` and each ``aux`` value as ``(stage, slot)``; ``num_outputs`` per stage;
+    ``no_cotangent`` the edges whose value has no cotangent."""
     out = []
     for s in range(num_stages):
         ins = sorted((pos, e) for e, (_, c, _, pos) in enumerate(edges) if c == s)
         slots = tuple(tuple(e for e, (p, _, slot, _) in enumerate(edges) if p == s and slot == k) for k in range(num_outputs[s]))
-        out.append(StageIO(tuple(e for _, e in ins), slots, loss[1] if loss[0] == s else None))
+        kept = sorted({slot for stage, slot in (loss, *aux) if stage == s})
+        touching = frozenset(e for e, (p, c, _, _) in enumerate(edges) if s in (p, c)) & no_cotangent
+        out.append(StageIO(tuple(e for _, e in ins), slots, loss[1] if loss[0] == s else None, tuple(kept), touching))
     return tuple(out)
 
 
@@ -197,7 +214,7 @@ def _input_ct(e: int, m: int) -> BufferId:
 
 
 def _output(io: StageIO, s: int, slot: int, m: int) -> BufferId:
-    return BufferId(BufferKind.LOSS if slot == io.loss_slot else BufferKind.ACTIVATION, s, m, slot)
+    return BufferId(BufferKind.RESULT if slot in io.kept_slots else BufferKind.ACTIVATION, s, m, slot)
 
 
 def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], transfers: Sequence[EdgeTransfer]) -> PipelineProgram:
@@ -235,7 +252,7 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
             io = stages[s]
             residuals = BufferId(BufferKind.RESIDUALS, s, m)
             cts = tuple(_received_ct(e, m) for e in io.cotangent_edges)
-            input_cts = tuple(_input_ct(e, m) for e in io.in_edges)
+            input_cts = tuple(_input_ct(e, m) for e in io.cotangent_in_edges)
             if t.kind is TaskKind.BACKWARD:
                 emit(s, RunBackward(s, m, residuals, cts, input_cts))
             else:
@@ -248,6 +265,8 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
             emit(s, Free(state))
         else:
             direction = Direction.ACTIVATION if t.kind is TaskKind.SEND_ACT else Direction.COTANGENT
+            if (s, direction) not in by_edge:
+                continue  # the cotangent of a value that has none
             k = by_edge[(s, direction)]
             transfer = transfers[k]
             if direction is Direction.ACTIVATION:
@@ -260,8 +279,8 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
             if direction is Direction.COTANGENT or last_send.get(src) == t:
                 emit(transfer.src_stage, Free(src))
     results = tuple(
-        BufferId(BufferKind.LOSS, s, m, io.loss_slot)
-        for s, io in enumerate(stages) if io.loss_slot is not None for m in range(schedule.num_micro_batches)
+        BufferId(BufferKind.RESULT, s, m, slot)
+        for s, io in enumerate(stages) for slot in io.kept_slots for m in range(schedule.num_micro_batches)
     )
     program = PipelineProgram(schedule, stages, transfers, tuple(map(tuple, lists)), tuple(order), results)
     verify_pipeline_program(program)
@@ -295,8 +314,8 @@ def _wiring_error(program: PipelineProgram, mesh: int, ins: Instruction) -> str 
         if isinstance(ins, (RunBackward, RunBackwardInput)):
             if ins.cotangents != tuple(_received_ct(e, m) for e in io.cotangent_edges):
                 return "does not read its received cotangents in StageIO.cotangent_edges order"
-            if ins.input_cotangents != tuple(_input_ct(e, m) for e in io.in_edges):
-                return "does not write its input cotangents in StageIO.in_edges order"
+            if ins.input_cotangents != tuple(_input_ct(e, m) for e in io.cotangent_in_edges):
+                return "does not write its input cotangents in StageIO.cotangent_in_edges order"
     if isinstance(ins, Send):
         t = program.transfers[ins.transfer]
         want = (_output(program.stages[t.src_stage], t.src_stage, t.slot, ins.micro_batch)

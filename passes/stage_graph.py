@@ -12,12 +12,15 @@ inputs: the transposed markers.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 
+import jax
+import jax.numpy as jnp
 from jax._src import core
 from jax._src import linear_util as lu
 
-__all__ = ["Ref", "Stage", "StageGraph", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError"]
+__all__ = ["Ref", "Stage", "StageGraph", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "is_differentiable", "user_location"]
 
 MARKER = "meshpar_stage_boundary"
 
@@ -72,12 +75,14 @@ class StageGraph:
       stages: in pipeline order.
       num_params, num_inputs: operand counts of the loss function.
       loss: the ``act`` value that is the loss.
+      aux: the ``act`` value of each aux leaf the loss function returns (per micro-batch).
     """
 
     stages: tuple[Stage, ...]
     num_params: int
     num_inputs: int
     loss: Ref
+    aux: tuple[Ref, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -91,11 +96,25 @@ class StageGraph:
         users = self.consumers(Ref("param", k))
         return users[0] if users else self.num_stages - 1
 
+    def differentiated_slots(self, s: int) -> tuple[int, ...]:
+        """Stage ``s``'s output slots that have a cotangent: floating values that are the loss
+        or that later stages read (aux-only outputs and integer, bool or key values have none)."""
+        stage = self.stages[s]
+        return tuple(
+            k for k, (r, aval) in enumerate(zip(stage.outputs, stage.jaxpr.out_avals))
+            if is_differentiable(aval) and (r == self.loss or self.consumers(r))
+        )
+
     def edges(self) -> tuple[tuple[int, int, Ref], ...]:
         """(producer, consumer, value) for every activation crossing stages."""
         return tuple(
             (r.index, s.index, r) for s in self.stages for r in s.inputs if r.kind == "act"
         )
+
+
+def is_differentiable(aval: core.AbstractValue) -> bool:
+    """Whether a value of ``aval`` has a (non-``float0``) cotangent: floating dtypes only."""
+    return not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) and jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def subjaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
@@ -114,14 +133,20 @@ def _find_nested_marker(jaxpr: core.Jaxpr) -> bool:
     )
 
 
-def _where(eqn: core.JaxprEqn) -> str:
-    info = eqn.source_info
-    try:
-        from jax._src import source_info_util
+_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, lu.__file__))
 
-        return source_info_util.summarize(info)
-    except Exception:  # source info is best effort
-        return "unknown location"
+
+def user_location(eqn: core.JaxprEqn) -> str:
+    """Where in the user's code ``eqn`` was traced: the innermost frame outside JAX and meshpar."""
+    from jax._src import source_info_util
+
+    import meshpar
+
+    own = (*_OWN_DIRS, os.path.dirname(os.path.abspath(meshpar.__file__)) + os.sep)
+    for frame in source_info_util.user_frames(eqn.source_info.traceback):
+        if not os.path.abspath(frame.file_name).startswith(own):
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return "unknown location"
 
 
 def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
@@ -135,7 +160,7 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != MARKER and any(_find_nested_marker(j) for j in subjaxprs(eqn)):
             raise StageMarkerError(
-                f"mark_stage_boundary() is called inside a `{eqn.primitive.name}` body at {_where(eqn)}; "
+                f"mark_stage_boundary() is called inside a `{eqn.primitive.name}` body at {user_location(eqn)}; "
                 f"meshpar can only cut straight-line code between stages (move the marker out of the "
                 f"scan/cond/while/jit, e.g. unroll that loop)"
             )
@@ -164,15 +189,17 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
                 if isinstance(v, core.Var) and stage_of.get(v) != s:
                     seen.setdefault(v)
         reads.append(list(seen))
-    loss_var = jaxpr.outvars[0]
+    loss_var, aux_vars = jaxpr.outvars[0], jaxpr.outvars[1:]
     if not isinstance(loss_var, core.Var) or loss_var not in stage_of:
         raise StageMarkerError("the loss is a constant or an input; there is nothing to pipeline")
+    if not all(isinstance(v, core.Var) and v in stage_of for v in aux_vars):
+        raise StageMarkerError("an aux output of the loss function is not computed by it "
+                               "(meshpar.value_and_grad copies such leaves; was the jaxpr built elsewhere?)")
 
     exported: list[list[core.Var]] = [[] for _ in segments]
     for s in range(len(segments)):
         wanted = {v for t in range(s + 1, len(segments)) for v in reads[t] if stage_of.get(v) == s}
-        if stage_of[loss_var] == s:
-            wanted.add(loss_var)
+        wanted.update(v for v in (loss_var, *aux_vars) if stage_of[v] == s)
         exported[s] = [v for e in segments[s] for v in e.outvars if v in wanted]
         for k, v in enumerate(exported[s]):
             ref_of[v] = Ref("act", s, k)
@@ -199,7 +226,8 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
                 outputs=tuple(ref_of[v] for v in exported[s]),
             )
         )
-    graph = StageGraph(tuple(stages), num_params, len(jaxpr.invars) - num_params, ref_of[loss_var])
+    graph = StageGraph(tuple(stages), num_params, len(jaxpr.invars) - num_params, ref_of[loss_var],
+                       tuple(ref_of[v] for v in aux_vars))
     verify_stage_graph(graph)
     return graph
 

@@ -30,7 +30,7 @@ import jax
 from jax._src import core
 from jax._src import linear_util as lu
 
-from .stage_graph import Stage
+from .stage_graph import Stage, is_differentiable
 from .unit_tasks import PlanVerificationError
 
 __all__ = ["StageParts", "stage_parts", "verify_stage_parts"]
@@ -42,13 +42,18 @@ class StageParts:
 
     Attributes:
       forward: ``(*diff_inputs, *other_inputs) -> (*outputs, *residuals)``.
-      backward: ``(*residuals, *output_cotangents) -> (*act_cotangents, *param_cotangents)``.
+      backward: ``(*residuals, *output_cotangents) -> (*act_cotangents, *param_cotangents)``;
+        output cotangents are those of the ``diff_outputs`` slots, in order.
       backward_input: B, ``(*residuals, *output_cotangents) -> (*act_cotangents, *weight_state)``.
       backward_weight: W, ``(*weight_state) -> (*param_cotangents)``.
-      diff_inputs: positions in ``stage.inputs`` of the ``param`` and ``act`` refs, in order.
-      other_inputs: positions of the rest, in order.
-      act_inputs, param_inputs: positions of the ``act`` resp. ``param`` refs; the
-        cotangents come in this order, activations first.
+      diff_inputs: positions in ``stage.inputs`` of the ``param`` refs and the floating
+        ``act`` refs, in order.
+      other_inputs: positions of the rest (integer, bool and key activations included), in order.
+      act_inputs, param_inputs: positions of the differentiated ``act`` resp. ``param`` refs;
+        the cotangents come in this order, activations first.
+      diff_outputs: output slots with a cotangent (``StageGraph.differentiated_slots``);
+        the others (aux-only values, integer, bool and key values) have none, so no
+        ``float0`` value is ever built, let alone moved.
     """
 
     stage: int
@@ -60,6 +65,7 @@ class StageParts:
     other_inputs: tuple[int, ...]
     act_inputs: tuple[int, ...]
     param_inputs: tuple[int, ...]
+    diff_outputs: tuple[int, ...]
     num_outputs: int
     num_residuals: int
     num_weight_state: int
@@ -86,7 +92,8 @@ class StageParts:
 
 def _positions(stage: Stage) -> tuple[tuple[int, ...], ...]:
     """(diff_inputs, other_inputs, act_inputs, param_inputs) of ``stage``."""
-    kinds = [r.kind for r in stage.inputs]
+    kinds = [r.kind if r.kind != "act" or is_differentiable(a) else "act_value"
+             for r, a in zip(stage.inputs, stage.jaxpr.in_avals)]
     diff = tuple(i for i, k in enumerate(kinds) if k in ("param", "act"))
     return (diff, tuple(i for i in range(len(kinds)) if i not in diff),
             tuple(i for i in diff if kinds[i] == "act"), tuple(i for i in diff if kinds[i] == "param"))
@@ -120,14 +127,17 @@ def _needs(eqns: Sequence[core.JaxprEqn], roots: Sequence[core.Atom], stop: set[
     return kept[::-1], live
 
 
-def stage_parts(stage: Stage) -> StageParts:
-    """Builds the forward, backward, B and W jaxprs of ``stage`` (see the module docstring).
+def stage_parts(stage: Stage, diff_outputs: Sequence[int] | None = None) -> StageParts:
+    """Builds the forward, backward, B and W jaxprs of ``stage`` (see the module docstring);
+    ``diff_outputs`` are the output slots that receive cotangents (default: every floating one).
 
     Raises:
       ValueError: the stage's backward has side effects (dead-code elimination
         would drop or duplicate them).
     """
     diff, other, acts, params = _positions(stage)
+    if diff_outputs is None:
+        diff_outputs = tuple(k for k, a in enumerate(stage.jaxpr.out_avals) if is_differentiable(a))
     fun = core.jaxpr_as_fun(stage.jaxpr)
     in_avals = stage.jaxpr.in_avals
     treedef = None
@@ -138,11 +148,12 @@ def stage_parts(stage: Stage) -> StageParts:
 
         def f(*diff_args):
             args = dict(zip(order, (*diff_args, *other_args)))
-            return tuple(fun(*(args[i] for i in range(len(order)))))
+            outs = tuple(fun(*(args[i] for i in range(len(order)))))
+            return tuple(outs[k] for k in diff_outputs), outs
 
         # The residuals are the leaves of the VJP function (a Partial of the
         # linearized jaxpr); its treedef rebuilds that function in the backward.
-        outs, vjp = jax.vjp(f, *diff_args)
+        _, vjp, outs = jax.vjp(f, *diff_args, has_aux=True)
         residuals, treedef = jax.tree.flatten(vjp)
         return (*outs, *residuals)
 
@@ -155,7 +166,7 @@ def stage_parts(stage: Stage) -> StageParts:
         return [grads[position[i]] for i in (*acts, *params)]
 
     bwd = jax.make_jaxpr(backward)([_spec(a) for a in fwd.out_avals[n_out:]],
-                                   [_spec(a.to_tangent_aval()) for a in fwd.out_avals[:n_out]])
+                                   [_spec(fwd.out_avals[k].to_tangent_aval()) for k in diff_outputs])
     if bwd.effects:
         raise ValueError(f"stage {stage.index}: its backward has side effects {bwd.effects}; meshpar cannot split it")
     jaxpr = bwd.jaxpr
@@ -176,6 +187,7 @@ def stage_parts(stage: Stage) -> StageParts:
         other_inputs=other,
         act_inputs=acts,
         param_inputs=params,
+        diff_outputs=tuple(diff_outputs),
         num_outputs=n_out,
         num_residuals=len(fwd.out_avals) - n_out,
         num_weight_state=len(weight_state),
@@ -216,7 +228,9 @@ def verify_stage_parts(stage: Stage, parts: StageParts) -> None:
     if len(parts.forward.out_avals) != parts.num_outputs + parts.num_residuals:
         fail("forward output count is not num_outputs + num_residuals")
     residuals = parts.forward.out_avals[parts.num_outputs:]
-    cotangents = [a.to_tangent_aval() for a in stage.jaxpr.out_avals]
+    cotangents = [stage.jaxpr.out_avals[k].to_tangent_aval() for k in parts.diff_outputs]
+    if not all(is_differentiable(stage.jaxpr.out_avals[k]) for k in parts.diff_outputs):
+        fail("a differentiated output slot is not floating")
     grads = [in_avals[i].to_tangent_aval() for i in (*parts.act_inputs, *parts.param_inputs)]
     n_act = parts.num_act_cotangents
     same(parts.backward.in_avals, [*residuals, *cotangents], "backward inputs")

@@ -4,9 +4,10 @@ Step inputs live on the meshes that read them (a parameter on its owner
 stage's mesh with its flax partitioning, values several meshes read
 replicated on each); outputs of the new state where the old state lived, so
 the next step moves nothing; each stage's non-activation operands with the
-sharding it computes on; and the moves after the program: a parameter read
-by several stages gets its gradient contributions sent home, the loss goes
-to every mesh whose update reads it.
+sharding it computes on; the moves after the program of a parameter read by
+several stages (its gradient contributions sent home); and the sharding of
+every value the computations around the pipeline move (``step_split``):
+replicated scalars and small values, or gradients as their parameters.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .apply_split import ApplySplit, OuterRef
 from .edge_transfer import TransferKind, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
+from .micro_batching import is_key
 from .stage_graph import StageGraph
+from .step_split import OuterMove, OuterRef, StepSplit
 
 __all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step"]
 
@@ -57,9 +60,11 @@ class ValueMove:
 class StageOperand:
     """A non-activation input of a stage: input ``position`` of its jaxpr.
 
-    ``source`` is a step input leaf or constant; a ``per_micro_batch`` operand
-    is that leaf's micro-batch slice. ``fetch`` moves a leaf placed only on
-    other meshes (a parameter several stages read lives on its owner's).
+    ``source`` is a step input leaf, a constant or a value computed before the
+    pipeline; a ``per_micro_batch`` operand is, for micro-batch ``m``, that value's
+    ``m``-th slice along dimension 0, or with ``fold_key`` the key
+    ``jax.random.fold_in(value, m)``. ``fetch`` moves a leaf placed only on other
+    meshes (a parameter several stages read lives on its owner's).
     """
 
     position: int
@@ -67,6 +72,7 @@ class StageOperand:
     sharding: NamedSharding
     per_micro_batch: bool
     fetch: ValueMove | None = None
+    fold_key: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +85,10 @@ class StepLayout:
         accumulates, in ``Stage.param_inputs`` order.
       gradient_moves: per stage, per parameter it reads, the move of its
         gradient to the parameter's owner (``None`` on the owner itself).
-      loss_moves: mesh -> the loss's move there from the loss stage.
+      value_shardings: ``(value, mesh)`` -> the sharding a computation around the
+        pipeline gives that value there (what it moves as, or an output's placement).
+      outer_moves: each ``OuterMove`` of the step split, as a planned move (of one vector
+        when it packs several values: replicated on both meshes).
     """
 
     in_placements: tuple[Placement, ...]
@@ -87,23 +96,15 @@ class StepLayout:
     stage_operands: tuple[tuple[StageOperand, ...], ...]
     grad_shardings: tuple[tuple[NamedSharding, ...], ...]
     gradient_moves: tuple[tuple[ValueMove | None, ...], ...]
-    loss_moves: dict[int, ValueMove]
+    value_shardings: dict[tuple[OuterRef, int], NamedSharding]
+    outer_moves: dict[OuterMove, ValueMove]
 
 
-def _input_placements(graph: StageGraph, split: ApplySplit, meshes, leaves, specs, batch_leaves) -> list[Placement]:
-    needs: list[set[int]] = [set() for _ in leaves]
+def _input_placements(graph: StageGraph, split: StepSplit, meshes, leaves, specs, batch_leaves,
+                      axis_names: tuple[str, str]) -> list[Placement]:
+    needs: list[set[int]] = [set(n) for n in split.input_needs]
     for k, leaf in enumerate(split.param_inputs):
         needs[leaf].add(graph.param_owner(k))
-    for stage in graph.stages:
-        for r in stage.inputs:
-            if r.kind == "input":
-                ref = split.loss_inputs[r.index]
-                if ref.kind == "in" and ref.index not in batch_leaves:
-                    needs[ref.index].add(stage.index)
-    for apply in split.stages:
-        for r in apply.inputs:
-            if r.kind == "in":
-                needs[r.index].add(apply.mesh)
     placements = []
     for i, (x, spec) in enumerate(zip(leaves, specs)):
         if i in batch_leaves and not needs[i]:
@@ -112,7 +113,7 @@ def _input_placements(graph: StageGraph, split: ApplySplit, meshes, leaves, spec
         where = tuple(sorted(needs[i])) or (0,)
         shape = tuple(np.shape(x))
         if len(where) == 1:
-            shardings = (param_sharding(meshes[where[0]], spec, shape),)
+            shardings = (param_sharding(meshes[where[0]], spec, shape, axis_names),)
         else:
             shardings = tuple(NamedSharding(meshes[m], P()) for m in where)
         placements.append(Placement(shardings, where))
@@ -129,6 +130,9 @@ def _output_placements(in_tree, out_tree, in_placements) -> list[Placement | Non
 
 
 def _move(what: str, aval: Any, src: NamedSharding, dst: NamedSharding, executor: str, strategy: str) -> ValueMove:
+    if is_key(aval):
+        raise ValueError(f"{what}: a PRNG key array moving between meshes around the pipeline; compute it "
+                         f"inside the loss function, or from values of one mesh")
     processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]
     kind = choose_transfer(executor, processes, len(aval.shape), strategy)
     return ValueMove(what, tuple(aval.shape), np.dtype(aval.dtype), src, dst, kind)
@@ -136,7 +140,7 @@ def _move(what: str, aval: Any, src: NamedSharding, dst: NamedSharding, executor
 
 def layout_step(
     graph: StageGraph,
-    split: ApplySplit,
+    split: StepSplit,
     meshes: Sequence[Mesh],
     leaves: Sequence[Any],
     specs: Sequence[P | None],
@@ -146,17 +150,23 @@ def layout_step(
     out_tree: Any,
     executor: str,
     strategy: str,
+    per_micro_batch: Sequence[bool],
+    fold_keys: frozenset[int] = frozenset(),
+    *,
+    axis_names: tuple[str, str],
 ) -> StepLayout:
     """The layout of a step over ``meshes`` (one per stage) for inputs ``leaves`` (arrays or shapes)
-    with flax partition ``specs``; ``batch_leaves`` are cut into micro-batches of ``micro_batch_size``."""
-    in_placements = _input_placements(graph, split, meshes, leaves, specs, batch_leaves)
+    with flax partition ``specs``; ``batch_leaves`` are cut into micro-batches of ``micro_batch_size``,
+    as is every loss operand flagged in ``per_micro_batch``; the operands in ``fold_keys`` are
+    keys folded with the micro-batch index. ``axis_names`` are the meshes' (data, model) axes."""
+    in_placements = _input_placements(graph, split, meshes, leaves, specs, batch_leaves, axis_names)
 
     def param_on(k: int, stage: int) -> NamedSharding:
         placement = in_placements[split.param_inputs[k]]
         if stage in placement.meshes:
             return placement.on(stage)
         owner = placement.on(placement.meshes[0])
-        return param_sharding(meshes[stage], owner.spec, np.shape(leaves[split.param_inputs[k]]))
+        return param_sharding(meshes[stage], owner.spec, np.shape(leaves[split.param_inputs[k]]), axis_names)
 
     operands, grad_shardings, gradient_moves = [], [], []
     for stage in graph.stages:
@@ -171,10 +181,11 @@ def layout_step(
                     placement.shardings[0], here, executor, strategy)
                 ops.append(StageOperand(pos, OuterRef("in", leaf), here, False, fetch))
             elif r.kind == "input":
-                source = split.loss_inputs[r.index]
-                batch = source.kind == "in" and source.index in batch_leaves
-                sharding = batch_sharding(meshes[s], aval.shape, micro_batch_size) if batch else NamedSharding(meshes[s], P())
-                ops.append(StageOperand(pos, source, sharding, batch))
+                source = split.loss_operands[r.index]
+                batch = per_micro_batch[r.index]
+                fold = r.index in fold_keys and not batch
+                sharding = batch_sharding(meshes[s], aval.shape, micro_batch_size, axis_names[0]) if batch else NamedSharding(meshes[s], P())
+                ops.append(StageOperand(pos, source, sharding, batch or fold, fold_key=fold))
         operands.append(tuple(ops))
         grad_shardings.append(tuple(param_on(k, s) for k in stage.param_inputs))
         moves = []
@@ -184,15 +195,38 @@ def layout_step(
                 f"gradient of parameter {k} from stage {s} to its owner {owner}", aval,
                 param_on(k, s), param_on(k, owner), executor, strategy))
         gradient_moves.append(tuple(moves))
-    loss_stage = graph.loss.index
-    loss_aval = graph.stages[loss_stage].jaxpr.out_avals[graph.loss.slot]
-    loss_moves = {
-        apply.mesh: _move(f"loss from stage {loss_stage} to mesh {apply.mesh}", loss_aval,
-                          NamedSharding(meshes[loss_stage], P()), NamedSharding(meshes[apply.mesh], P()),
-                          executor, strategy)
-        for apply in split.stages if OuterRef("loss") in apply.inputs and apply.mesh != loss_stage
-    }
+    out_placements = _output_placements(in_tree, out_tree, in_placements)
+    value_shardings: dict[tuple[OuterRef, int], NamedSharding] = {}
+    for (ref, meshes_of), placement in zip(split.outputs, out_placements):
+        for m in meshes_of:
+            if placement is not None and m in placement.meshes and ref.kind == "value":
+                value_shardings.setdefault((ref, m), placement.on(m))
+
+    def sharding_of(ref: OuterRef, mesh: int) -> NamedSharding:
+        if ref.kind == "grad":
+            return param_on(ref.index, mesh)
+        return value_shardings.setdefault((ref, mesh), NamedSharding(meshes[mesh], P()))
+
+    outer_moves = {}
+    for mv in split.moved():
+        what = f"{', '.join(map(str, mv.values))} from mesh {mv.src} to mesh {mv.dst} around the pipeline"
+        if len(mv.values) == 1:
+            (ref,) = mv.values
+            outer_moves[mv] = _move(what, split.avals[ref], sharding_of(ref, mv.src), sharding_of(ref, mv.dst),
+                                    executor, strategy)
+            continue
+        for ref in mv.values:  # packed on the source mesh, unpacked on the destination
+            sharding_of(ref, mv.src)
+            sharding_of(ref, mv.dst)
+        size = sum(int(np.prod(split.avals[ref].shape, dtype=np.int64)) for ref in mv.values)
+        packed = core.ShapedArray((size,), split.avals[mv.values[0]].dtype)
+        outer_moves[mv] = _move(what, packed, NamedSharding(meshes[mv.src], P()), NamedSharding(meshes[mv.dst], P()),
+                                executor, strategy)
+    for s, ops in enumerate(operands):
+        for op in ops:
+            if op.source.kind == "value":
+                value_shardings.setdefault((op.source, s), NamedSharding(meshes[s], P()))
     return StepLayout(
-        tuple(in_placements), tuple(_output_placements(in_tree, out_tree, in_placements)), tuple(operands),
-        tuple(grad_shardings), tuple(gradient_moves), loss_moves,
+        tuple(in_placements), tuple(out_placements), tuple(operands),
+        tuple(grad_shardings), tuple(gradient_moves), value_shardings, outer_moves,
     )

@@ -19,12 +19,14 @@ import numpy as np
 from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.apply_split import ApplySplit, OuterRef
 from meshpar.passes.edge_transfer import Direction, TransferKind
-from meshpar.passes.pipeline_program import BufferKind, PipelineProgram
+from meshpar.passes.micro_batching import AuxReduction, MicroBatching
+from meshpar.passes.pipeline_program import BufferId, BufferKind, PipelineProgram
 from meshpar.passes.stage_graph import StageGraph
 from meshpar.passes.stage_parts import StageParts
 from meshpar.passes.step_layout import StepLayout, ValueMove
+from meshpar.passes.step_split import OuterCompute, OuterMove, OuterRef, OuterStep, StepSplit
+from meshpar.passes.wire_format import from_wire
 from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, StageInputs
@@ -48,7 +50,7 @@ class PipelineExecutable:
 
     Args:
       graph: forward stages of the loss.
-      split: the gradient equation's operands and the per-mesh update.
+      split: the gradient equation's operands and the computations around the pipeline.
       layout: where every value lives and the moves after the program.
       program: the per-mesh program and its transfers.
       parts: per stage, its forward and backward parts.
@@ -56,6 +58,7 @@ class PipelineExecutable:
       micro_batch_size: examples per micro-batch.
       prepare_move: builds each move once, at construction.
       out_tree, out_avals: the step's output treedef, shapes and dtypes.
+      micro_batching: how micro-batches combine (loss reduction, aux reductions, key folding).
       timeout_s: how long a process waits, at the end of a step, for values
         other processes send it (multi-process runs only).
     """
@@ -63,7 +66,7 @@ class PipelineExecutable:
     def __init__(
         self,
         graph: StageGraph,
-        split: ApplySplit,
+        split: StepSplit,
         layout: StepLayout,
         program: PipelineProgram,
         parts: Sequence[StageParts],
@@ -72,6 +75,7 @@ class PipelineExecutable:
         prepare_move: PrepareMove,
         out_tree: Any,
         out_avals: Sequence[Any],
+        micro_batching: MicroBatching,
         timeout_s: float = 120.0,
     ) -> None:
         self.graph, self.split, self.layout, self.program = graph, split, layout, program
@@ -81,6 +85,7 @@ class PipelineExecutable:
         self.micro_batch_size = micro_batch_size
         self.out_tree, self.out_avals = out_tree, tuple(out_avals)
         self.timeout_s = timeout_s
+        self.micro_batching = micro_batching
         me = jax.process_index()
         self.local = [any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
         self._prepare_move = prepare_move
@@ -92,8 +97,8 @@ class PipelineExecutable:
                 stage, parts[stage.index], program.stages[stage.index], layout.stage_operands[stage.index],
                 [out_sh.get((stage.index, k), NamedSharding(self.meshes[stage.index], P()))
                  for k in range(len(stage.outputs))],
-                [in_ct[e] for e in program.stages[stage.index].in_edges],
-                self.meshes[stage.index], self.num_micro_batches,
+                [in_ct[e] for e in program.stages[stage.index].cotangent_in_edges],
+                self.meshes[stage.index], micro_batching.loss_seed,
             )
             for stage in graph.stages
         ]
@@ -107,11 +112,17 @@ class PipelineExecutable:
         self._fetches = {(s, op.position): self._prepare(op.fetch)
                          for s, ops in enumerate(layout.stage_operands) for op in ops if op.fetch}
         self._gradient_moves = [[self._prepare(mv) if mv else None for mv in moves] for moves in layout.gradient_moves]
-        self._loss_moves = {mesh: self._prepare(mv) for mesh, mv in layout.loss_moves.items()}
+        self._outer_moves = {mv: self._prepare(vm) for mv, vm in layout.outer_moves.items()}
         self._consts = {(s, op.position): put(split.consts[op.source.index], op.sharding)
                         for s, ops in enumerate(layout.stage_operands) for op in ops
                         if op.source.kind == "const" and self.local[s]}
-        self._apply_fns = {a.mesh: self._compile_apply(a) for a in split.stages}
+        self._compute_fns = {id(c): self._compile_compute(c) for c in (*split.before, *split.after)
+                             if isinstance(c, OuterCompute)}
+        self._folds = {s: jax.jit(_fold_all, static_argnums=1) for s in range(graph.num_stages)}
+        packed = [mv for mv in split.moved() if len(mv.values) > 1]
+        self._packs = {mv: _packer(layout.outer_moves[mv].src) for mv in packed}
+        self._unpacks = {mv: _unpacker([split.avals[r] for r in mv.values],
+                                       [layout.value_shardings[(r, mv.dst)] for r in mv.values]) for mv in packed}
         # Per stage, its parameters' shapes and dtypes (Stage.param_inputs order).
         self._param_avals = [[a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind == "param"]
                              for stage in graph.stages]
@@ -130,22 +141,19 @@ class PipelineExecutable:
     def _prepare(self, move: ValueMove) -> Callable[[jax.Array], jax.Array]:
         return self._move(move.kind, move.shape, move.dtype, move.src, move.dst)
 
-    def _compile_apply(self, apply) -> Callable:
-        fn = core.jaxpr_as_fun(apply.jaxpr)
-        targets = [self.layout.out_placements[j] for j in apply.outputs]
+    def _compile_compute(self, compute: OuterCompute) -> Callable:
+        fn = core.jaxpr_as_fun(compute.jaxpr)
+        targets = [self.layout.value_shardings.get((ref, compute.mesh)) for ref in compute.outputs]
 
         def run(*args):
             outs = fn(*args)
-            return [
-                o if t is None or apply.mesh not in t.meshes else jax.lax.with_sharding_constraint(o, t.on(apply.mesh))
-                for o, t in zip(outs, targets)
-            ]
+            return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
-        return on_mesh(jax.jit(run), self.meshes[apply.mesh])
+        return on_mesh(jax.jit(run), self.meshes[compute.mesh])
 
     def compiled_count(self) -> int:
         """Executables compiled so far: constant across steps after the first."""
-        return sum(e.compiled_count() for e in self.executables) + sum(f._cache_size() for f in self._apply_fns.values())
+        return sum(e.compiled_count() for e in self.executables) + sum(f._cache_size() for f in self._compute_fns.values())
 
     # -- the step -------------------------------------------------------------
 
@@ -153,19 +161,59 @@ class PipelineExecutable:
         """One step on the flattened arguments; ``recorder`` (made for ``self.program`` and
         ``self.local``) times the program's instructions."""
         placed = [place(v, p) for v, p in zip(leaves, self.layout.in_placements)]
-        inputs = self._stage_inputs(placed, leaves)
+        values: dict[tuple[OuterRef, int], jax.Array] = {}
+        self._run_steps(self.split.before, placed, values)
+        inputs = self._stage_inputs(placed, leaves, values)
         run = self._interpreter.run(inputs, self._zero_grads(), recorder)
         self.peak_live_activations, self.peak_weight_states = run.peak_live_activations, run.peak_weight_states
-        loss, param_grads = self._reduce(run)
-        computed = self._apply_updates(placed, loss, param_grads)
+        self._reduce(run, values)
+        self._run_steps(self.split.after, placed, values)
         if run.arriving:
             wait_ready([v for v, _ in run.arriving], self.timeout_s, "pipeline transfers",
                        names=[w for _, w in run.arriving])
-        return self._assemble_outputs(leaves, placed, loss, param_grads, computed)
+        return self._assemble_outputs(leaves, placed, values)
 
-    def _stage_inputs(self, placed: list[dict[int, jax.Array]], leaves: Sequence[Any]) -> list[StageInputs | None]:
-        """Each stage's operands: placed leaves and constants, fetched parameters, and micro-batch
-        slices sent straight from where the batch is to the stage that reads them."""
+    def _value(self, ref: OuterRef, mesh: int, placed: list[dict[int, jax.Array]],
+               values: dict[tuple[OuterRef, int], jax.Array]) -> Any:
+        """``ref`` on ``mesh``, where the layout put it (an absent stand-in on other processes' meshes)."""
+        if ref.kind == "in":
+            arrays = placed[ref.index]
+            return arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
+        if ref.kind == "const":
+            return self.split.consts[ref.index]
+        if (ref, mesh) in values:
+            return values[(ref, mesh)]
+        aval = self.split.avals[ref]
+        sharding = self.layout.value_shardings.get((ref, mesh), NamedSharding(self.meshes[mesh], P()))
+        return absent(aval.shape, aval.dtype, sharding)
+
+    def _run_steps(self, steps: Sequence[OuterStep], placed: list[dict[int, jax.Array]],
+                   values: dict[tuple[OuterRef, int], jax.Array]) -> None:
+        """The computations and moves around the pipeline, in the order every process runs them."""
+        for step in steps:
+            if isinstance(step, OuterMove):
+                # Every process joins the move, whether or not it holds either end.
+                move = self._outer_moves[step]
+                if len(step.values) == 1:
+                    values[(step.values[0], step.dst)] = move(self._value(step.values[0], step.src, placed, values))
+                    continue
+                vm = self.layout.outer_moves[step]
+                if self.local[step.src]:
+                    vector = self._packs[step](*[self._value(r, step.src, placed, values) for r in step.values])
+                else:
+                    vector = absent(vm.shape, vm.dtype, vm.src)
+                moved = move(vector)
+                if self.local[step.dst]:
+                    values.update({(r, step.dst): v for r, v in zip(step.values, self._unpacks[step](moved))})
+            elif self.local[step.mesh]:
+                outs = self._compute_fns[id(step)](*[self._value(r, step.mesh, placed, values) for r in step.inputs])
+                values.update({(ref, step.mesh): o for ref, o in zip(step.outputs, outs)})
+
+    def _stage_inputs(self, placed: list[dict[int, jax.Array]], leaves: Sequence[Any],
+                      values: dict[tuple[OuterRef, int], jax.Array]) -> list[StageInputs | None]:
+        """Each stage's operands: placed leaves, constants and values computed before the pipeline,
+        fetched parameters, micro-batch slices sent straight from where the batch is to the stage
+        that reads them, and keys folded with each micro-batch's index."""
         size, M = self.micro_batch_size, self.num_micro_batches
         batches = {}
         for i, leaf in enumerate(leaves):
@@ -187,15 +235,22 @@ class PipelineExecutable:
                 elif op.source.kind == "const":
                     fixed.append(self._consts[(s, op.position)])
                 else:
-                    fixed.append(placed[op.source.index][s])
+                    fixed.append(self._value(op.source, s, placed, values))
             if not self.local[s]:
                 out.append(None)
                 continue
             per_mb = [op for op in ops if op.per_micro_batch]
-            batch = tuple(
-                tuple(put(batches[op.source.index][m * size:(m + 1) * size], op.sharding) for op in per_mb)
-                for m in range(M)
-            ) if per_mb else ()
+            columns = []
+            for op in per_mb:
+                if op.fold_key:
+                    columns.append(self._folds[s](self._value(op.source, s, placed, values), M))
+                elif op.source.kind == "in" and op.source.index in batches:
+                    leaf = batches[op.source.index]
+                    columns.append([put(leaf[m * size:(m + 1) * size], op.sharding) for m in range(M)])
+                else:
+                    whole = self._value(op.source, s, placed, values)
+                    columns.append([jax.device_put(whole[m * size:(m + 1) * size], op.sharding) for m in range(M)])
+            batch = tuple(tuple(c[m] for c in columns) for m in range(M)) if per_mb else ()
             out.append(StageInputs(tuple(fixed), batch))
         return out
 
@@ -208,89 +263,90 @@ class PipelineExecutable:
             grads.append([jnp.zeros(a.shape, a.dtype, device=sh) for a, sh in zip(avals, shardings)])
         return grads
 
-    def _reduce(self, run) -> tuple[jax.Array, dict[int, jax.Array]]:
-        """The mean loss, and each parameter's gradient on its owner's mesh."""
-        graph = self.graph
-        loss_stage = graph.loss.index
-        loss_aval = graph.stages[loss_stage].jaxpr.out_avals[graph.loss.slot]
-        parts = [v for b, v in run.results.items() if b.kind is BufferKind.LOSS]
-        if parts:
-            loss = parts[0]
-            for part in parts[1:]:
-                loss = loss + part
-            loss = loss / self.num_micro_batches
-        else:
-            loss = absent(loss_aval.shape, loss_aval.dtype, NamedSharding(self.meshes[loss_stage], P()))
-        param_grads: dict[int, jax.Array] = {}
+    def _reduce(self, run, values: dict[tuple[OuterRef, int], jax.Array]) -> None:
+        """The step's loss and aux values, combined over micro-batches on the meshes computing
+        them, and each parameter's gradient on its owner's mesh, into ``values``."""
+        graph, mb = self.graph, self.micro_batching
+        loss_home = graph.loss.index
+        if self.local[loss_home]:
+            values[(OuterRef("loss"), loss_home)] = _combine(
+                [run.results[BufferId(BufferKind.RESULT, loss_home, m, graph.loss.slot)]
+                 for m in range(self.num_micro_batches)],
+                AuxReduction.MEAN if mb.reduction == "mean" else AuxReduction.SUM)
+        for k, (ref, how) in enumerate(zip(graph.aux, mb.aux)):
+            if self.local[ref.index]:
+                parts = [run.results[BufferId(BufferKind.RESULT, ref.index, m, ref.slot)]
+                         for m in range(self.num_micro_batches)]
+                aux = OuterRef("aux", k)
+                combined = from_wire(_combine(parts, how), self.split.avals[aux])
+                target = self.layout.value_shardings.get((aux, ref.index))
+                values[(aux, ref.index)] = combined if target is None else jax.device_put(combined, target)
         for stage, gs, shardings, moves, avals in zip(
                 graph.stages, run.grads, self.layout.grad_shardings, self._gradient_moves, self._param_avals):
             for n, k in enumerate(stage.param_inputs):
                 g = gs[n] if gs is not None else absent(avals[n].shape, avals[n].dtype, shardings[n])
                 if moves[n] is not None:
                     g = moves[n](g)
-                owner_local = self.local[graph.param_owner(k)]
-                param_grads[k] = g if k not in param_grads or not owner_local else param_grads[k] + g
-        return loss, param_grads
-
-    def _apply_updates(self, placed, loss: jax.Array, param_grads: dict[int, jax.Array]) -> dict[int, dict[int, jax.Array]]:
-        # Every process joins the loss's moves before any update runs.
-        loss_on = {self.graph.loss.index: loss}
-        loss_on.update({mesh: move(loss) for mesh, move in self._loss_moves.items()})
-        consts = self.split.consts
-
-        def operand(ref: OuterRef, mesh: int) -> Any:
-            if ref.kind == "grad":
-                return param_grads[ref.index]
-            if ref.kind == "loss":
-                return loss_on[mesh]
-            if ref.kind == "const":
-                return consts[ref.index]
-            arrays = placed[ref.index]
-            return arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
-
-        computed: dict[int, dict[int, jax.Array]] = {}
-        for apply in self.split.stages:
-            if not self.local[apply.mesh]:
-                continue
-            outs = self._apply_fns[apply.mesh](*[operand(r, apply.mesh) for r in apply.inputs])
-            for j, value in zip(apply.outputs, outs):
-                computed.setdefault(j, {})[apply.mesh] = value
-        return computed
+                owner = graph.param_owner(k)
+                key = (OuterRef("grad", k), owner)
+                values[key] = g if key not in values or not self.local[owner] else values[key] + g
 
     def _output_shardings(self, j: int, meshes: Sequence[int]) -> list[NamedSharding]:
         placement = self.layout.out_placements[j]
         return [placement.on(m) if placement and m in placement.meshes else NamedSharding(self.meshes[m], P())
                 for m in meshes]
 
-    def _assemble_outputs(self, leaves, placed, loss, param_grads, computed) -> list[Any]:
-        split, results = self.split, []
-        for j, source in enumerate(split.sources):
-            if source is None:
-                parts, meshes = computed.get(j, {}), split.producers[j]
-                aval = self.out_avals[j]
-                if len(meshes) == 1:
-                    results.append(parts[meshes[0]] if meshes[0] in parts
-                                   else absent(aval.shape, aval.dtype, self._output_shardings(j, meshes)[0]))
-                else:
-                    results.append(join([parts[m] for m in meshes if m in parts],
-                                        self._output_shardings(j, meshes), aval.shape, aval.dtype))
-            elif source.kind == "loss":
-                results.append(loss)
-            elif source.kind == "grad":
-                results.append(param_grads[source.index])
-            elif source.kind == "in":
-                arrays = placed[source.index]
+    def _assemble_outputs(self, leaves, placed, values) -> list[Any]:
+        results = []
+        for j, (ref, meshes) in enumerate(self.split.outputs):
+            if ref.kind == "literal":
+                results.append(jnp.asarray(self.split.literals[j], self.out_avals[j].dtype))
+            elif ref.kind == "const":
+                results.append(self.split.consts[ref.index])
+            elif ref.kind == "in":
+                arrays = placed[ref.index]
                 if not arrays:  # a batch leaf returned as it came
-                    results.append(leaves[source.index])
+                    results.append(leaves[ref.index])
                 elif len(arrays) == 1:
                     results.append(next(iter(arrays.values())))
                 else:
-                    meshes = sorted(arrays)
-                    placement = self.layout.in_placements[source.index]
-                    results.append(join([arrays[m] for m in meshes], [placement.on(m) for m in meshes],
-                                        arrays[meshes[0]].shape, arrays[meshes[0]].dtype))
-            elif source.kind == "const":
-                results.append(split.consts[source.index])
+                    ms = sorted(arrays)
+                    placement = self.layout.in_placements[ref.index]
+                    results.append(join([arrays[m] for m in ms], [placement.on(m) for m in ms],
+                                        arrays[ms[0]].shape, arrays[ms[0]].dtype))
+            elif len(meshes) == 1:
+                results.append(self._value(ref, meshes[0], placed, values))
             else:
-                raise AssertionError(f"unexpected output source {source}")
+                aval = self.out_avals[j]
+                results.append(join([values[(ref, m)] for m in meshes if (ref, m) in values],
+                                    self._output_shardings(j, meshes), aval.shape, aval.dtype))
         return results
+
+
+def _combine(parts: Sequence[jax.Array], how: AuxReduction) -> jax.Array:
+    """Per-micro-batch values of one result combined as ``how`` says, on their mesh."""
+    if how is AuxReduction.LAST:
+        return parts[-1]
+    if how is AuxReduction.CONCAT:
+        return jnp.concatenate(parts, axis=0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total / len(parts) if how is AuxReduction.MEAN else total
+
+
+def _packer(sharding: NamedSharding) -> Callable:
+    """Values of one dtype, flattened into one vector with ``sharding`` (on their mesh)."""
+    return jax.jit(lambda *xs: jnp.concatenate([jnp.ravel(x) for x in xs]), out_shardings=sharding)
+
+
+def _unpacker(avals: Sequence[Any], shardings: Sequence[NamedSharding]) -> Callable:
+    """A packed vector back into values shaped ``avals``, each with its sharding."""
+    sizes = np.cumsum([int(np.prod(a.shape, dtype=np.int64)) for a in avals])[:-1]
+    return jax.jit(lambda v: [part.reshape(a.shape) for part, a in zip(jnp.split(v, sizes), avals)],
+                   out_shardings=list(shardings))
+
+
+def _fold_all(key: jax.Array, num_micro_batches: int) -> list[jax.Array]:
+    """``key`` folded with each micro-batch index: micro-batch ``m`` draws from ``fold_in(key, m)``."""
+    return [jax.random.fold_in(key, m) for m in range(num_micro_batches)]

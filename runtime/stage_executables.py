@@ -8,13 +8,17 @@ The functions take operands grouped as the program's buffers hold them:
   activations in ``StageIO.in_edges`` order;
 - ``backward(residuals, cotangents, grads) -> (input_cotangents, grads)``:
   ``cotangents`` as ``StageIO.cotangent_edges`` lists them; each output's are
-  summed, and the loss output's seeded with ``1 / num_micro_batches``;
+  summed, and the loss output's seeded with the loss reduction's weight
+  (``1 / num_micro_batches`` for a mean, 1 for a sum); ``input_cotangents``
+  as ``StageIO.cotangent_in_edges`` lists them;
   ``grads`` (donated) gain this micro-batch's parameter cotangents;
 - ``backward_input(residuals, cotangents) -> (input_cotangents, computed)``:
   the weight pass's state is ``weight_state(residuals, computed)``: residuals
   it reads are passed on as they are, since a jitted function that returns
   an input copies it (JAX 0.10);
 - ``backward_weight(weight_state, grads) -> grads``.
+
+Activations and outputs are in wire format (``passes.wire_format``: keys as key data).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from meshpar.passes.pipeline_program import StageIO
 from meshpar.passes.stage_graph import Stage
 from meshpar.passes.stage_parts import StageParts
 from meshpar.passes.step_layout import StageOperand
+from meshpar.passes.wire_format import from_wire, to_wire
 
 __all__ = ["StageExecutables", "compile_stage", "on_mesh"]
 
@@ -73,7 +78,7 @@ def compile_stage(
     output_shardings: Sequence[NamedSharding],
     input_cotangent_shardings: Sequence[NamedSharding],
     mesh: Mesh,
-    num_micro_batches: int,
+    loss_seed: float,
 ) -> StageExecutables:
     """Jits ``parts`` for ``stage`` on ``mesh``; outputs and input cotangents are constrained to
     the shardings their transfers expect."""
@@ -85,7 +90,8 @@ def compile_stage(
     backward_fn = core.jaxpr_as_fun(parts.backward)
     input_fn = core.jaxpr_as_fun(parts.backward_input)
     weight_fn = core.jaxpr_as_fun(parts.backward_weight)
-    num_acts = len(act_pos)
+    num_acts = parts.num_act_cotangents
+    in_avals = stage.jaxpr.in_avals
     state_from_residual = tuple(
         k if k is not None and k < parts.num_residuals else None for k in parts.forwarded_state)
 
@@ -94,17 +100,20 @@ def compile_stage(
         for group, positions in ((fixed, fixed_pos), (batch, batch_pos), (acts, act_pos)):
             for value, k in zip(group, positions):
                 args[k] = value
+        for k in act_pos:
+            args[k] = from_wire(args[k], in_avals[k])
         outs = forward_fn(*[args[k] for k in parts.diff_inputs], *[args[k] for k in parts.other_inputs])
-        results = [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs[: parts.num_outputs], output_shardings)]
+        results = [jax.lax.with_sharding_constraint(to_wire(o), s)
+                   for o, s in zip(outs[: parts.num_outputs], output_shardings)]
         return results, list(outs[parts.num_outputs :])
 
     def output_cotangents(cotangents):
         flat = iter(cotangents)
         out = []
-        for slot, edges in enumerate(io.out_edges):
-            terms = [next(flat) for _ in edges]
+        for slot in parts.diff_outputs:
+            terms = [next(flat) for _ in io.out_edges[slot]]
             if slot == io.loss_slot:
-                terms.append(jnp.full((), 1.0 / num_micro_batches, out_avals[slot].dtype))
+                terms.append(jnp.full((), loss_seed, out_avals[slot].dtype))
             total = terms[0]
             for t in terms[1:]:
                 total = total + t

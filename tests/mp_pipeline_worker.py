@@ -4,7 +4,8 @@
 process 1's. Each process checks the parameters it holds, and the loss where it lives,
 against the same step under jax.jit on one local device: the GPT with the default
 transfers (p2p across processes), an MLP with the collective ones and with eager-1F1B, ZB-H1
-and weight delaying; one traced step writes a trace per process. Then process 1 skips a
+and weight delaying, a step with aux metrics, an integer value between stages, a whole-batch
+count and global-norm clipping; one traced step writes a trace per process. Then process 1 skips a
 step: process 0 must fail within its timeout naming the transfer it waited for.
 """
 
@@ -21,7 +22,10 @@ jax.config.update("jax_num_cpu_devices", 4)
 pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 meshpar.distributed.initialize(f"127.0.0.1:{port}", nproc, pid, initialization_timeout=60)
 
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import linen as nn  # noqa: E402
 
 import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
@@ -108,6 +112,44 @@ received = [e for e in mine.events if e.lane.kind is LaneKind.LINK]
 assert received and all(e.lane.dst == pid for e in received), mine
 print(f"process {pid}: trace has only its own stage's compute ({len(compute)} tasks, {len(received)} arrivals)",
       flush=True)
+
+# The patterns of a typical flax/optax step, across processes: aux metrics (a mean and a count),
+# an integer value crossing the stages, a whole-batch count computed before the gradient, and
+# global-norm clipping, whose partial norms and scale move between the processes' meshes.
+class _IndexAcross(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(8)(x))
+        index = jnp.argmax(h, axis=-1)
+        meshpar.mark_stage_boundary()
+        return nn.Dense(4)(h) + jax.nn.one_hot(index, 4)
+
+
+def pattern_step(state, batch):
+    count = jnp.sum(batch["w"])
+
+    def loss_fn(params):
+        out = state.apply_fn(params, batch["x"])
+        err = jnp.sum((out - batch["y"]) ** 2, axis=-1)
+        return jnp.sum(err * batch["w"]) / count, {"err": jnp.mean(err), "hits": jnp.sum(err < 4.0)}
+
+    (loss, aux), grads = meshpar.value_and_grad(loss_fn, has_aux=True, reduction="sum")(state.params)
+    return state.apply_gradients(grads=grads), loss, aux, optax.tree.norm(grads)
+
+
+pattern_batch = dict(mlp_batch, w=(np.arange(16) % 3 != 0).astype(np.float32))
+with jax.default_device(local):
+    pattern_state = make_state(_IndexAcross(), mlp_batch["x"][:1]).replace(
+        tx=optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-3, eps=1e-5)))
+    pattern_state = pattern_state.replace(opt_state=pattern_state.tx.init(pattern_state.params))
+    want = jax.jit(pattern_step)(pattern_state, pattern_batch)
+got = meshpar.parallelize(pattern_step, method=meshpar.PipeshardParallel(
+    num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2)))(pattern_state, pattern_batch)
+assert float(want[3]) > 0.1, "the clip must be active"
+for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for shard in g.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(w)[shard.index], rtol=1e-5, atol=1e-6)
+print(f"process {pid}: aux, integer values, whole-batch count and global-norm clipping match", flush=True)
 
 # Upper-bound transfers: one byte per move, across processes too.
 signal = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(

@@ -1,5 +1,5 @@
-"""Train states, losses and tree comparisons for the pipeline equality tests, which run one step
-(``examples.train_step.supervised_step``) under jax.jit and meshpar.parallelize."""
+"""A model, train states, losses and tree comparisons for the pipeline equality tests, which run
+one step (``examples.train_step.supervised_step``) under jax.jit and meshpar.parallelize."""
 
 from __future__ import annotations
 
@@ -7,7 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 from flax.training import train_state
+
+import meshpar
 
 
 
@@ -30,3 +33,15 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
         jax.tree_util.tree_leaves_with_path(expected), zip(jax.tree.leaves(actual), jax.tree.leaves(expected))
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=str(path[0]))
+
+
+class TensorParallel(nn.Module):
+    """Two stages whose kernels flax partitions over the stage mesh's ``model`` axis (the second
+    one its input dimension), so both stages hold sharded parameters."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(16, kernel_init=nn.with_partitioning(init, (None, "model")))(x)
+        meshpar.mark_stage_boundary()
+        return nn.Dense(4, kernel_init=nn.with_partitioning(init, ("model", None)))(nn.gelu(h))

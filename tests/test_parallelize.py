@@ -127,6 +127,20 @@ def test_state_stays_on_stage_meshes_and_nothing_recompiles():
     assert parallel.get_executable(state, batch) is executable
 
 
+def test_a_returned_state_is_placed_for_the_next_step_without_copies():
+    from meshpar.runtime.placement import place
+    from pipeline_models import TensorParallel
+
+    batch = _mlp_batch()
+    _, state, parallel = _run_both(TensorParallel(), batch, mse, (2, 2, 2), "1f1b", steps=1)
+    placements = parallel.get_executable(state, batch).layout.in_placements
+    leaves = jax.tree.leaves(state)
+    sharded = [x for x in jax.tree.leaves(state.params) if any(e is not None for e in x.sharding.spec)]
+    assert sharded, "the model's kernels are sharded over 'model'"
+    for leaf, placement in zip(leaves, placements):
+        assert all(v is leaf for v in place(leaf, placement).values()) or len(placement.meshes) > 1
+
+
 def test_describe_shows_stages_plans_and_schedule():
     model = MLP(features=(16, 16, 4), num_stages=2)
     batch = _mlp_batch()
@@ -170,10 +184,10 @@ def test_overlapping_or_too_many_meshes():
     state = make_state(model, batch["x"][:1])
     a = jax.sharding.Mesh(devices[:4].reshape(2, 2), ("data", "model"))
     b = jax.sharding.Mesh(devices[2:6].reshape(2, 2), ("data", "model"))
-    step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(stage_meshes=[a, b]))
     with pytest.raises(ValueError, match="stage_meshes: meshes 0 and 1 overlap on device"):
-        step(state, batch)
-    step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(stage_meshes=[a, b, a]))
+        meshpar.PipeshardParallel(stage_meshes=[a, b])
+    three = [jax.sharding.Mesh(devices[i:i + 2].reshape(1, 2), ("data", "model")) for i in (0, 2, 4)]
+    step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(stage_meshes=three))
     with pytest.raises(ValueError, match="stage_meshes: 3 meshes for a model with 2 stages"):
         step(state, batch)
     step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(stage_mesh_shape=(4, 2)))

@@ -98,7 +98,7 @@ def _interpret(program, quads):
     assert not channel, "sends never received"
     for s in range(S):
         assert computes[s] == [(t.kind, t.micro_batch) for t in program.schedule.sequences[s]]
-        assert all(b.kind is BufferKind.LOSS and b.index == S - 1 for b in live[s])
+        assert all(b.kind is BufferKind.RESULT and b.index == S - 1 for b in live[s])
         assert len(live[s]) == (program.schedule.num_micro_batches if s == S - 1 else 0)
     return peak
 

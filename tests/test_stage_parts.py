@@ -116,13 +116,16 @@ def built(request):
 def _reference_vjp(name, stage, args, cts):
     """Cotangents of the act then param inputs, by jax.vjp of the Python function (or the stage jaxpr)."""
     fun = CASES[name][0] if name in CASES else core.jaxpr_as_fun(stage.jaxpr)
-    diff = [i for i, r in enumerate(stage.inputs) if r.kind in ("act", "param")]
+    diff = [i for i, r in enumerate(stage.inputs) if r.kind in ("act", "param")
+            and jnp.issubdtype(stage.jaxpr.in_avals[i].dtype, jnp.inexact)]
+    floating = [k for k, a in enumerate(stage.jaxpr.out_avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
 
     def f(*d):
         full = list(args)
         for i, v in zip(diff, d):
             full[i] = v
-        return tuple(fun(*full))
+        outs = fun(*full)
+        return tuple(outs[k] for k in floating)
 
     _, vjp = jax.vjp(f, *[args[i] for i in diff])
     grads = dict(zip(diff, vjp(tuple(cts))))
@@ -143,7 +146,7 @@ def test_forward_and_backward_match_jax(built):
     args = _values(stage.jaxpr.in_avals, seed=1)
     outs = _run(parts.forward, *[args[i] for i in (*parts.diff_inputs, *parts.other_inputs)])
     _close(outs[:parts.num_outputs], _run(stage.jaxpr, *args))
-    cts = _values([a.to_tangent_aval() for a in stage.jaxpr.out_avals], seed=2)
+    cts = _values([stage.jaxpr.out_avals[k].to_tangent_aval() for k in parts.diff_outputs], seed=2)
     grads = _run(parts.backward, *outs[parts.num_outputs:], *cts)
     _close(grads, _reference_vjp(name, stage, args, cts))
 
@@ -153,7 +156,7 @@ def test_split_is_bit_exact_without_recomputation(built):
     args = _values(stage.jaxpr.in_avals, seed=3)
     outs = _run(parts.forward, *[args[i] for i in (*parts.diff_inputs, *parts.other_inputs)])
     residuals = outs[parts.num_outputs:]
-    cts = _values([a.to_tangent_aval() for a in stage.jaxpr.out_avals], seed=4)
+    cts = _values([stage.jaxpr.out_avals[k].to_tangent_aval() for k in parts.diff_outputs], seed=4)
     whole = _run(parts.backward, *residuals, *cts)
     b_out = _run(parts.backward_input, *residuals, *cts)
     n_act = parts.num_act_cotangents
@@ -197,6 +200,13 @@ def test_counts_and_positions():
     assert (parts.diff_inputs, parts.other_inputs, parts.act_inputs, parts.param_inputs) == ((0, 1, 2), (3,), (0,), (1, 2))
     assert (parts.num_outputs, parts.num_act_cotangents, parts.num_param_cotangents) == (2, 1, 2)
     assert len(parts.backward.in_avals) == parts.num_residuals + parts.num_outputs
+    # Integer activations are inputs like any other, not differentiated; integer outputs and
+    # outputs nobody differentiates get no cotangent (no float0 value exists anywhere).
+    ints = stage_parts(STAGES["int_act"])
+    assert (ints.diff_inputs, ints.other_inputs, ints.act_inputs, ints.diff_outputs) == ((0, 2), (1,), (0,), (0,))
+    assert not any(a.dtype == jax.dtypes.float0 for p in (ints.backward, ints.forward) for a in (*p.in_avals, *p.out_avals))
+    aux_only = stage_parts(STAGES["mlp"], diff_outputs=(0,))
+    assert len(aux_only.backward.in_avals) == aux_only.num_residuals + 1
     # Order is act cotangents then param ones, whatever the input order.
     stage = _stage(lambda w, x: [x * w], [param(), act()], [(3,), (2, 3)])
     parts = stage_parts(stage)

@@ -1,0 +1,164 @@
+"""How a step's micro-batches combine: loss reduction, aux reductions, and which loss operands
+are PRNG keys to fold with the micro-batch index.
+
+The user-facing contract is in ``meshpar.value_and_grad``'s module docstring; this module
+holds the rules the compiler applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+
+from .stage_graph import subjaxprs
+
+__all__ = ["REDUCTIONS", "AuxReduction", "MicroBatching", "default_aux_reduction", "is_key", "key_operands",
+           "resolve_micro_batching"]
+
+REDUCTIONS = ("mean", "sum")
+
+
+class AuxReduction(enum.Enum):
+    """How an aux leaf's per-micro-batch values combine into the step's value."""
+
+    MEAN = "mean"
+    SUM = "sum"
+    LAST = "last"  # the last micro-batch's value
+    CONCAT = "concat"  # concatenated along dimension 0, in micro-batch order
+
+
+def is_key(aval: core.AbstractValue) -> bool:
+    """Whether ``aval`` is a typed PRNG key array (``jax.random.key``)."""
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
+
+
+def default_aux_reduction(micro: core.AbstractValue, whole: core.AbstractValue) -> AuxReduction:
+    """An aux leaf's reduction when the user chose none: ``micro`` is its aval per
+    micro-batch, ``whole`` at the whole batch's shapes; a leaf whose shape follows the batch
+    is concatenated, else floating leaves are averaged, integer ones summed (counts add up),
+    and the rest (bools, keys) taken from the last micro-batch."""
+    if micro.shape != whole.shape:
+        return AuxReduction.CONCAT
+    if is_key(micro):
+        return AuxReduction.LAST
+    dtype = np.dtype(micro.dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return AuxReduction.MEAN
+    if jnp.issubdtype(dtype, jnp.integer):
+        return AuxReduction.SUM
+    return AuxReduction.LAST
+
+
+def _wrapped_vars(jaxpr: core.Jaxpr) -> set[core.Var]:
+    """Invars of ``jaxpr`` that reach ``random_wrap`` (raw keys), looking into nested jaxprs
+    whose inputs are the equation's operands one to one (jit, remat, custom derivatives)."""
+    found: set[core.Var] = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name == "random_wrap":
+            found.update(v for v in e.invars if isinstance(v, core.Var))
+            continue
+        for sub in _operand_aligned(e):
+            inner = _wrapped_vars(sub)
+            found.update(v for v, w in zip(e.invars, sub.invars) if w in inner and isinstance(v, core.Var))
+    return found
+
+
+def _operand_aligned(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
+    for sub in subjaxprs(eqn):
+        if len(sub.invars) == len(eqn.invars):
+            yield sub
+
+
+def key_operands(loss_jaxpr: core.ClosedJaxpr, num_diff: int) -> frozenset[int]:
+    """Indices (among the non-differentiated operands) of the loss operands that are PRNG keys:
+    typed key arrays, and raw ``uint32`` keys the loss turns into keys."""
+    jaxpr = loss_jaxpr.jaxpr
+    raw = _wrapped_vars(jaxpr)
+    return frozenset(k for k, v in enumerate(jaxpr.invars[num_diff:]) if is_key(v.aval) or v in raw)
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatching:
+    """How one traced step combines its micro-batches.
+
+    Attributes:
+      reduction: ``"mean"`` or ``"sum"`` of the micro-batches' losses and gradients.
+      aux: per aux leaf, its reduction.
+      per_micro_batch: per non-differentiated loss operand, whether each micro-batch reads
+        its own slice of it (it has the batch dimension) rather than the whole value.
+      fold_keys: the operands (same indexing) that are PRNG keys folded with the
+        micro-batch index.
+      num_micro_batches: M.
+    """
+
+    reduction: str
+    aux: tuple[AuxReduction, ...]
+    per_micro_batch: tuple[bool, ...]
+    fold_keys: frozenset[int]
+    num_micro_batches: int
+
+    @property
+    def loss_seed(self) -> float:
+        """The weight of each micro-batch's loss in the step's."""
+        return 1.0 / self.num_micro_batches if self.reduction == "mean" else 1.0
+
+
+def _follows_batch(micro: core.AbstractValue, whole: core.AbstractValue, m: int) -> bool:
+    return (len(micro.shape) == len(whole.shape) >= 1 and whole.shape[0] == m * micro.shape[0]
+            and micro.shape[1:] == whole.shape[1:])
+
+
+def resolve_micro_batching(
+    params: dict[str, Any],
+    micro_operands: Sequence[core.AbstractValue],
+    whole_operands: Sequence[core.AbstractValue],
+    whole_aux: Sequence[core.AbstractValue],
+    num_micro_batches: int,
+    where: str = "unknown location",
+) -> MicroBatching:
+    """The ``MicroBatching`` of a gradient equation traced at micro-batch shapes (``params``,
+    ``micro_operands``: its non-differentiated operands) and at the whole batch's
+    (``whole_operands``, ``whole_aux``); ``where`` is the user's ``value_and_grad`` call, for errors.
+
+    Raises:
+      ValueError: a value whose shape differs between the traces other than by the batch
+        dimension, or an aux reduction that does not fit its leaf, naming it.
+    """
+    m = num_micro_batches
+    per_mb = []
+    for k, (mi, wh) in enumerate(zip(micro_operands, whole_operands)):
+        if mi.shape == wh.shape:
+            per_mb.append(False)
+        elif _follows_batch(mi, wh, m):
+            per_mb.append(True)
+        else:
+            raise ValueError(f"loss operand {k}: shaped {wh.str_short()} for the whole batch but {mi.str_short()} "
+                             f"per micro-batch; a value the loss function reads must either not depend on the "
+                             f"batch size or have the batch as its leading dimension (meshpar.value_and_grad at {where})")
+    micro_aux = params["loss_jaxpr"].out_avals[1:]
+    chosen = params["aux_reductions"]
+    aux = []
+    for k, (mi, wh, c) in enumerate(zip(micro_aux, whole_aux, chosen)):
+        r = c if c is not None else default_aux_reduction(mi, wh)
+        follows = _follows_batch(mi, wh, m)
+        if r is AuxReduction.CONCAT and not follows:
+            raise ValueError(f"aux_reduction: aux leaf {k} ({mi.str_short()} per micro-batch, {wh.str_short()} for "
+                             f"the whole batch) has no batch dimension to concatenate along (at {where})")
+        if r is not AuxReduction.CONCAT and mi.shape != wh.shape:
+            raise ValueError(f"aux_reduction: aux leaf {k} has the batch as its leading dimension "
+                             f"({mi.str_short()} per micro-batch); combine it with 'concat', not {r.value!r} (at {where})")
+        needs = {AuxReduction.MEAN: jnp.inexact, AuxReduction.SUM: jnp.number}.get(r)
+        if needs is not None and (is_key(mi) or not jnp.issubdtype(mi.dtype, needs)):
+            raise ValueError(f"aux_reduction: aux leaf {k} is {mi.str_short()}; {r.value!r} needs "
+                             f"{'floating values' if r is AuxReduction.MEAN else 'numbers'} (at {where})")
+        aux.append(r)
+    keys = key_operands(params["loss_jaxpr"], params["num_diff"]) if params["fold_rng"] else frozenset()
+    return MicroBatching(params["reduction"], tuple(aux), tuple(per_mb),
+                         frozenset(k for k in keys if not per_mb[k]), m)

@@ -1,0 +1,35 @@
+"""How a value travels between meshes and sits in pipeline buffers: typed PRNG keys as their
+key data (``uint32``, the key shape appended), every other value as it is.
+
+Transfers plan and move plain arrays only; stage programs convert keys at their edges, so a
+key made on one stage (a derived dropout key) reaches the next one intact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core
+
+from .micro_batching import is_key
+
+__all__ = ["wire_aval", "to_wire", "from_wire"]
+
+
+def wire_aval(aval: core.AbstractValue) -> core.ShapedArray:
+    """The aval ``aval``'s values travel as."""
+    if is_key(aval):
+        return core.ShapedArray((*aval.shape, *aval.dtype._impl.key_shape), np.dtype(np.uint32))
+    return core.ShapedArray(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def to_wire(x: Any) -> Any:
+    """``x`` as it travels (inside a traced function or eagerly)."""
+    return jax.random.key_data(x) if is_key(x) else x
+
+
+def from_wire(x: Any, aval: core.AbstractValue) -> Any:
+    """A travelled value back as ``aval``'s type."""
+    return jax.random.wrap_key_data(x, impl=aval.dtype._impl) if is_key(aval) else x
