@@ -6,6 +6,7 @@ from meshpar.sharding_spec import ShardingSpec
 from meshpar.tiles import Tile, tiles
 from meshpar.autodiff import AuxReduction, grad, value_and_grad
 from meshpar.parallelize import ParallelizedStep, PipeshardParallel, parallelize
+from meshpar import checkpoint
 from meshpar.reshard import plan_between, plan_for, reshard
 from meshpar.stage_boundary import mark_stage_boundary
 from meshpar.passes import (
@@ -34,6 +35,7 @@ __all__ = [
     "STRATEGIES",
     "ShardingSpec",
     "Tile",
+    "checkpoint",
     "grad",
     "mark_stage_boundary",
     "parallelize",

@@ -1,0 +1,88 @@
+"""One process of the two-process checkpoint test: python mp_checkpoint_worker.py PID NUM_PROCESSES PORT,
+saving to $MESHPAR_CHECKPOINT_DIR (a directory both processes see, not yet existing).
+
+(data, model, pipeline) = (2, 2, 2): stage 0's mesh is process 0's four devices, stage 1's process
+1's, each stage's kernels sharded over its mesh's model axis. Trains 4 steps, saving after 2; each
+process's part holds what it held. A fresh step restores the checkpoint where it keeps the state
+and trains 2 steps; each process checks every shard it holds, after the restore and after the 2
+steps, against the uninterrupted run's, bit for bit.
+"""
+
+import os
+import sys
+
+import jax
+
+import meshpar.distributed
+
+jax.config.update("jax_num_cpu_devices", 4)
+pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+directory = os.environ["MESHPAR_CHECKPOINT_DIR"]
+meshpar.distributed.initialize(f"127.0.0.1:{port}", nproc, pid, initialization_timeout=60)
+
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+
+import meshpar  # noqa: E402
+from examples.train_step import supervised_step  # noqa: E402
+from pipeline_models import TensorParallel, make_state, mse  # noqa: E402
+
+METHOD = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2))
+
+
+def batch(seed):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
+
+
+def assert_shards_equal(actual, expected):
+    """Every shard of ``actual`` this process holds equals ``expected``'s on the same device, bit
+    for bit; returns how many were compared."""
+    compared = 0
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(actual)):
+        theirs = {shard.device: shard for shard in want.addressable_shards}
+        for shard in got.addressable_shards:
+            assert shard.index == theirs[shard.device].index, jax.tree_util.keystr(path)
+            np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(theirs[shard.device].data),
+                                          err_msg=jax.tree_util.keystr(path), strict=True)
+            compared += 1
+    return compared
+
+
+batches = [batch(seed) for seed in range(4)]
+with jax.default_device(jax.local_devices()[0]):
+    initial = make_state(TensorParallel(), batches[0]["x"][:1])
+step = meshpar.parallelize(supervised_step(mse), method=METHOD)
+state, losses = initial, []
+for i, b in enumerate(batches):
+    state, loss = step(state, b)
+    losses.append(loss)
+    if i == 1:
+        meshpar.checkpoint.save(directory, state)
+        saved = state
+assert sorted(os.listdir(directory)) == ["process_0", "process_1"], os.listdir(directory)
+# Each process wrote its own stage's parameters and the values both stages read.
+part = set(ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(
+    os.path.join(directory, f"process_{pid}")).item_metadata.tree)
+mine, theirs = (f".params['params']['Dense_{s}']['kernel'].value" for s in (pid, 1 - pid))
+assert mine in part and theirs not in part and ".opt_state[0].count" in part, sorted(part)
+print(f"process {pid}: its part holds its stage's {len(part)} leaves", flush=True)
+
+# A fresh step, as a restarted job would make: it places the state before any step has run.
+resumed_step = meshpar.parallelize(supervised_step(mse), method=METHOD)
+abstract = meshpar.checkpoint.state_shardings(resumed_step, initial, batches[0])
+resumed = meshpar.checkpoint.restore(directory, abstract)
+for (path, want), got, struct in zip(jax.tree_util.tree_leaves_with_path(saved), jax.tree.leaves(resumed),
+                                     jax.tree.leaves(abstract)):
+    assert got.sharding == struct.sharding and got.sharding.is_equivalent_to(want.sharding, want.ndim), \
+        jax.tree_util.keystr(path)
+print(f"process {pid}: restored {assert_shards_equal(resumed, saved)} shards as saved", flush=True)
+
+for b, loss in zip(batches[2:], losses[2:]):
+    resumed, resumed_loss = resumed_step(resumed, b)
+    if resumed_loss.is_fully_addressable:
+        np.testing.assert_array_equal(np.asarray(resumed_loss), np.asarray(loss), strict=True)
+compared = assert_shards_equal(resumed, state)
+print(f"process {pid}: resumed training matches the uninterrupted run bit for bit ({compared} shards)", flush=True)
+print(f"process {pid}: ALL OK", flush=True)
+jax.distributed.shutdown()

@@ -1,0 +1,150 @@
+"""meshpar.checkpoint in one process with 8 CPU devices: a parallelized step's state saved with
+orbax after 2 steps and restored, by a fresh step, where that step keeps it, trains on bit for
+bit as if never interrupted; host values round-trip; bad arguments are named."""
+
+import jax
+import numpy as np
+import pytest
+
+import meshpar
+from examples.train_step import supervised_step
+from pipeline_models import TensorParallel, make_state, mse
+
+METHOD = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2))
+
+
+def _batch(seed):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
+
+
+def _initial_state():
+    return make_state(TensorParallel(), _batch(0)["x"][:1])
+
+
+def _step():
+    return meshpar.parallelize(supervised_step(mse), method=METHOD)
+
+
+def _assert_bitwise_equal(actual, expected):
+    for (path, e), a in zip(jax.tree_util.tree_leaves_with_path(expected), jax.tree.leaves(actual)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(e), err_msg=jax.tree_util.keystr(path), strict=True)
+
+
+def test_resumed_training_is_bitwise_equal_to_uninterrupted_training(tmp_path):
+    batches = [_batch(seed) for seed in range(4)]
+    step = _step()
+    state, losses = _initial_state(), []
+    for i, batch in enumerate(batches):
+        state, loss = step(state, batch)
+        losses.append(loss)
+        if i == 1:
+            meshpar.checkpoint.save(tmp_path / "ckpt", state)
+            saved = state
+
+    # A fresh step, as a new process would make: where it keeps the state comes from compiling it.
+    resumed_step = _step()
+    abstract = meshpar.checkpoint.state_shardings(resumed_step, _initial_state(), batches[0])
+    resumed = meshpar.checkpoint.restore(tmp_path / "ckpt", abstract)
+    for (path, want), got, struct in zip(jax.tree_util.tree_leaves_with_path(saved), jax.tree.leaves(resumed),
+                                         jax.tree.leaves(abstract)):
+        # Equivalent, not equal: the step returns P("model", None) as P("model",).
+        assert got.sharding == struct.sharding and got.sharding.is_equivalent_to(want.sharding, want.ndim), \
+            jax.tree_util.keystr(path)
+    _assert_bitwise_equal(resumed, saved)
+    assert type(resumed) is type(saved)
+
+    for batch, loss in zip(batches[2:], losses[2:]):
+        resumed, resumed_loss = resumed_step(resumed, batch)
+        np.testing.assert_array_equal(np.asarray(resumed_loss), np.asarray(loss))
+    _assert_bitwise_equal(resumed, state)
+    assert int(resumed.step) == 4
+
+
+def test_state_shardings_are_where_the_step_keeps_each_leaf_before_any_step_runs():
+    state, batch = _initial_state(), _batch(0)
+    step = _step()
+    abstract = meshpar.checkpoint.state_shardings(step, state, batch)
+    meshes = [set(m.devices.flat) for m in step.get_executable(state, batch).meshes]
+    kernel = abstract.params["params"]["Dense_0"]["kernel"].value
+    assert kernel.shape == (6, 16) and kernel.dtype == np.float32
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert set(kernel.sharding.device_set) == meshes[0]
+    assert set(abstract.params["params"]["Dense_1"]["bias"].sharding.device_set) == meshes[1]
+    # Adam's step count is read on both stage meshes: one array replicated over both.
+    count = abstract.opt_state[0].count
+    assert set(count.sharding.device_set) == meshes[0] | meshes[1] and count.sharding.is_fully_replicated
+    # The Python int step counter: an int32 scalar, as the step places it.
+    assert abstract.step.shape == () and abstract.step.dtype == np.int32
+
+    stepped, _ = step(state, batch)
+    for (path, struct), leaf in zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(stepped)):
+        assert struct.sharding.is_equivalent_to(leaf.sharding, leaf.ndim), jax.tree_util.keystr(path)
+    # Only shapes matter: a state and batch that were never materialised give the same.
+    shapes = jax.eval_shape(_initial_state), jax.eval_shape(lambda: batch)
+    assert jax.tree.leaves(meshpar.checkpoint.state_shardings(_step(), *shapes)) == jax.tree.leaves(abstract)
+
+
+def test_host_values_round_trip(tmp_path):
+    """The initial state's Python int step counter, and numbers and numpy arrays in any pytree,
+    come back as arrays of the dtype the step places them as; the resumed step matches."""
+    state, batch = _initial_state(), _batch(0)
+    assert isinstance(state.step, int)
+    meshpar.checkpoint.save(tmp_path / "initial", state)
+    step = _step()
+    restored = meshpar.checkpoint.restore(tmp_path / "initial",
+                                          meshpar.checkpoint.state_shardings(step, state, batch))
+    assert restored.step.dtype == np.int32 and int(restored.step) == 0
+    _assert_bitwise_equal(step(restored, batch), step(state, batch))
+
+    values = {"count": 3, "scale": 0.5, "flag": True, "table": np.arange(6, dtype=np.float64).reshape(2, 3)}
+    meshpar.checkpoint.save(tmp_path / "values", values)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[3])
+    abstract = {"count": jax.ShapeDtypeStruct((), np.int32, sharding=device),
+                "scale": jax.ShapeDtypeStruct((), np.float32, sharding=device),
+                "flag": jax.ShapeDtypeStruct((), np.bool_, sharding=device),
+                "table": jax.ShapeDtypeStruct((2, 3), np.float32, sharding=device)}
+    restored = meshpar.checkpoint.restore(tmp_path / "values", abstract)
+    assert all(leaf.sharding == device for leaf in restored.values())
+    _assert_bitwise_equal(restored, {"count": np.int32(3), "scale": np.float32(0.5), "flag": np.bool_(True),
+                                     "table": np.arange(6, dtype=np.float32).reshape(2, 3)})
+
+
+# -- bad arguments ------------------------------------------------------------------------
+
+
+def test_state_shardings_rejects_a_batch_leaf_and_what_is_no_step():
+    state, batch = _initial_state(), _batch(0)
+    with pytest.raises(ValueError, match=r"args\[1\]\['x'\]: the step keeps it on no mesh \(a batch leaf"):
+        meshpar.checkpoint.state_shardings(_step(), state, batch, argnum=1)
+    with pytest.raises(ValueError, match=r"argnum: expected the index of one of the 2 arguments, got 2"):
+        meshpar.checkpoint.state_shardings(_step(), state, batch, argnum=2)
+    with pytest.raises(TypeError, match=r"step: expected a meshpar.parallelize\(...\) step, got function"):
+        meshpar.checkpoint.state_shardings(supervised_step(mse), state, batch)
+
+
+def test_save_refuses_an_existing_directory_and_what_it_cannot_write(tmp_path):
+    values = {"w": np.ones(3, np.float32)}
+    meshpar.checkpoint.save(tmp_path / "ckpt", values)
+    with pytest.raises(FileExistsError, match=r"directory: .*ckpt already exists"):
+        meshpar.checkpoint.save(tmp_path / "ckpt", values)
+    with pytest.raises(TypeError, match=r"directory: expected a path, got 3"):
+        meshpar.checkpoint.save(3, values)
+    with pytest.raises(TypeError, match=r"state\['name'\]: expected an array or a number, got str"):
+        meshpar.checkpoint.save(tmp_path / "text", {"name": "adam"})
+    with pytest.raises(TypeError, match=r"state\['key'\]: a typed PRNG key array; keep jax.random.key_data"):
+        meshpar.checkpoint.save(tmp_path / "key", {"key": jax.random.key(0)})
+    assert not (tmp_path / "text").exists() and not (tmp_path / "key").exists()
+
+
+def test_restore_names_a_missing_directory_and_mismatched_leaves(tmp_path):
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    meshpar.checkpoint.save(tmp_path / "ckpt", {"w": np.ones(3, np.float32)})
+    with pytest.raises(FileNotFoundError, match=r"directory: no checkpoint at .*elsewhere"):
+        meshpar.checkpoint.restore(tmp_path / "elsewhere", {"w": jax.ShapeDtypeStruct((3,), np.float32, sharding=device)})
+    with pytest.raises(TypeError, match=r"abstract_state\['w'\]: expected a jax.ShapeDtypeStruct with a sharding"):
+        meshpar.checkpoint.restore(tmp_path / "ckpt", {"w": jax.ShapeDtypeStruct((3,), np.float32)})
+    with pytest.raises(ValueError, match=r"abstract_state\['w'\]: expected float32\[4\], but the checkpoint holds float32\[3\]"):
+        meshpar.checkpoint.restore(tmp_path / "ckpt", {"w": jax.ShapeDtypeStruct((4,), np.float32, sharding=device)})
+    with pytest.raises(ValueError, match=r"abstract_state\['b'\]: not in .*process_0, which holds what this process"):
+        meshpar.checkpoint.restore(tmp_path / "ckpt", {"b": jax.ShapeDtypeStruct((3,), np.float32, sharding=device)})
