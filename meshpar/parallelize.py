@@ -84,6 +84,9 @@ class PipeshardParallel:
         When all stage meshes have one shape the step is traced under them,
         and flax constrains parameters by their own names there: then name
         the mesh's axes (``(None, "tp")``).
+      cut_points: which ``mark_stage_boundary()`` calls cut the model, numbered from 0 in
+        program order; the others are ignored (their layers join a stage). ``None``: every
+        marker cuts. ``meshpar.plan_parallelism`` chooses them.
     """
 
     num_micro_batches: int = 1
@@ -101,8 +104,16 @@ class PipeshardParallel:
     weight_delay: bool | str = False
     data_axis: str = "data"
     model_axis: str = "model"
+    cut_points: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.cut_points is not None:
+            cuts = self.cut_points
+            if (not isinstance(cuts, tuple) or not all(isinstance(c, int) and c >= 0 for c in cuts)
+                    or list(cuts) != sorted(set(cuts))):
+                raise ValueError(f"cut_points: expected a tuple of increasing marker numbers (0-based), got {cuts!r}")
+            if self.num_stages is not None and self.num_stages != len(cuts) + 1:
+                raise ValueError(f"num_stages: {self.num_stages}, but cut_points={cuts!r} make {len(cuts) + 1} stages")
         if not self._is_count(self.num_micro_batches):
             raise ValueError(f"num_micro_batches: expected a positive integer, got {self.num_micro_batches!r}")
         if self.num_stages is not None and not self._is_count(self.num_stages):
@@ -400,7 +411,7 @@ class ParallelizedStep:
             M, micro_batch_size, method.schedule, method.weight_delay, method.executor, method.resharding,
             method.stage_meshes, method.stage_mesh_shape,
             cluster.inter_host_bandwidth if cluster else 1.25e9, cluster.intra_host_bandwidth if cluster else 100e9,
-            method.data_axis, method.model_axis,
+            method.data_axis, method.model_axis, method.cut_points,
         )
         devices = list(method.devices) if method.devices is not None else jax.devices()
         compiled = compile_pipeline(

@@ -66,6 +66,7 @@ class PipelineOptions:
     intra_host_bandwidth: float
     data_axis: str
     model_axis: str
+    cut_points: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,7 @@ def compile_pipeline(
     """Runs the passes (module doc) on a traced step ``outer`` (at the whole batch's shapes) whose
     gradient equation, traced per micro-batch, has ``grad_params``, combining micro-batches as
     ``micro_batching`` says; ``check_stages`` validates the stage graph against the user's options."""
-    graph = _run("split_stages", lambda: split_stages(grad_params["loss_jaxpr"], grad_params["num_diff"]), verify_stage_graph)
+    graph = _run("split_stages", lambda: split_stages(grad_params["loss_jaxpr"], grad_params["num_diff"], options.cut_points), verify_stage_graph)
     check_stages(graph)
     S = graph.num_stages
     axis_names = (options.data_axis, options.model_axis)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax._src import core
 from jax._src import linear_util as lu
 
-__all__ = ["Ref", "Stage", "StageGraph", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "is_differentiable", "user_location"]
+__all__ = ["Ref", "Stage", "StageGraph", "count_markers", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "is_differentiable", "user_location"]
 
 MARKER = "meshpar_stage_boundary"
 
@@ -149,8 +149,14 @@ def user_location(eqn: core.JaxprEqn) -> str:
     return "unknown location"
 
 
-def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
-    """Cuts ``loss_jaxpr`` at its top-level stage markers.
+def count_markers(loss_jaxpr: core.ClosedJaxpr) -> int:
+    """How many top-level stage markers ``loss_jaxpr`` has (candidate cut points)."""
+    return sum(e.primitive.name == MARKER for e in loss_jaxpr.jaxpr.eqns)
+
+
+def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[int] | None = None) -> StageGraph:
+    """Cuts ``loss_jaxpr`` at its top-level stage markers: all of them, or only the markers
+    numbered ``cuts`` (0-based, in program order; the others then join their neighbours).
 
     Raises:
       StageMarkerError: a marker inside a control-flow or call body (scan,
@@ -164,10 +170,17 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> StageGraph:
                 f"meshpar can only cut straight-line code between stages (move the marker out of the "
                 f"scan/cond/while/jit, e.g. unroll that loop)"
             )
+    num_markers = count_markers(loss_jaxpr)
+    if cuts is not None and (len(set(cuts)) != len(cuts) or not all(0 <= c < num_markers for c in cuts)):
+        raise StageMarkerError(f"cut_points: expected distinct marker numbers in [0, {num_markers}), got {list(cuts)}")
+    cutting = set(range(num_markers)) if cuts is None else set(cuts)
     segments: list[list[core.JaxprEqn]] = [[]]
+    marker = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == MARKER:
-            segments.append([])
+            if marker in cutting:
+                segments.append([])
+            marker += 1
         else:
             segments[-1].append(eqn)
 

@@ -1,0 +1,171 @@
+"""``meshpar.plan_parallelism``: choose stage cuts, stage meshes, micro-batches and schedule.
+
+The step is traced once (nothing runs); its loss is cut at every ``mark_stage_boundary()``
+into layers (``passes.profile_layers``); a planner (``PLANNERS``) partitions them. The result
+runs as planned with ``parallelize(step, method=plan.method)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshpar.autodiff import tracing_pipeline
+from meshpar.cluster import Cluster
+from meshpar.parallelize import ParallelizedStep, PipeshardParallel, _dtype, _flax_specs
+from meshpar.passes.cost_model import DEVICE_FLOPS
+from meshpar.passes.layer_profile import ModelProfile
+from meshpar.passes.planner_meshpar import Hardware, PipelinePlan, search, stage_meshes
+from meshpar.passes.profile_layers import profile_layers
+from meshpar.passes.stage_graph import split_stages
+
+__all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "profile_step"]
+
+# name -> (profile, cluster, hardware, memory budget, fixed stages, fixed micro-batches, schedules) -> plans
+PLANNERS: dict[str, Callable[..., list[PipelinePlan]]] = {
+    "meshpar": lambda profile, cluster, hardware, budget, stages, micro, schedules: search(
+        profile, cluster, hardware, budget, schedules=schedules, num_stages=stages, num_micro_batches=micro),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismPlan:
+    """A planner's choice for one step.
+
+    Attributes:
+      best: the chosen plan (stages and their layers, each stage's (data, model) shape,
+        micro-batches, schedule, predicted step time and peak memory per stage).
+      alternatives: the other plans the planner ranked, fastest first.
+      profile: the layers the planner partitioned.
+      devices: the devices the plan runs on, in the order its meshes are cut.
+      cluster: the hosts and links it was priced on.
+      planning_s: seconds the planner took.
+    """
+
+    best: PipelinePlan
+    alternatives: tuple[PipelinePlan, ...]
+    profile: ModelProfile
+    devices: tuple[Any, ...]
+    cluster: Cluster
+    planning_s: float
+
+    @property
+    def method(self) -> PipeshardParallel:
+        """A ``PipeshardParallel`` that runs this plan under ``meshpar.parallelize``."""
+        return self.method_with()
+
+    def method_with(self, **options: Any) -> PipeshardParallel:
+        """``method`` with other ``PipeshardParallel`` options (batch_argnums, executor, ...)."""
+        meshes = stage_meshes(self.cluster, [s.shape for s in self.best.stages])
+        by_id = {d.id: d for d in self.devices}
+        jax_meshes = [jax.sharding.Mesh(np.vectorize(by_id.get, otypes=[object])(m.device_ids), ("data", "model"))
+                      for m in meshes]
+        return PipeshardParallel(
+            num_micro_batches=self.best.num_micro_batches, stage_meshes=jax_meshes, schedule=self.best.schedule,
+            cut_points=self.best.cut_points, cluster=self.cluster, devices=self.devices, **options)
+
+    def describe(self) -> str:
+        """The chosen plan, its stages' layers and meshes, and the runners-up."""
+        lines = [f"planned {self.profile.name}: {self.profile.num_layers} layers, batch {self.profile.batch_size}, "
+                 f"{len(self.devices)} devices, in {self.planning_s:.2f} s", "  chosen: " + self.best.summary()]
+        lines += ["  then:   " + p.summary() for p in self.alternatives[:4]]
+        return "\n".join(lines)
+
+
+def measure_hardware(devices: Sequence[Any]) -> Hardware:
+    """Sustained FLOP/s of one device and of all of them at once, measured with a matmul on
+    CPUs (virtual devices share the host's cores); the platform's nominal rate elsewhere."""
+    platform = devices[0].platform
+    if platform != "cpu":
+        return Hardware(DEVICE_FLOPS.get(platform, DEVICE_FLOPS["gpu"]))
+    n = 256
+    matmul = jax.jit(lambda a: a @ a)
+    arrays = [jax.device_put(jnp.ones((n, n), jnp.float32), d) for d in devices]
+    for a in arrays:
+        matmul(a).block_until_ready()
+
+    def rate(chosen: Sequence[jax.Array], repeats: int = 8) -> float:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            jax.block_until_ready([matmul(a) for a in chosen])
+        return 2.0 * n**3 * repeats * len(chosen) / (time.perf_counter() - start)
+
+    return Hardware(rate(arrays[:1]), rate(arrays))
+
+
+def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int], name: str = "model") -> ModelProfile:
+    """The layers of ``fun``'s loss, from one trace at the arguments' shapes (nothing runs)."""
+    leaves, in_tree = jax.tree.flatten(tuple(args))
+    arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    batch = [np.shape(x)[0] for x, a in zip(leaves, arg_of_leaf) if a in batch_argnums and np.ndim(x)]
+    if not batch:
+        raise ValueError(f"batch_argnums: {tuple(batch_argnums)} hold no array with a batch dimension")
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves]
+    with tracing_pipeline():
+        outer = jax.make_jaxpr(lambda *ls: fun(*jax.tree.unflatten(in_tree, ls)))(*abstract)
+    grads = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
+    if len(grads) != 1:
+        raise ValueError(f"step: must call meshpar.value_and_grad or meshpar.grad exactly once, found {len(grads)}")
+    params = grads[0].params
+    graph = split_stages(params["loss_jaxpr"], params["num_diff"])
+    specs = _flax_specs(tuple(args))
+    leaf_of = {v: i for i, v in enumerate(outer.jaxpr.invars)}
+    sharded = [any(e is not None for e in (specs[leaf_of[v]] or ())) if v in leaf_of else False
+               for v in grads[0].invars[:params["num_diff"]]]
+    return profile_layers(graph, batch[0], batch[0], sharded, name=name)
+
+
+def plan_parallelism(
+    step: Callable | ParallelizedStep,
+    *example_args: Any,
+    devices: Sequence[Any] | None = None,
+    cluster: Cluster | None = None,
+    memory_budget_bytes: float | None = None,
+    planner: str = "meshpar",
+    batch_argnums: Sequence[int] | None = None,
+    hardware: Hardware | None = None,
+    num_stages: int | None = None,
+    num_micro_batches: int | None = None,
+    schedules: Sequence[str] = ("1f1b", "eager_1f1b"),
+) -> ParallelismPlan:
+    """Chooses how to run ``step`` on ``devices``: which stage markers cut, each stage's mesh and
+    (data, model) shape, micro-batches and schedule.
+
+    Args:
+      step: a train step (as for ``meshpar.parallelize``), or a parallelized one.
+      example_args: its arguments, or anything with their shapes and dtypes.
+      devices: default ``jax.devices()``.
+      cluster: hosts and links to price transfers on; default one host per process.
+      memory_budget_bytes: per device; ``None``: unbounded.
+      planner: a key of ``PLANNERS``.
+      batch_argnums: positions of the batch arguments (default the parallelized step's, or (1,)).
+      hardware: device FLOP/s; default measured (``measure_hardware``).
+      num_stages, num_micro_batches: fix one instead of planning it.
+      schedules: the schedules to choose among.
+
+    Raises:
+      ValueError: an unknown ``planner``; ``passes.planner_meshpar.NoPlanFits`` when no plan fits
+        ``memory_budget_bytes`` (naming the least memory any plan needs).
+    """
+    if planner not in PLANNERS:
+        raise ValueError(f"planner: expected one of {sorted(PLANNERS)}, got {planner!r}")
+    if memory_budget_bytes is not None and not memory_budget_bytes > 0:
+        raise ValueError(f"memory_budget_bytes: expected a positive number of bytes or None, got {memory_budget_bytes!r}")
+    fun = step.fun if isinstance(step, ParallelizedStep) else step
+    if batch_argnums is None:
+        batch_argnums = step.method.batch_argnums if isinstance(step, ParallelizedStep) else (1,)
+    devices = tuple(devices) if devices is not None else tuple(jax.devices())
+    cluster = cluster if cluster is not None else Cluster.from_devices(list(devices))
+    hardware = hardware if hardware is not None else measure_hardware(devices)
+    profile = profile_step(fun, example_args, tuple(batch_argnums), getattr(fun, "__name__", "step"))
+    start = time.perf_counter()
+    plans = PLANNERS[planner](profile, cluster, hardware, memory_budget_bytes, num_stages, num_micro_batches,
+                              tuple(schedules))
+    return ParallelismPlan(plans[0], tuple(plans[1:]), profile, devices, cluster, time.perf_counter() - start)
+

@@ -1,0 +1,316 @@
+"""meshpar's automatic planner: stage cuts, per-stage mesh shapes, micro-batches and schedule,
+priced with what the other planners leave out: each cross-mesh edge by the resharding plan
+(``plan_resharding``) between the actual stage meshes, which may differ in shape, and the step
+by the schedule simulator, which overlaps transfers with compute.
+
+Search, for every stage count ``S`` dividing the devices and micro-batch count ``M``:
+
+1. a DP over contiguous layer partitions minimising the slowest stage, each stage on its
+   fastest (data, model) shape that fits the memory budget at its position in the schedule
+   (stage ``s`` of a 1F1B pipeline keeps ``min(S - s, M)`` micro-batches alive; eager-1F1B
+   ``min(2(S - s) - 1, M)``);
+2. the step of that partition simulated under 1F1B and eager-1F1B with every edge's
+   resharding priced, plus the data-parallel gradient all-reduce that ends the step.
+
+Costs (per micro-batch of ``b`` examples, stage on a ``(d, t)`` mesh of devices of
+``device_flops``): forward ``flops · b / (d · t · device_flops)`` plus the tensor-parallel
+all-reduces ``2 (t - 1) / t · tp_bytes · b / d / bw_t``; backward twice the forward's compute
+and as much communication. On an emulated cluster whose devices share a few cores
+(``Hardware.total_flops``), no step is faster than all its FLOPs at that rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from meshpar.cluster import Cluster
+from meshpar.mesh import DeviceMesh
+from meshpar.sharding_spec import ShardingSpec
+
+from .layer_profile import ModelProfile
+from .pipeline_schedule import make_schedule
+from .plan_resharding import plan_resharding
+from .resharding_task import ReshardingTask
+from .schedule_simulator import StageSeconds, TaskDurations, simulate
+
+__all__ = ["Hardware", "StagePlan", "PipelinePlan", "stage_meshes", "predict", "search", "NoPlanFits"]
+
+SCHEDULES = ("1f1b", "eager_1f1b")
+
+
+class NoPlanFits(ValueError):
+    """No plan fits the memory budget."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What a device computes: ``device_flops`` sustained FLOP/s each; ``total_flops`` caps the
+    whole cluster (virtual CPU devices sharing a few cores), ``inf`` when devices are real."""
+
+    device_flops: float
+    total_flops: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not self.device_flops > 0 or not self.total_flops > 0:
+            raise ValueError(f"device_flops, total_flops: expected positive FLOP/s, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Layers ``[start, stop)`` on a ``(data, model)`` mesh."""
+
+    start: int
+    stop: int
+    shape: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    """A planner's choice and what it predicts.
+
+    Attributes:
+      stages: contiguous, covering every layer once, in order.
+      num_micro_batches: M.
+      schedule: a ``pipeline_schedule.SCHEDULES`` name.
+      predicted_step_s: seconds per step.
+      peak_memory_bytes: per stage, the most bytes one of its devices holds.
+      planner: which planner chose it.
+    """
+
+    stages: tuple[StagePlan, ...]
+    num_micro_batches: int
+    schedule: str
+    predicted_step_s: float
+    peak_memory_bytes: tuple[float, ...]
+    planner: str = "meshpar"
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def cut_points(self) -> tuple[int, ...]:
+        """The markers that cut: after layer ``stop - 1`` of every stage but the last."""
+        return tuple(s.stop - 1 for s in self.stages[:-1])
+
+    def summary(self) -> str:
+        shapes = ", ".join(f"L{s.start}-{s.stop - 1} on {s.shape}" for s in self.stages)
+        return (f"{self.planner}: {self.num_stages} stages [{shapes}], {self.num_micro_batches} micro-batches, "
+                f"{self.schedule}: {self.predicted_step_s * 1e3:.2f} ms/step predicted, peak "
+                f"{max(self.peak_memory_bytes) / 2**20:.1f} MiB/device")
+
+
+def _shapes(n: int) -> list[tuple[int, int]]:
+    return [(d, n // d) for d in range(1, n + 1) if n % d == 0]
+
+
+def stage_meshes(cluster: Cluster, shapes: Sequence[tuple[int, int]]) -> list[DeviceMesh]:
+    """The stage meshes of ``shapes``, cut host-major from ``cluster``'s devices in order."""
+    flat = [(d, h) for h, devs in enumerate(cluster.host_devices) for d in devs]
+    out, at = [], 0
+    for d, t in shapes:
+        chunk = flat[at:at + d * t]
+        if len(chunk) < d * t:
+            raise ValueError(f"shapes: {list(shapes)} need more than the cluster's {len(flat)} devices")
+        ids = np.array([c[0] for c in chunk]).reshape(d, t)
+        hosts = np.array([c[1] for c in chunk]).reshape(d, t)
+        out.append(DeviceMesh(ids, hosts, ("data", "model")))
+        at += d * t
+    return out
+
+
+def _axis_bandwidth(cluster: Cluster, mesh: DeviceMesh, axis: int) -> float:
+    """Bytes/s of a ring along mesh ``axis``: intra-host if every ring stays in a host, else the
+    NIC shared by the host's devices on the ring's axis."""
+    hosts = mesh.host_ids
+    within = np.all(hosts == hosts.take([0], axis=axis))
+    if within:
+        return cluster.intra_host_bandwidth
+    per_host = max(1, cluster.devices_per_host // max(1, mesh.device_ids.shape[1 - axis]))
+    return cluster.inter_host_bandwidth / per_host
+
+
+def _all_reduce_s(num_bytes: float, ring: int, bandwidth: float) -> float:
+    return 0.0 if ring <= 1 else 2.0 * (ring - 1) / ring * num_bytes / bandwidth
+
+
+class _Prefix:
+    """Prefix sums of the layers' figures: a span's totals in O(1), vectorised over spans."""
+
+    def __init__(self, profile: ModelProfile) -> None:
+        def prefix(values):
+            return np.concatenate([[0.0], np.cumsum(values)])
+
+        layers = profile.layers
+        self.flops = prefix([x.flops for x in layers])
+        self.tp = prefix([x.tp_bytes for x in layers])
+        self.static = prefix([x.param_bytes + x.optimizer_bytes for x in layers])
+        self.params = prefix([x.param_bytes for x in layers])
+        self.acts = prefix([x.activation_bytes for x in layers])
+
+    @staticmethod
+    def span(p: np.ndarray, i, j):
+        return p[j] - p[i]
+
+
+def _live(schedule: str, s: int, S: int, M: int) -> int:
+    return min(S - s, M) if schedule == "1f1b" else min(2 * (S - s) - 1, M)
+
+
+def _stage_seconds(pre: _Prefix, i, j, shape: tuple[int, int], b: int, hardware: Hardware, tp_bw: float):
+    d, t = shape
+    compute = pre.span(pre.flops, i, j) * b / (d * t * hardware.device_flops)
+    comm = _all_reduce_s(pre.span(pre.tp, i, j) * b / d, t, tp_bw)
+    return compute + comm, 2.0 * compute + comm
+
+
+def _memory(pre: _Prefix, i, j, shape: tuple[int, int], b: int, live: int):
+    d, t = shape
+    return pre.span(pre.static, i, j) / t + live * pre.span(pre.acts, i, j) * b / (d * t)
+
+
+def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
+            num_micro_batches: int, schedule: str, planner: str = "meshpar") -> PipelinePlan:
+    """The step time and per-stage memory of running ``stages`` with ``num_micro_batches``
+    under ``schedule``: compute and tensor-parallel time per stage, every crossing value's
+    resharding plan between its stages' meshes, simulated; then the gradient all-reduce."""
+    S, M = len(stages), num_micro_batches
+    if profile.batch_size % M:
+        raise ValueError(f"num_micro_batches: {M} does not divide the batch of {profile.batch_size}")
+    b = profile.batch_size // M
+    pre = _Prefix(profile)
+    meshes = stage_meshes(cluster, [s.shape for s in stages])
+    seconds, memory, sync = [], [], []
+    for k, (st, mesh) in enumerate(zip(stages, meshes)):
+        f, bw = _stage_seconds(pre, st.start, st.stop, st.shape, b, hardware, _axis_bandwidth(cluster, mesh, 1))
+        seconds.append(StageSeconds(f, bw, bw / 2, bw / 2))
+        memory.append(float(_memory(pre, st.start, st.stop, st.shape, b, _live(schedule, k, S, M))))
+        d, t = st.shape
+        sync.append(_all_reduce_s(pre.span(pre.params, st.start, st.stop) / t, d, _axis_bandwidth(cluster, mesh, 0)))
+    stage_of = [k for k, st in enumerate(stages) for _ in range(st.start, st.stop)]
+    edge_bytes: dict[tuple[int, int], float] = {}
+    for value in profile.crossing():
+        src = stage_of[value.producer]
+        for dst in sorted({stage_of[c] for c in value.consumers} - {src}):
+            edge_bytes[(src, dst)] = edge_bytes.get((src, dst), 0.0) + value.bytes_per_example * b
+    edges = sorted(edge_bytes)
+    times = [_edge_seconds(cluster, meshes[p], meshes[c], stages[p].shape, stages[c].shape, edge_bytes[(p, c)], b)
+             for p, c in edges]
+    step = simulate(make_schedule(schedule, S, M, edges), TaskDurations(tuple(seconds), tuple(times), tuple(times)),
+                    overlap=True).step_seconds
+    total_flops = 3.0 * float(pre.flops[-1]) * profile.batch_size
+    step = max(step + max(sync), total_flops / hardware.total_flops)
+    return PipelinePlan(tuple(stages), M, schedule, step, tuple(memory), planner)
+
+
+def _edge_seconds(cluster: Cluster, src: DeviceMesh, dst: DeviceMesh, src_shape, dst_shape, num_bytes: float,
+                  b: int) -> float:
+    """One boundary value of ``num_bytes`` (``b`` examples, float32) resharded between the two
+    stage meshes, batch-sharded over ``data`` on each, by the broadcast plan."""
+    return _edge_seconds_cached(cluster, src, dst, int(num_bytes), b)
+
+
+@functools.lru_cache(maxsize=4096)
+def _edge_seconds_cached(cluster: Cluster, src: DeviceMesh, dst: DeviceMesh, num_bytes: int, b: int) -> float:
+    if num_bytes <= 0:
+        return 0.0
+    width = max(1, num_bytes // (4 * b))
+    shape = (b, width)
+
+    def spec(mesh: DeviceMesh) -> ShardingSpec:
+        d = mesh.device_ids.shape[0]
+        return ShardingSpec(((0,) if d > 1 and b % d == 0 else (), ()))
+
+    task = ReshardingTask(shape, 4, src, spec(src), dst, spec(dst), pad=True)
+    return plan_resharding(task, cluster, strategy="broadcast", balancer="load_balance").estimated_time
+
+
+def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: str, hardware: Hardware,
+               cluster: Cluster, budget: float, by_memory: bool = False) -> tuple[list[StagePlan], float] | None:
+    """The contiguous partition into ``S`` stages of ``n`` devices minimising the slowest
+    stage (each on its fastest shape that fits), or ``None`` when none fits the budget; with
+    ``by_memory``, minimising the largest per-device memory instead."""
+    idx_i, idx_j = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
+    valid = idx_j > idx_i
+    shapes = [sh for sh in _shapes(n) if b % sh[0] == 0]
+    if not shapes:
+        return None
+    per_shape = []
+    for k, shape in enumerate(shapes):
+        mesh = stage_meshes(cluster, [shape])[0]
+        f, bw = _stage_seconds(pre, idx_i, idx_j, shape, b, hardware, _axis_bandwidth(cluster, mesh, 1))
+        per_shape.append((f + bw, shape))
+    INF = math.inf
+    best = np.full((S + 1, L + 1), INF)
+    choice = np.zeros((S + 1, L + 1), dtype=np.int64)
+    shape_at = {}
+    best[0, 0] = 0.0
+    for s in range(S):
+        live = _live(schedule, s, S, M)
+        cost = np.full((L + 1, L + 1), INF)
+        which = np.full((L + 1, L + 1), -1)
+        for k, (time, shape) in enumerate(per_shape):
+            memory = _memory(pre, idx_i, idx_j, shape, b, live)
+            value = memory if by_memory else time
+            better = valid & (memory <= budget) & (value < cost)
+            cost = np.where(better, value, cost)
+            which = np.where(better, k, which)
+        # best[s + 1, j] = min_i max(best[s, i], cost[i, j])
+        candidates = np.maximum(best[s][:, None], cost)
+        choice[s + 1] = np.argmin(candidates, axis=0)
+        best[s + 1] = candidates[choice[s + 1], np.arange(L + 1)]
+        shape_at[s] = which
+    if not np.isfinite(best[S, L]):
+        return None
+    stages, j = [], L
+    for s in range(S, 0, -1):
+        i = int(choice[s, j])
+        stages.append(StagePlan(i, j, per_shape[int(shape_at[s - 1][i, j])][1]))
+        j = i
+    return stages[::-1], float(best[S, L])
+
+
+def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_budget_bytes: float | None = None,
+           schedules: Sequence[str] = SCHEDULES, max_micro_batches: int = 64,
+           num_stages: int | None = None, num_micro_batches: int | None = None) -> list[PipelinePlan]:
+    """Every stage count, micro-batch count and schedule's best partition, simulated and ranked
+    fastest first (module docstring); ``num_stages`` / ``num_micro_batches`` fix one.
+
+    Raises:
+      NoPlanFits: nothing fits ``memory_budget_bytes``, naming the smallest memory any plan needs.
+    """
+    N, L, B = cluster.num_devices, profile.num_layers, profile.batch_size
+    budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
+    pre = _Prefix(profile)
+    plans = []
+    stage_counts = [num_stages] if num_stages is not None else [s for s in range(1, min(N, L) + 1) if N % s == 0]
+    for S in stage_counts:
+        counts = ([num_micro_batches] if num_micro_batches is not None else
+                  [m for m in range(1, min(B, max_micro_batches) + 1) if B % m == 0 and (m == 1 or m >= S)])
+        for M in counts:
+            for schedule in schedules:
+                found = _partition(pre, L, S, M, B // M, N // S, schedule, hardware, cluster, budget)
+                if found is not None:
+                    plans.append(predict(profile, cluster, hardware, found[0], M, schedule))
+    if not plans:
+        raise NoPlanFits(f"memory_budget_bytes: {budget:.4g} bytes per device fits no plan; the least any plan "
+                         f"needs is {_least_memory(profile, cluster, max_micro_batches):.4g} bytes")
+    return sorted(plans, key=lambda p: (p.predicted_step_s, max(p.peak_memory_bytes)))
+
+
+def _least_memory(profile: ModelProfile, cluster: Cluster, max_micro_batches: int) -> float:
+    """The smallest per-device memory of any plan: each stage count's partition minimising its
+    largest stage's memory (1F1B, which keeps no more alive than eager-1F1B)."""
+    N, L, B = cluster.num_devices, profile.num_layers, profile.batch_size
+    pre, least = _Prefix(profile), math.inf
+    for S in (s for s in range(1, min(N, L) + 1) if N % s == 0):
+        for M in (m for m in range(1, min(B, max_micro_batches) + 1) if B % m == 0 and (m == 1 or m >= S)):
+            found = _partition(pre, L, S, M, B // M, N // S, "1f1b", Hardware(1.0), cluster, math.inf, by_memory=True)
+            if found is not None:
+                least = min(least, found[1])
+    return least

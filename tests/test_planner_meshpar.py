@@ -1,0 +1,140 @@
+"""meshpar's planner (passes.planner_meshpar) against brute force, its memory budget, and
+``meshpar.plan_parallelism`` end to end: the plan runs under parallelize and equals jax.jit."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshpar
+from examples.mlp import MLP
+from examples.train_step import supervised_step
+from meshpar.cluster import Cluster
+from meshpar.passes.layer_profile import CrossingValue, LayerProfile, ModelProfile
+from meshpar.passes.planner_meshpar import (Hardware, NoPlanFits, StagePlan, _axis_bandwidth, _live, _memory,
+                                            _partition, _Prefix, _shapes, _stage_seconds, predict, search,
+                                            stage_meshes)
+from meshpar.passes.stage_graph import count_markers, split_stages
+from meshpar.planning import plan_parallelism
+from pipeline_models import assert_trees_close, make_state, mse
+
+CLUSTER = Cluster.aws_p3_8xlarge(2)
+HW = Hardware(1e13)
+
+
+def _random_profile(rng, L, batch=16):
+    layers = tuple(LayerProfile(flops=float(rng.uniform(1e8, 1e9)), param_bytes=float(rng.uniform(1e6, 1e8)),
+                                optimizer_bytes=float(rng.uniform(1e6, 2e8)), activation_bytes=float(rng.uniform(1e4, 1e6)),
+                                boundary_bytes=float(rng.uniform(1e3, 1e5)), tp_bytes=float(rng.uniform(0, 1e5)))
+                   for _ in range(L))
+    return ModelProfile(layers, batch)
+
+
+def _brute_force(profile, S, M, schedule, budget):
+    """The least bottleneck over every contiguous partition and every per-stage shape."""
+    L, b, n = profile.num_layers, profile.batch_size // M, CLUSTER.num_devices // S
+    pre, best = _Prefix(profile), math.inf
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        bounds = (0, *cuts, L)
+        worst = 0.0
+        for s, (i, j) in enumerate(zip(bounds, bounds[1:])):
+            options = []
+            for shape in (sh for sh in _shapes(n) if b % sh[0] == 0):
+                mesh = stage_meshes(CLUSTER, [shape])[0]
+                if _memory(pre, i, j, shape, b, _live(schedule, s, S, M)) <= budget:
+                    f, bw = _stage_seconds(pre, i, j, shape, b, HW, _axis_bandwidth(CLUSTER, mesh, 1))
+                    options.append(f + bw)
+            worst = max(worst, min(options, default=math.inf))
+        best = min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partition_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    profile = _random_profile(rng, L=int(rng.integers(2, 7)))
+    for S in (1, 2, 4):
+        if S > profile.num_layers:
+            continue
+        for M, schedule in ((4, "1f1b"), (8, "eager_1f1b")):
+            budget = float(rng.choice([math.inf, 3e8]))
+            want = _brute_force(profile, S, M, schedule, budget)
+            got = _partition(_Prefix(profile), profile.num_layers, S, M, profile.batch_size // M,
+                             CLUSTER.num_devices // S, schedule, HW, CLUSTER, budget)
+            if math.isinf(want):
+                assert got is None
+            else:
+                assert got is not None and got[1] == pytest.approx(want, rel=1e-12)
+                stages = got[0]
+                assert stages[0].start == 0 and stages[-1].stop == profile.num_layers
+                assert all(a.stop == b.start for a, b in zip(stages, stages[1:]))
+
+
+def test_every_plan_fits_the_budget_and_the_error_names_the_least_memory():
+    profile = _random_profile(np.random.default_rng(7), L=8)
+    unbounded = search(profile, CLUSTER, HW)
+    budget = sorted(max(p.peak_memory_bytes) for p in unbounded)[len(unbounded) // 2]
+    plans = search(profile, CLUSTER, HW, budget)
+    assert plans and all(max(p.peak_memory_bytes) <= budget for p in plans)
+    assert [p.predicted_step_s for p in plans] == sorted(p.predicted_step_s for p in plans)
+    with pytest.raises(NoPlanFits, match=r"memory_budget_bytes: .* the least any plan needs is ([0-9.e+]+) bytes") as e:
+        search(profile, CLUSTER, HW, 1e3)
+    least = float(str(e.value).split("needs is ")[1].split(" bytes")[0])
+    assert search(profile, CLUSTER, HW, least * 1.0001)  # that much memory does fit a plan
+    with pytest.raises(NoPlanFits):
+        search(profile, CLUSTER, HW, least * 0.999)
+
+
+def test_one_layer_plans_one_stage_and_skip_connections_become_edges():
+    one = ModelProfile((LayerProfile(1e9, 1e6, 2e6, 1e4, 0.0),), 8)
+    assert {p.num_stages for p in search(one, CLUSTER, HW)} == {1}
+    # Transfers dominate (little compute, large boundaries): a large skip from stage 0 to stage 3
+    # crosses hosts, and the chain prices only the boundary after each layer.
+    layer = LayerProfile(1e6, 1e6, 2e6, 1e4, 4e6)
+    skip = ModelProfile((layer,) * 4, 8, values=(CrossingValue(0, (1,), 4e6), CrossingValue(0, (3,), 4e7),
+                                                  CrossingValue(1, (2,), 4e6), CrossingValue(2, (3,), 4e6)))
+    chain = ModelProfile((layer,) * 4, 8)
+    stages = [StagePlan(k, k + 1, (1, 2)) for k in range(4)]
+    with_skip = predict(skip, CLUSTER, HW, stages, 4, "1f1b")
+    without = predict(chain, CLUSTER, HW, stages, 4, "1f1b")
+    assert with_skip.predicted_step_s > without.predicted_step_s  # the skip's extra edge costs time
+
+
+def test_cut_points_choose_which_markers_cut():
+    def loss(p, x):
+        for k in range(4):
+            x = jnp.tanh(x * p[k])
+            if k < 3:
+                meshpar.mark_stage_boundary()
+        return jnp.sum(x)
+
+    closed = jax.make_jaxpr(loss)(jnp.ones(4), jnp.ones(3))
+    assert count_markers(closed) == 3
+    assert split_stages(closed, 1).num_stages == 4
+    assert split_stages(closed, 1, (1,)).num_stages == 2
+    assert split_stages(closed, 1, ()).num_stages == 1
+    with pytest.raises(ValueError, match="cut_points"):
+        split_stages(closed, 1, (3,))
+
+
+def test_plan_parallelism_runs_as_planned_and_equals_jit():
+    model = MLP(features=(16, 16, 16, 16, 4), num_stages=4)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
+    state = make_state(model, batch["x"][:1])
+    step = supervised_step(mse)
+    plan = plan_parallelism(step, state, batch, hardware=HW, num_stages=2, num_micro_batches=4)
+    assert plan.best.num_stages == 2 and plan.best.num_micro_batches == 4
+    assert plan.profile.num_layers == 4 and len(plan.best.cut_points) == 1
+    assert "chosen: meshpar: 2 stages" in plan.describe()
+    parallel = meshpar.parallelize(step, method=plan.method)
+    got_state, got_loss = parallel(state, batch)
+    want_state, want_loss = jax.jit(step)(state, batch)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    assert_trees_close(got_state.params, want_state.params)
+    assert parallel.get_executable(state, batch).graph.num_stages == 2
+    with pytest.raises(ValueError, match="planner: expected one of"):
+        plan_parallelism(step, state, batch, planner="oracle")
