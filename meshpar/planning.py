@@ -80,10 +80,9 @@ class ParallelismPlan:
 
 def measure_hardware(devices: Sequence[Any]) -> Hardware:
     """Sustained FLOP/s of one device and of all of them at once, measured with a matmul on
-    CPUs (virtual devices share the host's cores); the platform's nominal rate elsewhere."""
+    CPUs (virtual devices share the host's cores), the platform's nominal rate elsewhere; and
+    the host seconds to launch one small sharded program, measured everywhere."""
     platform = devices[0].platform
-    if platform != "cpu":
-        return Hardware(DEVICE_FLOPS.get(platform, DEVICE_FLOPS["gpu"]))
     n = 256
     matmul = jax.jit(lambda a: a @ a)
     arrays = [jax.device_put(jnp.ones((n, n), jnp.float32), d) for d in devices]
@@ -96,7 +95,37 @@ def measure_hardware(devices: Sequence[Any]) -> Hardware:
             jax.block_until_ready([matmul(a) for a in chosen])
         return 2.0 * n**3 * repeats * len(chosen) / (time.perf_counter() - start)
 
-    return Hardware(rate(arrays[:1]), rate(arrays))
+    mesh = jax.sharding.Mesh(np.array(devices[:len(devices) // 2 or 1]), ("data",))
+    x = jax.device_put(jnp.ones((len(mesh.devices.flat) * 8, 16)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    step = jax.jit(lambda v: v * 2.0 + 1.0)
+    step(x).block_until_ready()
+    launches, start = 200, time.perf_counter()
+    outs = [step(x) for _ in range(launches)]
+    dispatch = (time.perf_counter() - start) / launches
+    jax.block_until_ready(outs)
+    op_s = (_op_seconds(devices[:1]), _op_seconds(devices))
+    slope = max(0.0, (op_s[1] - op_s[0]) / max(1, len(devices) - 1))
+    ops = (max(0.0, op_s[0] - slope), slope)
+    if platform != "cpu":
+        return Hardware(DEVICE_FLOPS.get(platform, DEVICE_FLOPS["gpu"]), dispatch_s=dispatch, op_s=ops)
+    return Hardware(rate(arrays[:1]), rate(arrays), dispatch, ops)
+
+
+def _op_seconds(devices: Sequence[Any], num_ops: int = 400) -> float:
+    """Seconds per operation of a chain of small unfusable operations on a mesh of ``devices``."""
+    def chain(x):
+        for k in range(num_ops // 4):  # four operations: multiply, add, tanh, barrier
+            x = jax.lax.optimization_barrier(jnp.tanh(x * 1.01 + k))
+        return x
+
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    x = jax.device_put(jnp.ones((16 * len(devices), 32)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    run = jax.jit(chain)
+    run(x).block_until_ready()
+    repeats, start = 5, time.perf_counter()
+    for _ in range(repeats):
+        run(x).block_until_ready()
+    return (time.perf_counter() - start) / repeats / num_ops
 
 
 def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int], name: str = "model") -> ModelProfile:

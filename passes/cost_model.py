@@ -20,7 +20,7 @@ from .schedule_simulator import StageSeconds, TaskDurations
 from .stage_graph import subjaxprs
 from .stage_parts import StageParts
 
-__all__ = ["DEVICE_FLOPS", "jaxpr_flops", "compute_seconds", "transfer_seconds", "estimate_durations"]
+__all__ = ["DEVICE_FLOPS", "jaxpr_flops", "jaxpr_ops", "compute_seconds", "transfer_seconds", "estimate_durations"]
 
 # Sustained FLOP/s of one device, by platform: orders of magnitude, enough to
 # compare a stage's compute with its transfers.
@@ -52,6 +52,20 @@ def jaxpr_flops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> float:
     nested bodies counted (a scan's times its length)."""
     jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
     return float(sum(_eqn_flops(e) for e in jaxpr.eqns))
+
+
+def jaxpr_ops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> float:
+    """Operations one run executes: every equation once, nested bodies counted (a scan's times
+    its length), the call equations themselves not."""
+    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+    total = 0.0
+    for e in jaxpr.eqns:
+        inner = list(subjaxprs(e))
+        if inner:
+            total += (e.params.get("length", 1) if e.primitive.name == "scan" else 1) * sum(jaxpr_ops(j) for j in inner)
+        else:
+            total += 1.0
+    return total
 
 
 def compute_seconds(flops: float, num_devices: int, platform: str) -> float:

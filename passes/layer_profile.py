@@ -27,6 +27,8 @@ class LayerProfile:
       boundary_bytes: bytes per example of the values crossing the cut after it.
       tp_bytes: bytes per example a tensor-parallel layer all-reduces in its forward (Megatron:
         two all-reduces of the hidden state per transformer layer); the backward moves as much.
+      num_ops: operations its forward program runs (each device of a mesh runs every one);
+        what small layers cost where launching an operation, not computing it, dominates.
     """
 
     flops: float
@@ -35,6 +37,7 @@ class LayerProfile:
     activation_bytes: float
     boundary_bytes: float
     tp_bytes: float = 0.0
+    num_ops: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -16,7 +16,8 @@ Costs (per micro-batch of ``b`` examples, stage on a ``(d, t)`` mesh of devices 
 ``device_flops``): forward ``flops · b / (d · t · device_flops)`` plus the tensor-parallel
 all-reduces ``2 (t - 1) / t · tp_bytes · b / d / bw_t``; backward twice the forward's compute
 and as much communication. On an emulated cluster whose devices share a few cores
-(``Hardware.total_flops``), no step is faster than all its FLOPs at that rate.
+(``Hardware.total_flops``), no step is faster than all its FLOPs at that rate, and none is
+faster than the host launching its tasks one by one (``Hardware.dispatch_s``).
 """
 
 from __future__ import annotations
@@ -50,14 +51,32 @@ class NoPlanFits(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """What a device computes: ``device_flops`` sustained FLOP/s each; ``total_flops`` caps the
-    whole cluster (virtual CPU devices sharing a few cores), ``inf`` when devices are real."""
+    whole cluster (virtual CPU devices sharing a few cores), ``inf`` when devices are real;
+    ``dispatch_s`` host seconds to launch one task (the runtime launches every task of a step
+    from one thread, so no step is faster than its launches)."""
 
     device_flops: float
     total_flops: float = math.inf
+    dispatch_s: float = 0.0
+    op_s: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
-        if not self.device_flops > 0 or not self.total_flops > 0:
-            raise ValueError(f"device_flops, total_flops: expected positive FLOP/s, got {self}")
+        if (not self.device_flops > 0 or not self.total_flops > 0 or not self.dispatch_s >= 0
+                or len(self.op_s) != 2 or not min(self.op_s) >= 0):
+            raise ValueError(f"device_flops, total_flops, dispatch_s, op_s: expected positive FLOP/s and seconds "
+                             f">= 0, got {self}")
+
+    def op_seconds(self, num_devices: int) -> float:
+        """Seconds one operation of a program on ``num_devices`` devices takes besides its
+        FLOPs: ``op_s[0] + op_s[1] · num_devices`` (virtual CPU devices run every operation
+        on shared cores; on accelerators a kernel launch, whatever the mesh)."""
+        return self.op_s[0] + self.op_s[1] * num_devices
+
+    @property
+    def shared(self) -> bool:
+        """Whether the devices share compute (``total_flops`` is finite): stages then do not
+        run in parallel, and no step beats the sum of its tasks' work."""
+        return math.isfinite(self.total_flops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +171,7 @@ class _Prefix:
         self.static = prefix([x.param_bytes + x.optimizer_bytes for x in layers])
         self.params = prefix([x.param_bytes for x in layers])
         self.acts = prefix([x.activation_bytes for x in layers])
+        self.ops = prefix([x.num_ops for x in layers])
 
     @staticmethod
     def span(p: np.ndarray, i, j):
@@ -165,6 +185,7 @@ def _live(schedule: str, s: int, S: int, M: int) -> int:
 def _stage_seconds(pre: _Prefix, i, j, shape: tuple[int, int], b: int, hardware: Hardware, tp_bw: float):
     d, t = shape
     compute = pre.span(pre.flops, i, j) * b / (d * t * hardware.device_flops)
+    compute = compute + pre.span(pre.ops, i, j) * hardware.op_seconds(d * t)
     comm = _all_reduce_s(pre.span(pre.tp, i, j) * b / d, t, tp_bw)
     return compute + comm, 2.0 * compute + comm
 
@@ -203,8 +224,12 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
              for p, c in edges]
     step = simulate(make_schedule(schedule, S, M, edges), TaskDurations(tuple(seconds), tuple(times), tuple(times)),
                     overlap=True).step_seconds
-    total_flops = 3.0 * float(pre.flops[-1]) * profile.batch_size
-    step = max(step + max(sync), total_flops / hardware.total_flops)
+    launches = M * (2 * S + 2 * len(edges)) + 2 * S  # compute and transfer tasks, then each stage's update
+    step = max(step + max(sync), launches * hardware.dispatch_s)
+    if hardware.shared:
+        work = 3.0 * float(pre.flops[-1]) * profile.batch_size / hardware.total_flops + 3.0 * M * sum(
+            pre.span(pre.ops, st.start, st.stop) * hardware.op_seconds(st.shape[0] * st.shape[1]) for st in stages)
+        step = max(step, work)
     return PipelinePlan(tuple(stages), M, schedule, step, tuple(memory), planner)
 
 

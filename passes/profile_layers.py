@@ -1,7 +1,8 @@
 """Pass: profile a traced loss layer by layer, where layers are the spans between its stage
 markers (every marker a candidate cut point), for the automatic planners.
 
-Per layer, from the jaxprs alone (nothing runs): forward FLOPs (``cost_model.jaxpr_flops``),
+Per layer, from the jaxprs alone (nothing runs): forward FLOPs and operations
+(``cost_model.jaxpr_flops``, ``jaxpr_ops``),
 the bytes of the parameters it owns (the first layer reading a parameter owns it), the bytes
 its backward keeps alive (the residuals of ``stage_parts``' forward), the values crossing to
 later layers, and the bytes a Megatron-style tensor-parallel layer all-reduces (two of its
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from jax._src import core
 
-from .cost_model import jaxpr_flops
+from .cost_model import jaxpr_flops, jaxpr_ops
 from .layer_profile import CrossingValue, LayerProfile, ModelProfile
 from .stage_graph import StageGraph
 from .stage_parts import stage_parts
@@ -68,6 +69,7 @@ def profile_layers(
             activation_bytes=sum(map(_bytes, residuals)) / micro_batch_size,
             boundary_bytes=_crossing_bytes(graph, stage.index) / micro_batch_size,
             tp_bytes=2.0 * out_bytes if sharded else 0.0,
+            num_ops=jaxpr_ops(stage.jaxpr),
         ))
     values = tuple(
         CrossingValue(stage.index, graph.consumers(ref), _bytes(aval) / micro_batch_size)
