@@ -32,7 +32,9 @@ from meshpar.runtime.remote import absent
 from meshpar.runtime.signal_move import SignalMove
 from meshpar.runtime.step_trace import StepRecorder
 
-__all__ = ["PipeshardParallel", "parallelize", "ParallelizedStep"]
+__all__ = ["AUTO", "PipeshardParallel", "parallelize", "ParallelizedStep"]
+
+AUTO = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,14 +46,17 @@ class PipeshardParallel:
     name the argument and a fix.
 
     Attributes:
-      num_micro_batches: micro-batches per step; must divide the batch.
+      num_micro_batches: micro-batches per step; must divide the batch. ``"auto"``: planned.
       stage_meshes: one ``jax.sharding.Mesh`` per stage, disjoint, each with the
         axis ``data_axis`` or ``model_axis`` (or both); by default the devices
         are cut evenly, host-major.
       num_stages: expected number of stages (stage markers + 1); checked.
+        ``"auto"``: ``meshpar.plan_parallelism`` chooses which markers cut, each stage's
+        mesh (their shapes may differ) and, unless given, the micro-batches, on the first
+        call, and prints its choice (``ParallelizedStep.plan``); the schedule stays this one.
       stage_mesh_shape: ``(data, model)`` shape of each cut mesh, two positive
         integers whose product is the devices per stage; default all devices
-        of a stage on ``data``. Not with ``stage_meshes``.
+        of a stage on ``data``. Not with ``stage_meshes``. ``"auto"``: planned, as above.
       schedule: ``gpipe``, ``1f1b``, ``eager_1f1b`` or ``zb_h1``
         (``passes.pipeline_schedule``).
       weight_delay: split each backward into an activation-gradient and a
@@ -106,7 +111,24 @@ class PipeshardParallel:
     model_axis: str = "model"
     cut_points: tuple[int, ...] | None = None
 
+    @property
+    def planned(self) -> bool:
+        """Whether some of the layout is left to the planner (an ``"auto"`` argument)."""
+        return AUTO in (self.num_stages, self.stage_mesh_shape, self.num_micro_batches)
+
     def __post_init__(self) -> None:
+        if self.planned:
+            if self.stage_meshes is not None or self.cut_points is not None:
+                raise ValueError("num_stages, stage_mesh_shape, num_micro_batches: 'auto' plans the stage meshes "
+                                 "and cut points; do not pass stage_meshes or cut_points with it")
+            for name in ("num_stages", "num_micro_batches"):
+                value = getattr(self, name)
+                if value != AUTO and value is not None and not self._is_count(value):
+                    raise ValueError(f"{name}: expected a positive integer or 'auto', got {value!r}")
+            if self.stage_mesh_shape not in (AUTO, None):
+                raise ValueError(f"stage_mesh_shape: with 'auto' elsewhere the planner chooses each stage's "
+                                 f"shape; pass stage_mesh_shape='auto' or None, got {self.stage_mesh_shape!r}")
+            return
         if self.cut_points is not None:
             cuts = self.cut_points
             if (not isinstance(cuts, tuple) or not all(isinstance(c, int) and c >= 0 for c in cuts)
@@ -220,6 +242,8 @@ class PipeshardParallel:
           ValueError: a stage mesh using a device not in ``devices``; ``num_stages`` that do
             not divide the devices; a ``stage_mesh_shape`` that does not fit them.
         """
+        if self.planned:
+            return
         devices = list(self.devices) if self.devices is not None else jax.devices()
         if self.stage_meshes is not None:
             pool = {d.id for d in devices}
@@ -306,6 +330,8 @@ class ParallelizedStep:
     def __init__(self, fun: Callable, method: PipeshardParallel) -> None:
         self.fun = fun
         self.method = method
+        # What meshpar.plan_parallelism chose, once an "auto" method has been planned.
+        self.plan: Any = None
         self._cache: dict[Any, PipelineExecutable] = {}
         functools.update_wrapper(self, fun)
 
@@ -357,9 +383,26 @@ class ParallelizedStep:
         leaves, in_tree = jax.tree.flatten(args)
         key = (in_tree, tuple((np.shape(x), _dtype(x)) for x in leaves))
         if key not in self._cache:
+            if self.method.planned:
+                self._plan(args)
             self.method.check_devices()
             self._cache[key] = self._compile(args, leaves, in_tree)
         return self._cache[key]
+
+    def _plan(self, args: tuple) -> None:
+        """Replaces the ``"auto"`` arguments with ``meshpar.plan_parallelism``'s choice for ``args``."""
+        from meshpar.planning import plan_parallelism
+
+        m = self.method
+        self.plan = plan_parallelism(
+            self.fun, *args, devices=m.devices, cluster=m.cluster, batch_argnums=m.batch_argnums,
+            num_stages=None if m.num_stages in (AUTO, None) else m.num_stages,
+            num_micro_batches=None if m.num_micro_batches == AUTO else m.num_micro_batches,
+            schedules=(m.schedule,))
+        self.method = self.plan.method_with(
+            resharding=m.resharding, balancer=m.balancer, batch_argnums=m.batch_argnums, executor=m.executor,
+            timeout_s=m.timeout_s, weight_delay=m.weight_delay)
+        print(f"meshpar.parallelize({getattr(self.fun, '__name__', 'step')}): {self.plan.describe()}", flush=True)
 
     def _trace(self, method: PipeshardParallel, in_tree: Any, abstract: list) -> tuple[Any, Any]:
         """The step's jaxpr and output shapes for arguments shaped ``abstract``."""

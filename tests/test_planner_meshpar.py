@@ -138,3 +138,21 @@ def test_plan_parallelism_runs_as_planned_and_equals_jit():
     assert parallel.get_executable(state, batch).graph.num_stages == 2
     with pytest.raises(ValueError, match="planner: expected one of"):
         plan_parallelism(step, state, batch, planner="oracle")
+
+
+def test_auto_plans_on_the_first_call_and_equals_jit(capsys):
+    model = MLP(features=(16, 16, 16, 16, 4), num_stages=4)
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
+    state = make_state(model, batch["x"][:1])
+    step = supervised_step(mse)
+    parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(num_stages="auto", num_micro_batches=4))
+    got_state, got_loss = parallel(state, batch)
+    want_state, want_loss = jax.jit(step)(state, batch)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    assert_trees_close(got_state.params, want_state.params)
+    assert parallel.plan.best.num_micro_batches == 4 and parallel.method.num_micro_batches == 4
+    assert parallel.get_executable(state, batch).graph.num_stages == parallel.plan.best.num_stages
+    assert "chosen: meshpar:" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="stage_meshes or cut_points"):
+        meshpar.PipeshardParallel(num_stages="auto", cut_points=(1,))
