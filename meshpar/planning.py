@@ -21,16 +21,38 @@ from meshpar.cluster import Cluster
 from meshpar.parallelize import ParallelizedStep, PipeshardParallel, _dtype, _flax_specs
 from meshpar.passes.cost_model import DEVICE_FLOPS
 from meshpar.passes.layer_profile import ModelProfile
-from meshpar.passes.planner_meshpar import Hardware, PipelinePlan, search, stage_meshes
+from meshpar.passes.planner_amp import MEGATRON_PLACEMENT, search as amp_search
+from meshpar.passes.planner_meshpar import Hardware, NoPlanFits, PipelinePlan, StagePlan, search, stage_meshes
 from meshpar.passes.profile_layers import profile_layers
 from meshpar.passes.stage_graph import split_stages
 
 __all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "profile_step"]
 
+def _amp(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: float | None, stages: int | None,
+         micro: int | None, schedules: Sequence[str]) -> list[PipelinePlan]:
+    """AMP's search (``passes.planner_amp``) as ``PipelinePlan``s: its plans with Megatron's
+    placement (the stage meshes meshpar cuts), priced by AMP's own model, 1F1B."""
+    try:
+        found = amp_search(profile, cluster, hardware.device_flops, budget)
+    except ValueError as e:
+        raise NoPlanFits(str(e)) from None
+    plans = [PipelinePlan(tuple(StagePlan(a, b, (p.dp, p.tp)) for a, b in zip(p.partition, p.partition[1:])),
+                          p.num_micro_batches, "1f1b", p.predicted_step_s, (p.peak_memory_bytes,) * p.pp, "amp")
+             for p in found if p.placement == MEGATRON_PLACEMENT]
+    plans = [p for p in plans if (stages is None or p.num_stages == stages)
+             and (micro is None or p.num_micro_batches == micro)]
+    if not plans:
+        raise NoPlanFits(f"planner: AMP found no plan with Megatron's placement"
+                         f"{'' if stages is None else f', {stages} stages'}"
+                         f"{'' if micro is None else f', {micro} micro-batches'}")
+    return plans
+
+
 # name -> (profile, cluster, hardware, memory budget, fixed stages, fixed micro-batches, schedules) -> plans
 PLANNERS: dict[str, Callable[..., list[PipelinePlan]]] = {
     "meshpar": lambda profile, cluster, hardware, budget, stages, micro, schedules: search(
         profile, cluster, hardware, budget, schedules=schedules, num_stages=stages, num_micro_batches=micro),
+    "amp": _amp,
 }
 
 
