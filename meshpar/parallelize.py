@@ -30,6 +30,7 @@ from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.remote import absent
 from meshpar.runtime.signal_move import SignalMove
+from meshpar.runtime.spmd_step import SpmdStep
 from meshpar.runtime.step_trace import StepRecorder
 
 __all__ = ["AUTO", "PipeshardParallel", "parallelize", "ParallelizedStep"]
@@ -110,6 +111,7 @@ class PipeshardParallel:
     data_axis: str = "data"
     model_axis: str = "model"
     cut_points: tuple[int, ...] | None = None
+    single_program: bool = True
 
     @property
     def planned(self) -> bool:
@@ -117,6 +119,8 @@ class PipeshardParallel:
         return AUTO in (self.num_stages, self.stage_mesh_shape, self.num_micro_batches)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.single_program, bool):
+            raise ValueError(f"single_program: expected a bool, got {self.single_program!r}")
         if self.planned:
             if self.stage_meshes is not None or self.cut_points is not None:
                 raise ValueError("num_stages, stage_mesh_shape, num_micro_batches: 'auto' plans the stage meshes "
@@ -332,7 +336,7 @@ class ParallelizedStep:
         self.method = method
         # What meshpar.plan_parallelism chose, once an "auto" method has been planned.
         self.plan: Any = None
-        self._cache: dict[Any, PipelineExecutable] = {}
+        self._cache: dict[Any, PipelineExecutable | SpmdStep] = {}
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args: Any) -> Any:
@@ -368,6 +372,9 @@ class ParallelizedStep:
             raise ValueError(f"path: expected a file path in an existing directory, got {path!r}")
         leaves, _ = jax.tree.flatten(args)
         executable = self.get_executable(*args)
+        if isinstance(executable, SpmdStep):
+            raise ValueError("trace: this step has one stage and one micro-batch and runs as one SPMD program, "
+                             "which has no pipeline tasks to time; pass PipeshardParallel(single_program=False)")
         with StepRecorder(executable.program, executable.local, serialize, self.method.timeout_s) as recorder:
             outputs = jax.block_until_ready(executable(leaves, recorder))
             timeline = recorder.timeline()
@@ -378,7 +385,7 @@ class ParallelizedStep:
         write_chrome_trace(path, timeline, process)
         return jax.tree.unflatten(executable.out_tree, outputs), timeline
 
-    def get_executable(self, *args: Any) -> PipelineExecutable:
+    def get_executable(self, *args: Any) -> PipelineExecutable | SpmdStep:
         """The compiled pipeline for these arguments (compiling it if needed)."""
         leaves, in_tree = jax.tree.flatten(args)
         key = (in_tree, tuple((np.shape(x), _dtype(x)) for x in leaves))
@@ -401,7 +408,8 @@ class ParallelizedStep:
             schedules=(m.schedule,))
         self.method = self.plan.method_with(
             resharding=m.resharding, balancer=m.balancer, batch_argnums=m.batch_argnums, executor=m.executor,
-            timeout_s=m.timeout_s, weight_delay=m.weight_delay)
+            timeout_s=m.timeout_s, weight_delay=m.weight_delay,
+            single_program=m.single_program)
         print(f"meshpar.parallelize({getattr(self.fun, '__name__', 'step')}): {self.plan.describe()}", flush=True)
 
     def _trace(self, method: PipeshardParallel, in_tree: Any, abstract: list) -> tuple[Any, Any]:
@@ -414,7 +422,7 @@ class ParallelizedStep:
         except Exception as e:
             raise TypeError(f"{getattr(self.fun, '__name__', 'step')}: cannot be traced by meshpar.parallelize: {e}") from e
 
-    def _compile(self, args: tuple, leaves: list, in_tree: Any) -> PipelineExecutable:
+    def _compile(self, args: tuple, leaves: list, in_tree: Any) -> PipelineExecutable | SpmdStep:
         method = self.method
         # 1. Trace to a jaxpr (abstract evaluation only) at micro-batch shapes,
         # so every stage computes on one micro-batch.
@@ -461,6 +469,8 @@ class ParallelizedStep:
             outer, params, micro_batching, leaves, _flax_specs(args), frozenset(batch_leaves), in_tree,
             jax.tree.structure(out_shapes), devices, options, functools.partial(_check_num_stages, method),
         )
+        if method.single_program and compiled.graph.num_stages == 1 and M == 1:
+            return _single_program(compiled, outer, jax.tree.structure(out_shapes), method)
         fingerprints: list[str] = []
 
         def prepare_move(kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding):
@@ -505,6 +515,20 @@ class ParallelizedStep:
             )
         executable.describe = functools.partial(_describe, executable, method)  # type: ignore[attr-defined]
         return executable
+
+
+def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardParallel) -> SpmdStep:
+    """The one-stage, one-micro-batch step as one program, its leaves placed as the pipeline
+    would place them (a batch leaf as its stage reads it: the micro-batch is the batch)."""
+    layout, mesh = compiled.layout, compiled.meshes[0]
+    read_as = {op.source.index: op.sharding for op in layout.stage_operands[0] if op.source.kind == "in"}
+    ins = [p.on(0) if p.meshes else read_as.get(i, NamedSharding(mesh, P(method.data_axis)))
+           for i, p in enumerate(layout.in_placements)]
+    outs = [p.on(0) if p is not None and p.meshes else None for p in layout.out_placements]
+    step = SpmdStep(outer, compiled.micro_batching, ins, outs, out_tree, layout, compiled.meshes)
+    step.describe = lambda: (f"one stage, one micro-batch on mesh {dict(mesh.shape)}: one SPMD program "
+                             f"(PipeshardParallel.single_program)")
+    return step
 
 
 def _grad_eqn(name: str, traced: Any) -> Any:

@@ -1,0 +1,91 @@
+"""A one-stage, one-micro-batch step as one SPMD program: what ``jax.jit`` would run.
+
+With a single stage and a single micro-batch there is nothing to pipeline: the
+pipeline runtime would launch the forward, the backward, the gradient
+reduction and the update as separate programs, where one program lets XLA fuse
+across them. The compiled pipeline still decides where every value lives
+(``passes.step_layout``); this runs the traced step under ``jax.jit`` with
+those placements as its input and output shardings, so a step moves nothing
+the pipeline path would not, and the next step's inputs are already placed.
+
+Semantics equal the pipeline's with ``M = 1``: the gradient equation is
+``value_and_grad`` of the loss, and each PRNG key the loss reads once per step
+is ``fold_in(key, 0)`` when the step folds keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax._src import core
+from jax.sharding import Mesh, NamedSharding
+
+from meshpar.autodiff import pipeline_grad_p
+from meshpar.passes.micro_batching import MicroBatching
+from meshpar.passes.step_layout import StepLayout
+from meshpar.runtime.placement import put
+
+__all__ = ["SpmdStep"]
+
+
+class SpmdStep:
+    """The traced step ``jaxpr`` compiled as one program.
+
+    Args:
+      jaxpr: the step traced at the whole batch's shapes, with one gradient equation.
+      micro_batching: the gradient equation's combination rules (``num_micro_batches == 1``).
+      in_shardings: per flattened input leaf, where it is placed.
+      out_shardings: per output leaf, where it goes (``None``: where XLA computes it).
+      out_tree: the step's output treedef.
+      layout, meshes: the compiled pipeline's placements and its one mesh, which the
+        shardings come from (what ``meshpar.checkpoint`` reads of any compiled step).
+    """
+
+    def __init__(self, jaxpr: core.ClosedJaxpr, micro_batching: MicroBatching,
+                 in_shardings: Sequence[NamedSharding], out_shardings: Sequence[NamedSharding | None],
+                 out_tree: Any, layout: StepLayout, meshes: Sequence[Mesh]) -> None:
+        if micro_batching.num_micro_batches != 1:
+            raise ValueError(f"micro_batching: one SPMD program runs one micro-batch, got "
+                             f"{micro_batching.num_micro_batches}")
+        self.out_tree = out_tree
+        self.layout, self.meshes = layout, tuple(meshes)
+        self.in_shardings = tuple(in_shardings)
+        fold = micro_batching.fold_keys
+
+        def step(*leaves: jax.Array) -> tuple[jax.Array, ...]:
+            return tuple(_evaluate(jaxpr.jaxpr, jaxpr.consts, leaves, fold))
+
+        self._run = jax.jit(step, in_shardings=self.in_shardings, out_shardings=tuple(out_shardings))
+
+    def __call__(self, leaves: Sequence[Any]) -> list[jax.Array]:
+        return list(self._run(*[put(x, s) for x, s in zip(leaves, self.in_shardings)]))
+
+    def compiled_count(self) -> int:
+        """Executables compiled so far: one after the first step."""
+        return self._run._cache_size()
+
+
+def _evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fold_keys: frozenset[int]) -> list[Any]:
+    """``jaxpr`` evaluated with its gradient equation as ``value_and_grad`` over one micro-batch."""
+    env: dict[core.Var, Any] = {}
+
+    def read(v: core.Atom) -> Any:
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if eqn.primitive is pipeline_grad_p:
+            n = eqn.params["num_diff"]
+            invals = [*invals[:n], *(jax.random.fold_in(x, 0) if k in fold_keys else x
+                                     for k, x in enumerate(invals[n:]))]
+            outs = pipeline_grad_p.impl(*invals, **eqn.params)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]

@@ -1,0 +1,94 @@
+"""One stage and one micro-batch run as one SPMD program (``runtime.spmd_step``): equal to
+jax.jit on one device, to the pipeline runtime running the same step, with keys folded as the
+pipeline folds them, and placed so that a step's outputs feed the next without moving."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax.training import train_state
+
+import meshpar
+from meshpar.runtime.spmd_step import SpmdStep
+from pipeline_models import assert_trees_close
+
+
+class _Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.Dropout(0.3, deterministic=not train)(jnp.tanh(nn.Dense(16)(x)))
+        meshpar.mark_stage_boundary()
+        return nn.Dense(4)(h)
+
+
+def _batch(n=16, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((n, 6)).astype(np.float32), "y": rng.standard_normal((n, 4)).astype(np.float32)}
+
+
+def _state(batch):
+    model = _Net()
+    params = model.init(jax.random.key(0), batch["x"][:1], train=False)["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+
+
+def _step(state, batch, key):
+    def loss_fn(params):
+        out = state.apply_fn({"params": params}, batch["x"], rngs={"dropout": key})
+        loss = jnp.mean((out - batch["y"]) ** 2)
+        return loss, {"pred": out, "hits": jnp.sum(jnp.abs(out - batch["y"]) < 0.5)}
+
+    (loss, aux), grads = meshpar.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), loss, aux
+
+
+def _method(**kw):
+    return meshpar.PipeshardParallel(num_micro_batches=1, cut_points=(), stage_mesh_shape=(2, 2),
+                                     devices=jax.devices()[:4], **kw)
+
+
+def test_one_stage_one_micro_batch_is_one_program_equal_to_jit_and_to_the_pipeline():
+    batch, key = _batch(), jax.random.key(3)
+    state = _state(batch)
+    single = meshpar.parallelize(_step, method=_method())
+    piped = meshpar.parallelize(_step, method=_method(single_program=False))
+    # The pipeline folds micro-batch 0's index into the key: so does the reference.
+    reference = jax.jit(lambda s, b, k: _step(s, b, jax.random.fold_in(k, 0)))
+    ref, one, two = state, state, state
+    for _ in range(3):
+        ref, ref_loss, ref_aux = reference(ref, batch, key)
+        one, one_loss, one_aux = single(one, batch, key)
+        two, two_loss, two_aux = piped(two, batch, key)
+    assert isinstance(single.get_executable(one, batch, key), SpmdStep)
+    assert not isinstance(piped.get_executable(two, batch, key), SpmdStep)
+    for params, loss, aux in ((one.params, one_loss, one_aux), (two.params, two_loss, two_aux)):
+        assert_trees_close(params, ref.params)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(aux["pred"]), np.asarray(ref_aux["pred"]), rtol=1e-5, atol=1e-6)
+        assert int(aux["hits"]) == int(ref_aux["hits"])
+    # Without the fold, jax.jit draws other dropout masks.
+    assert abs(float(jax.jit(_step)(state, batch, key)[1]) - float(single(state, batch, key)[1])) > 1e-4
+
+
+def test_outputs_stay_placed_for_the_next_step_and_nothing_recompiles():
+    batch, key = _batch(), jax.random.key(1)
+    state = _state(batch)
+    single = meshpar.parallelize(_step, method=_method())
+    state, _, _ = single(state, batch, key)
+    executable = single.get_executable(state, batch, key)
+    mesh_devices = set(executable.meshes[0].devices.flat)
+    for leaf in jax.tree.leaves(state.params):
+        assert set(leaf.sharding.device_set) == mesh_devices
+    state, _, _ = single(state, batch, key)
+    assert executable.compiled_count() == 1
+
+
+def test_trace_and_bad_option_name_single_program():
+    batch, key = _batch(), jax.random.key(1)
+    single = meshpar.parallelize(_step, method=_method())
+    with pytest.raises(ValueError, match="single_program=False"):
+        single.trace("/tmp/meshpar_spmd_trace.json", _state(batch), batch, key)
+    with pytest.raises(ValueError, match="single_program: expected a bool"):
+        meshpar.PipeshardParallel(single_program="yes")
