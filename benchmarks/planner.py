@@ -5,7 +5,7 @@
 
 - ``cpu``: 8 CPU devices in this process. For GPT and U-Transformer with 8 layers (7 candidate
   cut points), every configuration of a grid (1, 2 or 4 stages cut evenly; each (data, model)
-  shape; 2, 4 or 8 micro-batches; 1F1B) is predicted by meshpar's cost model
+  shape; 2, 4 or 8 micro-batches, and 1 for one stage; 1F1B) is predicted by meshpar's cost model
   (``passes.planner_meshpar.predict``) and measured (median of ``N`` steps after one that
   compiles), and so are each planner's pick and plain ``jax.jit`` data parallelism over all 8
   devices. Reports the rank correlation (Spearman) of predicted and measured steps and each
@@ -120,7 +120,8 @@ def _grid(profile, cluster, hardware, quick: bool):
     plans = []
     for S in GRID_STAGES:
         per = L // S
-        for M in GRID_MICRO_BATCHES:
+        # One stage and one micro-batch: one SPMD program (PipeshardParallel.single_program).
+        for M in ((1,) if S == 1 else ()) + GRID_MICRO_BATCHES:
             b = profile.batch_size // M
             shapes = [sh for sh in _shapes(CPU_DEVICES // S) if b % sh[0] == 0]
             if quick:
@@ -137,17 +138,22 @@ def run_cpu(args, emit) -> None:
     import meshpar
     from examples.train_step import supervised_step
     from meshpar.cluster import Cluster
-    from meshpar.planning import PLANNERS, ParallelismPlan, measure_hardware, plan_parallelism, profile_step
+    from meshpar.planning import PLANNERS, ParallelismPlan, calibrate, measure_hardware, plan_parallelism, profile_step
 
     devices = tuple(jax.devices())
     cluster = Cluster.from_devices(list(devices))
-    hardware = measure_hardware(devices)
+    measured_hardware = measure_hardware(devices)
     emit({"part": "cpu", "model": "-", "config": "hardware", "source": "measured",
-          "device_flops": hardware.device_flops, "total_flops": hardware.total_flops, "dispatch_s": hardware.dispatch_s})
+          "device_flops": measured_hardware.device_flops, "total_flops": measured_hardware.total_flops,
+          "dispatch_s": measured_hardware.dispatch_s})
     for name, (model, batch, loss) in _cpu_models(args.models).items():
         state = _state(model, batch["x"][:1])
         step = supervised_step(loss)
         profile = profile_step(step, (state, batch), (1,), name)
+        # Calibrated once per model, as plan_parallelism does, and shared by every planner.
+        hardware = calibrate(measured_hardware, step, (state, batch), (1,), devices, cluster, profile)
+        emit({"part": "cpu", "model": name, "config": "hardware", "source": "calibrated",
+              "compute_scale": hardware.compute_scale})
         measured: dict[str, float] = {}
 
         def measure(plan, source: str) -> None:
@@ -224,7 +230,7 @@ def table(records: Sequence[dict]) -> str:
         lines.append(f"| cpu | {model} | grid ({len(grid)} configurations) | Spearman ρ predicted vs measured "
                      f"= {rho:.2f} | | {best * 1e3:.1f} (best) | | |")
         for r in rows:
-            if r["source"] == "grid" or r["source"].startswith("planning"):
+            if r["source"] == "grid" or "measured_step_s" not in r:
                 continue
             planning = next((p["planning_s"] for p in rows if r["source"].startswith("pick:")
                              and p["source"] == r["source"].replace("pick:", "planning:")), None)

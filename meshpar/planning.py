@@ -15,18 +15,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.parallelize import ParallelizedStep, PipeshardParallel, _dtype, _flax_specs
 from meshpar.passes.cost_model import DEVICE_FLOPS
 from meshpar.passes.layer_profile import ModelProfile
+from meshpar.passes.planner_alpa import search as alpa_search
 from meshpar.passes.planner_amp import MEGATRON_PLACEMENT, search as amp_search
-from meshpar.passes.planner_meshpar import Hardware, NoPlanFits, PipelinePlan, StagePlan, search, stage_meshes
+from meshpar.passes.planner_meshpar import Hardware, NoPlanFits, PipelinePlan, StagePlan, predict, search, stage_meshes
 from meshpar.passes.profile_layers import profile_layers
 from meshpar.passes.stage_graph import split_stages
 
-__all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "profile_step"]
+__all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "calibrate", "profile_step"]
 
 def _amp(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: float | None, stages: int | None,
          micro: int | None, schedules: Sequence[str]) -> list[PipelinePlan]:
@@ -53,6 +55,8 @@ PLANNERS: dict[str, Callable[..., list[PipelinePlan]]] = {
     "meshpar": lambda profile, cluster, hardware, budget, stages, micro, schedules: search(
         profile, cluster, hardware, budget, schedules=schedules, num_stages=stages, num_micro_batches=micro),
     "amp": _amp,
+    "alpa_dp": lambda profile, cluster, hardware, budget, stages, micro, schedules: alpa_search(
+        profile, cluster, hardware, budget, num_stages=stages, num_micro_batches=micro),
 }
 
 
@@ -133,6 +137,29 @@ def measure_hardware(devices: Sequence[Any]) -> Hardware:
     return Hardware(rate(arrays[:1]), rate(arrays), dispatch, ops)
 
 
+def calibrate(hardware: Hardware, fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
+              devices: Sequence[Any], cluster: Cluster, profile: ModelProfile, repeats: int = 3) -> Hardware:
+    """``hardware`` with ``compute_scale`` set so that the cost model predicts the step as
+    measured when run as plain data parallelism (one program on all ``devices``, the batch
+    split over them): what the FLOP and op counts miss on this machine. Unchanged when the
+    batch does not split over the devices or the arguments are only shapes."""
+    n = len(devices)
+    if profile.batch_size % n or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tuple(args))):
+        return hardware
+    mesh = jax.sharding.Mesh(np.array(devices), ("data",))
+    split, whole = jax.sharding.NamedSharding(mesh, P("data")), jax.sharding.NamedSharding(mesh, P())
+    placed = [jax.device_put(a, split if i in batch_argnums else whole) for i, a in enumerate(args)]
+    run = jax.jit(fun)
+    jax.block_until_ready(run(*placed))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run(*placed))
+        times.append(time.perf_counter() - start)
+    predicted = predict(profile, cluster, hardware, [StagePlan(0, profile.num_layers, (n, 1))], 1, "1f1b")
+    return dataclasses.replace(hardware, compute_scale=float(np.median(times)) / predicted.predicted_step_s)
+
+
 def _op_seconds(devices: Sequence[Any], num_ops: int = 400) -> float:
     """Seconds per operation of a chain of small unfusable operations on a mesh of ``devices``."""
     def chain(x):
@@ -196,7 +223,8 @@ def plan_parallelism(
       memory_budget_bytes: per device; ``None``: unbounded.
       planner: a key of ``PLANNERS``.
       batch_argnums: positions of the batch arguments (default the parallelized step's, or (1,)).
-      hardware: device FLOP/s; default measured (``measure_hardware``).
+      hardware: device FLOP/s; default measured (``measure_hardware``) and calibrated on the
+        step itself run as plain data parallelism (``calibrate``).
       num_stages, num_micro_batches: fix one instead of planning it.
       schedules: the schedules to choose among.
 
@@ -213,8 +241,10 @@ def plan_parallelism(
         batch_argnums = step.method.batch_argnums if isinstance(step, ParallelizedStep) else (1,)
     devices = tuple(devices) if devices is not None else tuple(jax.devices())
     cluster = cluster if cluster is not None else Cluster.from_devices(list(devices))
-    hardware = hardware if hardware is not None else measure_hardware(devices)
     profile = profile_step(fun, example_args, tuple(batch_argnums), getattr(fun, "__name__", "step"))
+    if hardware is None:
+        hardware = calibrate(measure_hardware(devices), fun, example_args, tuple(batch_argnums), devices, cluster,
+                             profile)
     start = time.perf_counter()
     plans = PLANNERS[planner](profile, cluster, hardware, memory_budget_bytes, num_stages, num_micro_batches,
                               tuple(schedules))

@@ -14,7 +14,8 @@ Search, for every stage count ``S`` dividing the devices and micro-batch count `
 
 Costs (per micro-batch of ``b`` examples, stage on a ``(d, t)`` mesh of devices of
 ``device_flops``): forward ``flops · b / (d · t · device_flops)`` plus the tensor-parallel
-all-reduces ``2 (t - 1) / t · tp_bytes · b / d / bw_t``; backward twice the forward's compute
+all-reduces ``2 (t - 1) / t · tp_bytes · b / d / B'`` (Megatron's two per layer, ATP's Eq. 4 with
+its hierarchical bandwidth ``B'`` of the model axis: ``tensor_parallel_bandwidth``); backward twice the forward's compute
 and as much communication. On an emulated cluster whose devices share a few cores
 (``Hardware.total_flops``), no step is faster than all its FLOPs at that rate, and none is
 faster than the host launching its tasks one by one (``Hardware.dispatch_s``).
@@ -36,10 +37,12 @@ from meshpar.sharding_spec import ShardingSpec
 from .layer_profile import ModelProfile
 from .pipeline_schedule import make_schedule
 from .plan_resharding import plan_resharding
+from .planner_atp import mesh_bandwidths
 from .resharding_task import ReshardingTask
 from .schedule_simulator import StageSeconds, TaskDurations, simulate
 
-__all__ = ["Hardware", "StagePlan", "PipelinePlan", "stage_meshes", "predict", "search", "NoPlanFits"]
+__all__ = ["Hardware", "StagePlan", "PipelinePlan", "stage_meshes", "tensor_parallel_bandwidth", "predict", "search",
+           "NoPlanFits"]
 
 SCHEDULES = ("1f1b", "eager_1f1b")
 
@@ -53,16 +56,19 @@ class Hardware:
     """What a device computes: ``device_flops`` sustained FLOP/s each; ``total_flops`` caps the
     whole cluster (virtual CPU devices sharing a few cores), ``inf`` when devices are real;
     ``dispatch_s`` host seconds to launch one task (the runtime launches every task of a step
-    from one thread, so no step is faster than its launches)."""
+    from one thread, so no step is faster than its launches); ``compute_scale`` multiplies
+    every compute estimate: a model's measured step over its FLOP-and-op estimate on this
+    machine (what fusion and memory traffic make of its FLOPs), 1 when not calibrated."""
 
     device_flops: float
     total_flops: float = math.inf
     dispatch_s: float = 0.0
     op_s: tuple[float, float] = (0.0, 0.0)
+    compute_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if (not self.device_flops > 0 or not self.total_flops > 0 or not self.dispatch_s >= 0
-                or len(self.op_s) != 2 or not min(self.op_s) >= 0):
+                or len(self.op_s) != 2 or not min(self.op_s) >= 0 or not self.compute_scale > 0):
             raise ValueError(f"device_flops, total_flops, dispatch_s, op_s: expected positive FLOP/s and seconds "
                              f">= 0, got {self}")
 
@@ -154,6 +160,13 @@ def _axis_bandwidth(cluster: Cluster, mesh: DeviceMesh, axis: int) -> float:
     return cluster.inter_host_bandwidth / per_host
 
 
+def tensor_parallel_bandwidth(cluster: Cluster, shape: tuple[int, int], first_device: int = 0) -> float:
+    """``B'`` of the model axis of a ``(data, model)`` stage mesh on devices ``first_device ..``
+    of ``cluster``: ATP's hierarchical model (``planner_atp.mesh_bandwidths``, Eq. 3), with every
+    data-parallel row's tensor-parallel ring running at once."""
+    return mesh_bandwidths(cluster, shape, first_device=first_device).link[1]
+
+
 def _all_reduce_s(num_bytes: float, ring: int, bandwidth: float) -> float:
     return 0.0 if ring <= 1 else 2.0 * (ring - 1) / ring * num_bytes / bandwidth
 
@@ -185,7 +198,7 @@ def _live(schedule: str, s: int, S: int, M: int) -> int:
 def _stage_seconds(pre: _Prefix, i, j, shape: tuple[int, int], b: int, hardware: Hardware, tp_bw: float):
     d, t = shape
     compute = pre.span(pre.flops, i, j) * b / (d * t * hardware.device_flops)
-    compute = compute + pre.span(pre.ops, i, j) * hardware.op_seconds(d * t)
+    compute = (compute + pre.span(pre.ops, i, j) * hardware.op_seconds(d * t)) * hardware.compute_scale
     comm = _all_reduce_s(pre.span(pre.tp, i, j) * b / d, t, tp_bw)
     return compute + comm, 2.0 * compute + comm
 
@@ -207,8 +220,10 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
     pre = _Prefix(profile)
     meshes = stage_meshes(cluster, [s.shape for s in stages])
     seconds, memory, sync = [], [], []
+    offsets = np.cumsum([0] + [s.shape[0] * s.shape[1] for s in stages])
     for k, (st, mesh) in enumerate(zip(stages, meshes)):
-        f, bw = _stage_seconds(pre, st.start, st.stop, st.shape, b, hardware, _axis_bandwidth(cluster, mesh, 1))
+        f, bw = _stage_seconds(pre, st.start, st.stop, st.shape, b, hardware,
+                               tensor_parallel_bandwidth(cluster, st.shape, int(offsets[k])))
         seconds.append(StageSeconds(f, bw, bw / 2, bw / 2))
         memory.append(float(_memory(pre, st.start, st.stop, st.shape, b, _live(schedule, k, S, M))))
         d, t = st.shape
@@ -224,12 +239,14 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
              for p, c in edges]
     step = simulate(make_schedule(schedule, S, M, edges), TaskDurations(tuple(seconds), tuple(times), tuple(times)),
                     overlap=True).step_seconds
-    launches = M * (2 * S + 2 * len(edges)) + 2 * S  # compute and transfer tasks, then each stage's update
+    # Compute and transfer tasks, then each stage's update; one stage and one micro-batch run
+    # as one program (PipeshardParallel.single_program).
+    launches = 1 if S == M == 1 else M * (2 * S + 2 * len(edges)) + 2 * S
     step = max(step + max(sync), launches * hardware.dispatch_s)
     if hardware.shared:
         work = 3.0 * float(pre.flops[-1]) * profile.batch_size / hardware.total_flops + 3.0 * M * sum(
             pre.span(pre.ops, st.start, st.stop) * hardware.op_seconds(st.shape[0] * st.shape[1]) for st in stages)
-        step = max(step, work)
+        step = max(step, work * hardware.compute_scale)
     return PipelinePlan(tuple(stages), M, schedule, step, tuple(memory), planner)
 
 
@@ -267,8 +284,7 @@ def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: s
         return None
     per_shape = []
     for k, shape in enumerate(shapes):
-        mesh = stage_meshes(cluster, [shape])[0]
-        f, bw = _stage_seconds(pre, idx_i, idx_j, shape, b, hardware, _axis_bandwidth(cluster, mesh, 1))
+        f, bw = _stage_seconds(pre, idx_i, idx_j, shape, b, hardware, tensor_parallel_bandwidth(cluster, shape))
         per_shape.append((f + bw, shape))
     INF = math.inf
     best = np.full((S + 1, L + 1), INF)

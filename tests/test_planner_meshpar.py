@@ -158,14 +158,15 @@ def test_auto_plans_on_the_first_call_and_equals_jit(capsys):
         meshpar.PipeshardParallel(num_stages="auto", cut_points=(1,))
 
 
-def test_the_amp_planners_pick_runs_and_equals_jit():
+@pytest.mark.parametrize("planner", ["amp", "alpa_dp"])
+def test_the_baseline_planners_picks_run_and_equal_jit(planner):
     model = MLP(features=(16, 16, 16, 16, 4), num_stages=4)
     rng = np.random.default_rng(2)
     batch = {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
     state = make_state(model, batch["x"][:1])
     step = supervised_step(mse)
-    plan = plan_parallelism(step, state, batch, hardware=HW, planner="amp")
-    assert plan.best.planner == "amp" and plan.best.stages[-1].stop == 4
+    plan = plan_parallelism(step, state, batch, hardware=HW, planner=planner)
+    assert plan.best.planner == planner and plan.best.stages[-1].stop == 4
     got_state, got_loss = meshpar.parallelize(step, method=plan.method)(state, batch)
     want_state, want_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
