@@ -112,6 +112,7 @@ class PipeshardParallel:
     model_axis: str = "model"
     cut_points: tuple[int, ...] | None = None
     single_program: bool = True
+    auto_layers: int | None = None
 
     @property
     def planned(self) -> bool:
@@ -121,6 +122,8 @@ class PipeshardParallel:
     def __post_init__(self) -> None:
         if not isinstance(self.single_program, bool):
             raise ValueError(f"single_program: expected a bool, got {self.single_program!r}")
+        if self.auto_layers is not None and not self._is_count(self.auto_layers):
+            raise ValueError(f"auto_layers: expected a positive number of layers or None, got {self.auto_layers!r}")
         if self.planned:
             if self.stage_meshes is not None or self.cut_points is not None:
                 raise ValueError("num_stages, stage_mesh_shape, num_micro_batches: 'auto' plans the stage meshes "
@@ -462,7 +465,7 @@ class ParallelizedStep:
             M, micro_batch_size, method.schedule, method.weight_delay, method.executor, method.resharding,
             method.stage_meshes, method.stage_mesh_shape,
             cluster.inter_host_bandwidth if cluster else 1.25e9, cluster.intra_host_bandwidth if cluster else 100e9,
-            method.data_axis, method.model_axis, method.cut_points,
+            method.data_axis, method.model_axis, method.cut_points, method.auto_layers,
         )
         devices = list(method.devices) if method.devices is not None else jax.devices()
         compiled = compile_pipeline(
@@ -544,7 +547,9 @@ def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
         if S == 1:
             raise StageMarkerError(
                 f"num_stages: {method.num_stages} stages asked for, but the model calls "
-                f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends, or pass num_stages=1"
+                f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends, pass "
+                f"auto_layers={method.num_stages} to cut it automatically, num_stages='auto' to plan it, "
+                f"or num_stages=1"
             )
         raise StageMarkerError(
             f"num_stages: {method.num_stages} stages asked for, but the model's "

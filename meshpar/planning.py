@@ -26,7 +26,11 @@ from meshpar.passes.planner_alpa import search as alpa_search
 from meshpar.passes.planner_amp import MEGATRON_PLACEMENT, search as amp_search
 from meshpar.passes.planner_meshpar import Hardware, NoPlanFits, PipelinePlan, StagePlan, predict, search, stage_meshes
 from meshpar.passes.profile_layers import profile_layers
-from meshpar.passes.stage_graph import split_stages
+from meshpar.passes.layer_clustering import insert_layer_markers, max_layers
+from meshpar.passes.stage_graph import count_markers, split_stages
+
+# Layers a loss without stage markers is cut into for planning.
+AUTO_LAYERS = 8
 
 __all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "calibrate", "profile_step"]
 
@@ -94,7 +98,8 @@ class ParallelismPlan:
                       for m in meshes]
         return PipeshardParallel(
             num_micro_batches=self.best.num_micro_batches, stage_meshes=jax_meshes, schedule=self.best.schedule,
-            cut_points=self.best.cut_points, cluster=self.cluster, devices=self.devices, **options)
+            cut_points=self.best.cut_points, cluster=self.cluster, devices=self.devices,
+            auto_layers=self.profile.auto_layers, **options)
 
     def describe(self) -> str:
         """The chosen plan, its stages' layers and meshes, and the runners-up."""
@@ -177,8 +182,11 @@ def _op_seconds(devices: Sequence[Any], num_ops: int = 400) -> float:
     return (time.perf_counter() - start) / repeats / num_ops
 
 
-def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int], name: str = "model") -> ModelProfile:
-    """The layers of ``fun``'s loss, from one trace at the arguments' shapes (nothing runs)."""
+def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int], name: str = "model",
+                 num_layers: int = AUTO_LAYERS) -> ModelProfile:
+    """The layers of ``fun``'s loss, from one trace at the arguments' shapes (nothing runs):
+    between its stage markers, or, when it has none, ``num_layers`` layers cut automatically
+    (``passes.layer_clustering``; fewer if the loss has fewer equations with FLOPs)."""
     leaves, in_tree = jax.tree.flatten(tuple(args))
     arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
     batch = [np.shape(x)[0] for x, a in zip(leaves, arg_of_leaf) if a in batch_argnums and np.ndim(x)]
@@ -191,12 +199,16 @@ def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     if len(grads) != 1:
         raise ValueError(f"step: must call meshpar.value_and_grad or meshpar.grad exactly once, found {len(grads)}")
     params = grads[0].params
-    graph = split_stages(params["loss_jaxpr"], params["num_diff"])
+    loss, auto = params["loss_jaxpr"], None
+    if count_markers(loss) == 0:
+        auto = min(num_layers, max_layers(loss))
+        loss = insert_layer_markers(loss, auto)
+    graph = split_stages(loss, params["num_diff"])
     specs = _flax_specs(tuple(args))
     leaf_of = {v: i for i, v in enumerate(outer.jaxpr.invars)}
     sharded = [any(e is not None for e in (specs[leaf_of[v]] or ())) if v in leaf_of else False
                for v in grads[0].invars[:params["num_diff"]]]
-    return profile_layers(graph, batch[0], batch[0], sharded, name=name)
+    return profile_layers(graph, batch[0], batch[0], sharded, name=name, auto_layers=auto)
 
 
 def plan_parallelism(

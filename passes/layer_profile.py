@@ -66,12 +66,15 @@ class ModelProfile:
       name: for reports.
       values: the values crossing between layers, when known (a traced model); else each
         layer's ``boundary_bytes`` goes to the next layer only (a chain).
+      auto_layers: the layers were cut automatically (``passes.layer_clustering``) into this
+        many, the model having no stage markers; ``None``: they are the model's own.
     """
 
     layers: tuple[LayerProfile, ...]
     batch_size: int
     name: str = "model"
     values: tuple[CrossingValue, ...] = ()
+    auto_layers: int | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:

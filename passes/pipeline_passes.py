@@ -36,6 +36,7 @@ from .mesh_assignment import assign_stage_meshes
 from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
 from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
 from .schedule_simulator import TaskDurations
+from .layer_clustering import insert_layer_markers
 from .stage_graph import Ref, StageGraph, split_stages, verify_stage_graph
 from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
@@ -67,6 +68,7 @@ class PipelineOptions:
     data_axis: str
     model_axis: str
     cut_points: tuple[int, ...] | None = None
+    auto_layers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +113,10 @@ def compile_pipeline(
     """Runs the passes (module doc) on a traced step ``outer`` (at the whole batch's shapes) whose
     gradient equation, traced per micro-batch, has ``grad_params``, combining micro-batches as
     ``micro_batching`` says; ``check_stages`` validates the stage graph against the user's options."""
-    graph = _run("split_stages", lambda: split_stages(grad_params["loss_jaxpr"], grad_params["num_diff"], options.cut_points), verify_stage_graph)
+    loss = grad_params["loss_jaxpr"]
+    if options.auto_layers is not None:
+        loss = insert_layer_markers(loss, options.auto_layers)
+    graph = _run("split_stages", lambda: split_stages(loss, grad_params["num_diff"], options.cut_points), verify_stage_graph)
     check_stages(graph)
     S = graph.num_stages
     axis_names = (options.data_axis, options.model_axis)

@@ -36,6 +36,7 @@ def profile_layers(
     model_sharded: Sequence[bool],
     optimizer_factor: float = 2.0,
     name: str = "model",
+    auto_layers: int | None = None,
 ) -> ModelProfile:
     """The ``ModelProfile`` of a loss cut at every marker (``graph``: one stage per layer).
 
@@ -45,6 +46,7 @@ def profile_layers(
       model_sharded: per parameter leaf, whether its flax partitioning names the model axis.
       optimizer_factor: optimizer-state bytes per parameter byte (Adam's two moments: 2).
       name: for reports.
+      auto_layers: set when ``graph``'s markers were inserted by ``passes.layer_clustering``.
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size: expected a positive integer, got {micro_batch_size!r}")
@@ -75,7 +77,7 @@ def profile_layers(
         CrossingValue(stage.index, graph.consumers(ref), _bytes(aval) / micro_batch_size)
         for stage in graph.stages for ref, aval in zip(stage.outputs, stage.jaxpr.out_avals) if graph.consumers(ref)
     )
-    return ModelProfile(tuple(layers), batch_size, name, values)
+    return ModelProfile(tuple(layers), batch_size, name, values, auto_layers)
 
 
 def _crossing_bytes(graph: StageGraph, cut_after: int) -> float:
