@@ -12,7 +12,8 @@
   pick against the best measured configuration.
 - ``simulated``: a 96-layer GPT (hidden 12288, 2048 tokens) on ``dgx_h100`` and
   ``aws_p3_8xlarge`` clusters of 16 to 1,024 GPUs, 80 GB (resp. 16 GB) per device: each
-  planner's pick, predicted step time, peak memory per device and planning time.
+  planner's pick, predicted step time, peak memory per device and planning time; and ATP's
+  2D tensor-parallel mesh for one of its layers against Megatron's 1D, on 8 to 64 GPUs.
 
 Records (``--json``): one per measured or planned configuration::
 
@@ -217,6 +218,21 @@ def run_simulated(args, emit) -> None:
                   "peak_memory_bytes": max(best.peak_memory_bytes), "planning_s": time.perf_counter() - start})
 
 
+def run_atp(emit) -> None:
+    """ATP's choice of a 2D tensor-parallel mesh for one layer of the 96-layer GPT (batch 8),
+    against Megatron's 1D ``(N, 1)``, on the simulated clusters."""
+    from meshpar.cluster import Cluster
+    from meshpar.passes.planner_atp import choose_mesh
+
+    for cluster_name, make, per_host in (("dgx_h100", Cluster.dgx_h100, 8), ("aws_p3_8xlarge", Cluster.aws_p3_8xlarge, 4)):
+        for n in (8, 16, 32, 64):
+            choice = choose_mesh(make(max(1, n // per_host)), n, 8, 2048, 12288)
+            megatron = next(c for c in choice.ranked if c.mesh == (n, 1))
+            emit({"part": "atp", "model": "gpt96 layer", "config": f"{cluster_name}, TP over {n}",
+                  "source": "atp", "mesh": list(choice.best.mesh), "comm_s": choice.best.total_s,
+                  "megatron_comm_s": megatron.total_s})
+
+
 def table(records: Sequence[dict]) -> str:
     """The markdown summary: per CPU model, the grid's rank correlation, the best measured
     configuration, each pick and jax.jit; then the simulated picks."""
@@ -247,6 +263,12 @@ def table(records: Sequence[dict]) -> str:
             lines.append(f"| simulated | gpt96 | {r['source']} | {r['config']}, peak "
                          f"{r['peak_memory_bytes'] / 1e9:.1f} GB | {r['predicted_step_s'] * 1e3:.0f} | | | "
                          f"{r['planning_s']:.2f} |")
+    atp = [r for r in records if r["part"] == "atp"]
+    if atp:
+        lines += ["", "| ATP: one layer's tensor-parallel communication | ATP's mesh (d1, d2) | ATP ms | Megatron (N, 1) ms "
+                  "| ratio |", "|---|---|---|---|---|"]
+        lines += [f"| {r['config']} | {tuple(r['mesh'])} | {r['comm_s'] * 1e3:.1f} | {r['megatron_comm_s'] * 1e3:.1f} "
+                  f"| {r['comm_s'] / r['megatron_comm_s']:.2f} |" for r in atp]
     return "\n".join(lines)
 
 
@@ -255,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--models", nargs="+", default=["gpt", "ut"], choices=["gpt", "ut"])
-    parser.add_argument("--planners", nargs="+", default=["meshpar", "amp", "galvatron"])
+    parser.add_argument("--planners", nargs="+", default=["meshpar", "amp", "galvatron", "alpa_dp"])
     parser.add_argument("--repeat", type=int, default=3, help="timed steps per configuration (default 3)")
     parser.add_argument("--quick", action="store_true", help="two shapes per (stages, micro-batches) on the grid")
     parser.add_argument("--no-cpu", action="store_true", help="skip the measured CPU part")
@@ -278,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         run_cpu(args, emit)
     if not args.no_simulated:
         run_simulated(args, emit)
+        run_atp(emit)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -37,9 +37,10 @@ __all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware"
 def _amp(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: float | None, stages: int | None,
          micro: int | None, schedules: Sequence[str]) -> list[PipelinePlan]:
     """AMP's search (``passes.planner_amp``) as ``PipelinePlan``s: its plans with Megatron's
-    placement (the stage meshes meshpar cuts), priced by AMP's own model, 1F1B."""
+    placement (the stage meshes meshpar cuts), priced by AMP's own model, 1F1B. AMP knows a
+    device by its FLOP/s: the calibrated rate (``Hardware.compute_scale``), as meshpar's own."""
     try:
-        found = amp_search(profile, cluster, hardware.device_flops, budget)
+        found = amp_search(profile, cluster, hardware.device_flops / hardware.compute_scale, budget)
     except ValueError as e:
         raise NoPlanFits(str(e)) from None
     plans = [PipelinePlan(tuple(StagePlan(a, b, (p.dp, p.tp)) for a, b in zip(p.partition, p.partition[1:])),
