@@ -212,20 +212,21 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
             num_micro_batches: int, schedule: str, planner: str = "meshpar") -> PipelinePlan:
     """The step time and per-stage memory of running ``stages`` with ``num_micro_batches``
     under ``schedule``: compute and tensor-parallel time per stage, every crossing value's
-    resharding plan between its stages' meshes, simulated; then the gradient all-reduce."""
+    resharding plan between its stages' meshes, simulated; then the gradient all-reduce. A
+    stage's memory holds as many micro-batches' activations as the simulated schedule keeps
+    alive there at once."""
     S, M = len(stages), num_micro_batches
     if profile.batch_size % M:
         raise ValueError(f"num_micro_batches: {M} does not divide the batch of {profile.batch_size}")
     b = profile.batch_size // M
     pre = _Prefix(profile)
     meshes = stage_meshes(cluster, [s.shape for s in stages])
-    seconds, memory, sync = [], [], []
+    seconds, sync = [], []
     offsets = np.cumsum([0] + [s.shape[0] * s.shape[1] for s in stages])
     for k, (st, mesh) in enumerate(zip(stages, meshes)):
         f, bw = _stage_seconds(pre, st.start, st.stop, st.shape, b, hardware,
                                tensor_parallel_bandwidth(cluster, st.shape, int(offsets[k])))
         seconds.append(StageSeconds(f, bw, bw / 2, bw / 2))
-        memory.append(float(_memory(pre, st.start, st.stop, st.shape, b, _live(schedule, k, S, M))))
         d, t = st.shape
         sync.append(_all_reduce_s(pre.span(pre.params, st.start, st.stop) / t, d, _axis_bandwidth(cluster, mesh, 0)))
     stage_of = [k for k, st in enumerate(stages) for _ in range(st.start, st.stop)]
@@ -237,8 +238,11 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
     edges = sorted(edge_bytes)
     times = [_edge_seconds(cluster, meshes[p], meshes[c], stages[p].shape, stages[c].shape, edge_bytes[(p, c)], b)
              for p, c in edges]
-    step = simulate(make_schedule(schedule, S, M, edges), TaskDurations(tuple(seconds), tuple(times), tuple(times)),
-                    overlap=True).step_seconds
+    simulated = simulate(make_schedule(schedule, S, M, edges),
+                         TaskDurations(tuple(seconds), tuple(times), tuple(times)), overlap=True)
+    step = simulated.step_seconds
+    memory = [float(_memory(pre, st.start, st.stop, st.shape, b, live))
+              for st, live in zip(stages, simulated.peak_live_activations)]
     # Compute and transfer tasks, then each stage's update; one stage and one micro-batch run
     # as one program (PipeshardParallel.single_program).
     launches = 1 if S == M == 1 else M * (2 * S + 2 * len(edges)) + 2 * S

@@ -171,3 +171,21 @@ def test_the_baseline_planners_picks_run_and_equal_jit(planner):
     want_state, want_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     assert_trees_close(got_state.params, want_state.params)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "eager_1f1b"])
+def test_the_partition_dps_live_activations_are_what_the_simulated_schedule_keeps(schedule):
+    """The DP prices memory with ``_live`` before simulating; ``predict`` reports the simulated
+    schedule's peak: the two agree, so a plan the DP fits is reported within the budget."""
+    rng = np.random.default_rng(7)
+    profile = _random_profile(rng, 8)
+    for S in (1, 2, 4):
+        for M in (1, 2, 4, 8, 16):
+            if M != 1 and M < S:
+                continue
+            stages = [StagePlan(k * (8 // S), (k + 1) * (8 // S), (1, 8 // S)) for k in range(S)]
+            plan = predict(profile, CLUSTER, HW, stages, M, schedule)
+            pre, b = _Prefix(profile), 16 // M
+            want = [float(_memory(pre, st.start, st.stop, st.shape, b, _live(schedule, k, S, M)))
+                    for k, st in enumerate(stages)]
+            np.testing.assert_allclose(plan.peak_memory_bytes, want, rtol=1e-12)
