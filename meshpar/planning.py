@@ -24,6 +24,7 @@ from meshpar.passes.cost_model import DEVICE_FLOPS
 from meshpar.passes.layer_profile import ModelProfile
 from meshpar.passes.planner_alpa import search as alpa_search
 from meshpar.passes.planner_amp import MEGATRON_PLACEMENT, search as amp_search
+from meshpar.passes.planner_galvatron import search as galvatron_search
 from meshpar.passes.planner_meshpar import Hardware, NoPlanFits, PipelinePlan, StagePlan, predict, search, stage_meshes
 from meshpar.passes.profile_layers import profile_layers
 from meshpar.passes.layer_clustering import insert_layer_markers, max_layers
@@ -55,11 +56,34 @@ def _amp(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: fl
     return plans
 
 
+def _galvatron(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: float | None,
+               stages: int | None, micro: int | None, schedules: Sequence[str]) -> list[PipelinePlan]:
+    """Galvatron-BMW's search (``passes.planner_galvatron``) as ``PipelinePlan``s, priced by its
+    own model (Eq. 9), 1F1B-Flush as the paper runs it. Its per-layer strategies collapse to one
+    ``(data, model)`` shape per stage (``GalvatronPlan.stage_shapes``): meshpar gives a stage
+    one mesh. Devices run at the calibrated rate, as for meshpar's own planner."""
+    try:
+        found = galvatron_search(profile, cluster, hardware.device_flops / hardware.compute_scale, budget)
+    except ValueError as e:
+        raise NoPlanFits(str(e)) from None
+    plans = [PipelinePlan(tuple(StagePlan(a, b, shape) for a, b, shape in zip(p.partition, p.partition[1:],
+                                                                             p.stage_shapes)),
+                          p.num_micro_batches, "1f1b", p.predicted_step_s, p.peak_memory_bytes, "galvatron")
+             for p in found
+             if (stages is None or p.pp == stages) and (micro is None or p.num_micro_batches == micro)]
+    if not plans:
+        raise NoPlanFits(f"planner: Galvatron-BMW found no plan"
+                         f"{'' if stages is None else f' with {stages} stages'}"
+                         f"{'' if micro is None else f' with {micro} micro-batches'}")
+    return plans
+
+
 # name -> (profile, cluster, hardware, memory budget, fixed stages, fixed micro-batches, schedules) -> plans
 PLANNERS: dict[str, Callable[..., list[PipelinePlan]]] = {
     "meshpar": lambda profile, cluster, hardware, budget, stages, micro, schedules: search(
         profile, cluster, hardware, budget, schedules=schedules, num_stages=stages, num_micro_batches=micro),
     "amp": _amp,
+    "galvatron": _galvatron,
     "alpa_dp": lambda profile, cluster, hardware, budget, stages, micro, schedules: alpa_search(
         profile, cluster, hardware, budget, num_stages=stages, num_micro_batches=micro),
 }

@@ -158,7 +158,7 @@ def test_auto_plans_on_the_first_call_and_equals_jit(capsys):
         meshpar.PipeshardParallel(num_stages="auto", cut_points=(1,))
 
 
-@pytest.mark.parametrize("planner", ["amp", "alpa_dp"])
+@pytest.mark.parametrize("planner", ["amp", "galvatron", "alpa_dp"])
 def test_the_baseline_planners_picks_run_and_equal_jit(planner):
     model = MLP(features=(16, 16, 16, 16, 4), num_stages=4)
     rng = np.random.default_rng(2)
