@@ -139,7 +139,8 @@ def run_cpu(args, emit) -> None:
     import meshpar
     from examples.train_step import supervised_step
     from meshpar.cluster import Cluster
-    from meshpar.planning import PLANNERS, ParallelismPlan, calibrate, measure_hardware, plan_parallelism, profile_step
+    from meshpar.planning import (PLANNERS, ParallelismPlan, calibrate, compiled_tensor_parallel, measure_hardware,
+                                  plan_parallelism, profile_step)
 
     devices = tuple(jax.devices())
     cluster = Cluster.from_devices(list(devices))
@@ -151,10 +152,12 @@ def run_cpu(args, emit) -> None:
         state = _state(model, batch["x"][:1])
         step = supervised_step(loss)
         profile = profile_step(step, (state, batch), (1,), name)
-        # Calibrated once per model, as plan_parallelism does, and shared by every planner.
+        # Sized by the compiled program and calibrated once per model, as plan_parallelism
+        # does, and shared by every planner.
+        profile, tp_scale = compiled_tensor_parallel(profile, step, (state, batch), (1,), devices)
         hardware = calibrate(measured_hardware, step, (state, batch), (1,), devices, cluster, profile)
         emit({"part": "cpu", "model": name, "config": "hardware", "source": "calibrated",
-              "compute_scale": hardware.compute_scale})
+              "compute_scale": hardware.compute_scale, "tp_bytes_scale": tp_scale})
         measured: dict[str, float] = {}
 
         def measure(plan, source: str) -> None:

@@ -21,6 +21,7 @@ from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.parallelize import ParallelizedStep, PipeshardParallel, _dtype, _flax_specs
 from meshpar.passes.cost_model import DEVICE_FLOPS
+from meshpar.passes.hlo_collectives import all_reduce_equivalent_bytes
 from meshpar.passes.layer_profile import ModelProfile
 from meshpar.passes.planner_alpa import search as alpa_search
 from meshpar.passes.planner_amp import MEGATRON_PLACEMENT, search as amp_search
@@ -33,7 +34,8 @@ from meshpar.passes.stage_graph import count_markers, split_stages
 # Layers a loss without stage markers is cut into for planning.
 AUTO_LAYERS = 8
 
-__all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "calibrate", "profile_step"]
+__all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "calibrate", "profile_step",
+           "compiled_tensor_parallel"]
 
 def _amp(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: float | None, stages: int | None,
          micro: int | None, schedules: Sequence[str]) -> list[PipelinePlan]:
@@ -190,6 +192,35 @@ def calibrate(hardware: Hardware, fun: Callable, args: Sequence[Any], batch_argn
     return dataclasses.replace(hardware, compute_scale=float(np.median(times)) / predicted.predicted_step_s)
 
 
+def compiled_tensor_parallel(profile: ModelProfile, fun: Callable, args: Sequence[Any],
+                             batch_argnums: Sequence[int], devices: Sequence[Any]) -> tuple[ModelProfile, float]:
+    """``profile`` with its tensor-parallel bytes as XLA compiles them: the step is compiled
+    (not run) as one program on a ``(1, len(devices))`` mesh, every parameter split over
+    ``model`` as its flax partitioning names, and the collectives of its HLO
+    (``passes.hlo_collectives``, all of them tensor-parallel on a mesh without a data axis)
+    replace Megatron's rule. Per example, forward and backward together move
+    ``2 · Σ tp_bytes`` by that rule; every layer's ``tp_bytes`` is scaled by the compiled
+    program's bytes over that (the rule places the bytes among layers, the program sizes them).
+
+    Returns:
+      The profile and the scale; unchanged (scale 1) on one device or when no parameter is
+      split over ``model`` (no layer has ``tp_bytes``).
+    """
+    from meshpar.parallelize import parallelize
+
+    rule = 2.0 * sum(layer.tp_bytes for layer in profile.layers)
+    if len(devices) < 2 or rule == 0.0:
+        return profile, 1.0
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(1, len(devices)), ("data", "model"))
+    method = PipeshardParallel(num_micro_batches=1, stage_meshes=[mesh], cut_points=(), devices=tuple(devices),
+                               batch_argnums=tuple(batch_argnums), single_program=True)
+    program = parallelize(fun, method=method).get_executable(*args)
+    hlo = program.lower(jax.tree.leaves(tuple(args))).compile().as_text()
+    scale = all_reduce_equivalent_bytes(hlo, len(devices)) / profile.batch_size / rule
+    layers = tuple(dataclasses.replace(layer, tp_bytes=layer.tp_bytes * scale) for layer in profile.layers)
+    return dataclasses.replace(profile, layers=layers), scale
+
+
 def _op_seconds(devices: Sequence[Any], num_ops: int = 400) -> float:
     """Seconds per operation of a chain of small unfusable operations on a mesh of ``devices``."""
     def chain(x):
@@ -279,6 +310,7 @@ def plan_parallelism(
     devices = tuple(devices) if devices is not None else tuple(jax.devices())
     cluster = cluster if cluster is not None else Cluster.from_devices(list(devices))
     profile = profile_step(fun, example_args, tuple(batch_argnums), getattr(fun, "__name__", "step"))
+    profile, _ = compiled_tensor_parallel(profile, fun, example_args, tuple(batch_argnums), devices)
     if hardware is None:
         hardware = calibrate(measure_hardware(devices), fun, example_args, tuple(batch_argnums), devices, cluster,
                              profile)

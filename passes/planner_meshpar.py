@@ -15,7 +15,8 @@ Search, for every stage count ``S`` dividing the devices and micro-batch count `
 Costs (per micro-batch of ``b`` examples, stage on a ``(d, t)`` mesh of devices of
 ``device_flops``): forward ``flops · b / (d · t · device_flops)`` plus the tensor-parallel
 all-reduces ``2 (t - 1) / t · tp_bytes · b / d / B'`` (Megatron's two per layer, ATP's Eq. 4 with
-its hierarchical bandwidth ``B'`` of the model axis: ``tensor_parallel_bandwidth``); backward twice the forward's compute
+its hierarchical bandwidth ``B'`` of the model axis: ``tensor_parallel_bandwidth``; ``tp_bytes`` sized by the
+step's compiled HLO when planned on local devices: ``meshpar.planning.compiled_tensor_parallel``); backward twice the forward's compute
 and as much communication. On an emulated cluster whose devices share a few cores
 (``Hardware.total_flops``), no step is faster than all its FLOPs at that rate, and none is
 faster than the host launching its tasks one by one (``Hardware.dispatch_s``).

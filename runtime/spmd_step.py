@@ -62,6 +62,12 @@ class SpmdStep:
     def __call__(self, leaves: Sequence[Any]) -> list[jax.Array]:
         return list(self._run(*[put(x, s) for x, s in zip(leaves, self.in_shardings)]))
 
+    def lower(self, leaves: Sequence[Any]) -> jax.stages.Lowered:
+        """The program lowered for inputs of ``leaves``' shapes and dtypes (nothing is placed or
+        run): ``.compile().as_text()`` is the HLO a step executes."""
+        return self._run.lower(*[jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x), sharding=s)
+                                 for x, s in zip(leaves, self.in_shardings)])
+
     def compiled_count(self) -> int:
         """Executables compiled so far: one after the first step."""
         return self._run._cache_size()
