@@ -182,8 +182,11 @@ def verify_schedule(schedule: PipelineSchedule) -> None:
         if missing:
             raise PlanVerificationError(f"{t} launches before {missing[0]}, which it reads")
         seen.add(t)
-    for s, seq in enumerate(schedule.sequences):
-        launched = [t for t in schedule.order if t.kind.is_compute and t.where == s]
+    launched_on: list[list[Task]] = [[] for _ in range(S)]
+    for t in schedule.order:
+        if t.kind.is_compute:
+            launched_on[t.where].append(t)
+    for s, (seq, launched) in enumerate(zip(schedule.sequences, launched_on)):
         if launched != list(seq):
             raise PlanVerificationError(f"stage {s}: launch order {launched} breaks its sequence {list(seq)}")
 

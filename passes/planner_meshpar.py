@@ -10,7 +10,10 @@ Search, for every stage count ``S`` dividing the devices and micro-batch count `
    (stage ``s`` of a 1F1B pipeline keeps ``min(S - s, M)`` micro-batches alive; eager-1F1B
    ``min(2(S - s) - 1, M)``);
 2. the step of that partition simulated under 1F1B and eager-1F1B with every edge's
-   resharding priced, plus the data-parallel gradient all-reduce that ends the step.
+   resharding priced, plus the data-parallel gradient all-reduce that ends the step;
+   candidates in the order of a lower bound on their step, until the bound passes the
+   fifth fastest simulated (branch and bound: a 1,024-device cluster has ~150 candidates,
+   and the long schedules among them take seconds each to build and simulate).
 
 Costs (per micro-batch of ``b`` examples, stage on a ``(d, t)`` mesh of devices of
 ``device_flops``): forward ``flops · b / (d · t · device_flops)`` plus the tensor-parallel
@@ -46,6 +49,8 @@ __all__ = ["Hardware", "StagePlan", "PipelinePlan", "stage_meshes", "tensor_para
            "NoPlanFits"]
 
 SCHEDULES = ("1f1b", "eager_1f1b")
+# Plans search ranks exactly, fastest first (the chosen one and four alternatives).
+NUM_RANKED = 5
 
 
 class NoPlanFits(ValueError):
@@ -222,14 +227,7 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
     b = profile.batch_size // M
     pre = _Prefix(profile)
     meshes = stage_meshes(cluster, [s.shape for s in stages])
-    seconds, sync = [], []
-    offsets = np.cumsum([0] + [s.shape[0] * s.shape[1] for s in stages])
-    for k, (st, mesh) in enumerate(zip(stages, meshes)):
-        f, bw = _stage_seconds(pre, st.start, st.stop, st.shape, b, hardware,
-                               tensor_parallel_bandwidth(cluster, st.shape, int(offsets[k])))
-        seconds.append(StageSeconds(f, bw, bw / 2, bw / 2))
-        d, t = st.shape
-        sync.append(_all_reduce_s(pre.span(pre.params, st.start, st.stop) / t, d, _axis_bandwidth(cluster, mesh, 0)))
+    seconds, sync = _stage_costs(pre, cluster, hardware, stages, meshes, b)
     stage_of = [k for k, st in enumerate(stages) for _ in range(st.start, st.stop)]
     edge_bytes: dict[tuple[int, int], float] = {}
     for value in profile.crossing():
@@ -253,6 +251,28 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
             pre.span(pre.ops, st.start, st.stop) * hardware.op_seconds(st.shape[0] * st.shape[1]) for st in stages)
         step = max(step, work * hardware.compute_scale)
     return PipelinePlan(tuple(stages), M, schedule, step, tuple(memory), planner)
+
+
+def _stage_costs(pre: _Prefix, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
+                 meshes: Sequence[DeviceMesh], b: int) -> tuple[list[StageSeconds], list[float]]:
+    """Per stage, one micro-batch's forward and backward seconds, and its gradient all-reduce."""
+    seconds, sync = [], []
+    offsets = np.cumsum([0] + [s.shape[0] * s.shape[1] for s in stages])
+    for k, (st, mesh) in enumerate(zip(stages, meshes)):
+        f, bw = _stage_seconds(pre, st.start, st.stop, st.shape, b, hardware,
+                               tensor_parallel_bandwidth(cluster, st.shape, int(offsets[k])))
+        seconds.append(StageSeconds(f, bw, bw / 2, bw / 2))
+        d, t = st.shape
+        sync.append(_all_reduce_s(pre.span(pre.params, st.start, st.stop) / t, d, _axis_bandwidth(cluster, mesh, 0)))
+    return seconds, sync
+
+
+def _step_lower_bound(pre: _Prefix, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
+                      M: int, b: int) -> float:
+    """No simulated step of ``stages`` is shorter: a stage runs its ``M`` forwards and
+    backwards one after another, and the gradient all-reduce follows the last of them."""
+    seconds, sync = _stage_costs(pre, cluster, hardware, stages, stage_meshes(cluster, [s.shape for s in stages]), b)
+    return M * max(s.forward + s.backward for s in seconds) + max(sync)
 
 
 def _edge_seconds(cluster: Cluster, src: DeviceMesh, dst: DeviceMesh, src_shape, dst_shape, num_bytes: float,
@@ -322,18 +342,29 @@ def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: s
 
 
 def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_budget_bytes: float | None = None,
-           schedules: Sequence[str] = SCHEDULES, max_micro_batches: int = 64,
-           num_stages: int | None = None, num_micro_batches: int | None = None) -> list[PipelinePlan]:
-    """Every stage count, micro-batch count and schedule's best partition, simulated and ranked
-    fastest first (module docstring); ``num_stages`` / ``num_micro_batches`` fix one.
+           schedules: Sequence[str] = SCHEDULES, max_micro_batches: int | None = None,
+           num_stages: int | None = None, num_micro_batches: int | None = None,
+           num_ranked: int = NUM_RANKED) -> list[PipelinePlan]:
+    """Every stage count, micro-batch count (dividing the batch, at most ``max_micro_batches``,
+    default the batch) and schedule's best partition, ranked fastest first (module docstring);
+    ``num_stages`` / ``num_micro_batches`` fix one.
+
+    Candidates are simulated in the order of a lower bound on their step
+    (``_step_lower_bound``) until the bound reaches the ``num_ranked``-th fastest simulated
+    step: the first ``num_ranked`` plans returned are the fastest of all, exactly, and the
+    long schedules (many stages and micro-batches) that cannot be among them are never built.
 
     Raises:
       NoPlanFits: nothing fits ``memory_budget_bytes``, naming the smallest memory any plan needs.
     """
     N, L, B = cluster.num_devices, profile.num_layers, profile.batch_size
+    if max_micro_batches is None:
+        max_micro_batches = B
+    if not isinstance(num_ranked, int) or num_ranked < 1:
+        raise ValueError(f"num_ranked: expected a positive integer, got {num_ranked!r}")
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
     pre = _Prefix(profile)
-    plans = []
+    candidates = []
     stage_counts = [num_stages] if num_stages is not None else [s for s in range(1, min(N, L) + 1) if N % s == 0]
     for S in stage_counts:
         counts = ([num_micro_batches] if num_micro_batches is not None else
@@ -342,10 +373,16 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_b
             for schedule in schedules:
                 found = _partition(pre, L, S, M, B // M, N // S, schedule, hardware, cluster, budget)
                 if found is not None:
-                    plans.append(predict(profile, cluster, hardware, found[0], M, schedule))
-    if not plans:
+                    bound = _step_lower_bound(pre, cluster, hardware, found[0], M, B // M)
+                    candidates.append((bound, len(candidates), found[0], M, schedule))
+    if not candidates:
         raise NoPlanFits(f"memory_budget_bytes: {budget:.4g} bytes per device fits no plan; the least any plan "
                          f"needs is {_least_memory(profile, cluster, max_micro_batches):.4g} bytes")
+    plans: list[PipelinePlan] = []
+    for bound, _, stages, M, schedule in sorted(candidates, key=lambda c: c[:2]):
+        if len(plans) >= num_ranked and bound >= sorted(p.predicted_step_s for p in plans)[num_ranked - 1]:
+            break
+        plans.append(predict(profile, cluster, hardware, stages, M, schedule))
     return sorted(plans, key=lambda p: (p.predicted_step_s, max(p.peak_memory_bytes)))
 
 

@@ -15,8 +15,8 @@ from examples.train_step import supervised_step
 from meshpar.cluster import Cluster
 from meshpar.passes.layer_profile import CrossingValue, LayerProfile, ModelProfile
 from meshpar.passes.planner_meshpar import (Hardware, NoPlanFits, StagePlan, _axis_bandwidth, _live, _memory,
-                                            _partition, _Prefix, _shapes, _stage_seconds, predict, search,
-                                            stage_meshes)
+                                            _partition, _Prefix, _shapes, _stage_seconds, _step_lower_bound, predict,
+                                            search, stage_meshes)
 from meshpar.passes.stage_graph import count_markers, split_stages
 from meshpar.planning import plan_parallelism
 from pipeline_models import assert_trees_close, make_state, mse
@@ -86,6 +86,22 @@ def test_every_plan_fits_the_budget_and_the_error_names_the_least_memory():
     assert search(profile, CLUSTER, HW, least * 1.0001)  # that much memory does fit a plan
     with pytest.raises(NoPlanFits):
         search(profile, CLUSTER, HW, least * 0.999)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("hardware", [HW, Hardware(1e13, total_flops=2e13, dispatch_s=1e-4)])
+def test_the_bound_never_exceeds_the_step_and_the_ranked_plans_are_the_fastest_of_all(seed, hardware):
+    """search simulates candidates in the order of ``_step_lower_bound`` and stops when the
+    bound reaches its fifth fastest: the same five as simulating every candidate."""
+    profile = _random_profile(np.random.default_rng(seed), L=6)
+    everything = search(profile, CLUSTER, hardware, num_ranked=10**6)
+    ranked = search(profile, CLUSTER, hardware)
+    assert len(ranked) < len(everything)  # the bound spared some simulations
+    assert [p.predicted_step_s for p in ranked[:5]] == [p.predicted_step_s for p in everything[:5]]
+    for p in everything:
+        bound = _step_lower_bound(_Prefix(profile), CLUSTER, hardware, p.stages, p.num_micro_batches,
+                                  profile.batch_size // p.num_micro_batches)
+        assert bound <= p.predicted_step_s * (1 + 1e-12)
 
 
 def test_one_layer_plans_one_stage_and_skip_connections_become_edges():
