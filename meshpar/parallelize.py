@@ -457,9 +457,22 @@ class ParallelizedStep:
         if len(grad_micro.invars) != len(grad_whole.invars) or num_aux != grad_whole.params["num_aux"]:
             raise ValueError(f"{name}: traced per micro-batch and for the whole batch, the loss function reads "
                              f"different values; its structure must not depend on the batch size")
+        # Which loss operands follow the batch shows in how their shapes change with it. One
+        # micro-batch changes nothing, so a third trace at a smaller batch tells (without it a
+        # batch would be read whole, replicated over the data axis: every device computing it).
+        probe = M if M > 1 or batch_size == 1 else _smallest_factor(batch_size)
+        if probe != M:
+            traced, _ = self._trace(method, in_tree, [
+                jax.ShapeDtypeStruct((batch_size // probe, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x),
+                                     _dtype(x)) for i, x in enumerate(leaves)])
+            grad_probe = _grad_eqn(name, traced)
+        else:
+            grad_probe = grad_micro
         micro_batching = resolve_micro_batching(
-            params, [v.aval for v in grad_micro.invars[num_diff:]], [v.aval for v in grad_whole.invars[num_diff:]],
-            [v.aval for v in grad_whole.outvars[1:1 + num_aux]], M, user_location(grad_whole))
+            grad_probe.params, [v.aval for v in grad_probe.invars[num_diff:]],
+            [v.aval for v in grad_whole.invars[num_diff:]], [v.aval for v in grad_whole.outvars[1:1 + num_aux]],
+            probe, user_location(grad_whole))
+        micro_batching = dataclasses.replace(micro_batching, num_micro_batches=M)
         cluster = method.cluster
         options = PipelineOptions(
             M, micro_batch_size, method.schedule, method.weight_delay, method.executor, method.resharding,
@@ -532,6 +545,11 @@ def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardP
     step.describe = lambda: (f"one stage, one micro-batch on mesh {dict(mesh.shape)}: one SPMD program "
                              f"(PipeshardParallel.single_program)")
     return step
+
+
+def _smallest_factor(n: int) -> int:
+    """The smallest divisor of ``n > 1`` above 1."""
+    return next(k for k in range(2, n + 1) if n % k == 0)
 
 
 def _grad_eqn(name: str, traced: Any) -> Any:

@@ -9,8 +9,10 @@ import optax
 import pytest
 from flax import linen as nn
 from flax.training import train_state
+from jax.sharding import PartitionSpec as P
 
 import meshpar
+from meshpar.passes.hlo_collectives import CollectiveKind, collectives
 from meshpar.runtime.spmd_step import SpmdStep
 from pipeline_models import assert_trees_close
 
@@ -92,3 +94,19 @@ def test_trace_and_bad_option_name_single_program():
         single.trace("/tmp/meshpar_spmd_trace.json", _state(batch), batch, key)
     with pytest.raises(ValueError, match="single_program: expected a bool"):
         meshpar.PipeshardParallel(single_program="yes")
+
+
+@pytest.mark.parametrize("single_program", [True, False])
+def test_one_micro_batch_still_splits_the_batch_over_the_data_axis(single_program):
+    """With one micro-batch the batch arguments have the same shape in every trace; they are
+    still the batch: each half of the (2, 2) mesh's data axis reads half of them (not all of it,
+    which would repeat the step on every data shard) and the gradients are all-reduced."""
+    batch, key = _batch(), jax.random.key(3)
+    state = _state(batch)
+    parallel = meshpar.parallelize(_step, method=_method(single_program=single_program))
+    executable = parallel.get_executable(state, batch, key)
+    reads = [op for op in executable.layout.stage_operands[0] if op.per_micro_batch and not op.fold_key]
+    assert len(reads) == 2 and all(op.sharding.spec == P("data") for op in reads)
+    if single_program:
+        hlo = executable.lower(jax.tree.leaves((state, batch, key))).compile().as_text()
+        assert any(c.kind is CollectiveKind.ALL_REDUCE and c.group_size == 2 for c in collectives(hlo))
