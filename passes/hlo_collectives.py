@@ -58,7 +58,7 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1
                 "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 _KINDS = "|".join(re.escape(k.value) for k in CollectiveKind)
 # "%name = <shape> <op>(" where op is a collective, its -done, or (skipped) its -start
-_INSTRUCTION = re.compile(rf"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\([^=]*?\)|[^\s(]+)\s+(?P<op>{_KINDS})(?P<phase>-start|-done)?\(")
+_INSTRUCTION = re.compile(rf"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|[^\s(]+)\s+(?P<op>{_KINDS})(?P<phase>-start|-done)?\(")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")

@@ -29,7 +29,7 @@ ENTRY %main (x: f32[8,16]) -> f32[8,16] {
   %all-reduce = f32[8,16]{1,0} all-reduce(%x), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
   %ag = bf16[8,32]{1,0} all-gather(%y), channel_id=2, replica_groups=[4,2]<=[8], dimensions={1}
   %ars = (f32[4]{0}, f32[4]{0}) all-reduce-start(%a, %b), channel_id=4, replica_groups={}
-  %ard = (f32[4]{0}, f32[4]{0}) all-reduce-done(%ars)
+  %ard = (f32[4]{0}, f32[4]{0}, f32[1]{0}, f32[1]{0}, f32[1]{0}, /*index=5*/f32[2]{0}) all-reduce-done(%ars)
   %fusion = f32[8,16]{1,0} fusion(%all-reduce), kind=kLoop, calls=%f
   %cp = s32[2,2]{1,0} collective-permute(%z), channel_id=5, source_target_pairs={{0,1},{1,0}}
   ROOT %a2a = f32[8,16]{1,0} all-to-all(%fusion), channel_id=6, replica_groups=[2,4]<=[8], dimensions={0}
@@ -43,12 +43,12 @@ def test_reads_every_collective_kind_and_replica_group_syntax():
         Collective(CollectiveKind.REDUCE_SCATTER, 16 * 4, 4),
         Collective(CollectiveKind.ALL_REDUCE, 8 * 16 * 4, 4),
         Collective(CollectiveKind.ALL_GATHER, 8 * 32 * 2, 2),
-        Collective(CollectiveKind.ALL_REDUCE, 2 * 4 * 4, None),  # the -done; the -start is not counted
+        Collective(CollectiveKind.ALL_REDUCE, 13 * 4, None),  # the -done; the -start is not counted
         Collective(CollectiveKind.COLLECTIVE_PERMUTE, 4 * 4, None),
         Collective(CollectiveKind.ALL_TO_ALL, 8 * 16 * 4, 4),
     )
     # reduce-scatter: t·R/2; all-reduce: R; all-gather: R/2; permute: R; all-to-all: R/2
-    want = 4 * 64 / 2 + 512 + 512 / 2 + 32 + 16 + 512 / 2
+    want = 4 * 64 / 2 + 512 + 512 / 2 + 52 + 16 + 512 / 2
     assert all_reduce_equivalent_bytes(HLO, 8) == want
 
 

@@ -17,20 +17,39 @@ def test_spearman_against_the_definition():
 
 
 def test_table_reports_correlation_picks_against_the_best_and_simulated_rows():
-    records = [
-        {"part": "cpu", "model": "gpt", "config": "a", "source": "grid", "predicted_step_s": 0.01, "measured_step_s": 0.10},
-        {"part": "cpu", "model": "gpt", "config": "b", "source": "grid", "predicted_step_s": 0.02, "measured_step_s": 0.20},
-        {"part": "cpu", "model": "gpt", "config": "a", "source": "pick:meshpar", "predicted_step_s": 0.01,
-         "measured_step_s": 0.11},
-        {"part": "cpu", "model": "gpt", "config": "a", "source": "planning:meshpar", "planning_s": 0.5},
-        {"part": "cpu", "model": "gpt", "config": "dp", "source": "jax.jit", "measured_step_s": 0.05},
+    def cpu(model):
+        return [
+            {"part": "cpu", "model": model, "config": "a", "source": "grid", "predicted_step_s": 0.01,
+             "measured_step_s": 0.10},
+            {"part": "cpu", "model": model, "config": "b", "source": "grid", "predicted_step_s": 0.02,
+             "measured_step_s": 0.20},
+            {"part": "cpu", "model": model, "config": "a", "source": "pick:meshpar", "predicted_step_s": 0.01,
+             "measured_step_s": 0.11},
+            {"part": "cpu", "model": model, "config": "a", "source": "planning:meshpar", "planning_s": 0.5},
+            {"part": "cpu", "model": model, "config": "dp", "source": "jax.jit", "measured_step_s": 0.05},
+        ]
+
+    # "ut" has the interleaved final rounds: its ratios come from them, against their best
+    final = [{"part": "cpu", "model": "ut", "config": "a", "source": "final:grid", "measured_step_s": 0.08},
+             {"part": "cpu", "model": "ut", "config": "a", "source": "final:meshpar", "measured_step_s": 0.08},
+             {"part": "cpu", "model": "ut", "config": "dp", "source": "final:jax.jit", "measured_step_s": 0.04}]
+    records = cpu("gpt") + cpu("ut") + final + [
         {"part": "simulated", "model": "gpt96", "config": "dgx_h100 x16", "source": "pick:meshpar", "error": "no plan",
          "planning_s": 1.0},
         {"part": "simulated", "model": "gpt96", "config": "dgx_h100 x1024: S=8", "source": "pick:meshpar",
-         "predicted_step_s": 2.0, "peak_memory_bytes": 7e10, "planning_s": 9.0},
+         "predicted_step_s": 2.0, "peak_memory_bytes": 7e10, "planning_s": 9.0, "simulated_step_s": 2.1,
+         "simulated_peak_memory_bytes": 7e10, "memory_budget_bytes": 8e10},
+        {"part": "simulated", "model": "gpt96", "config": "dgx_h100 x1024: S=1", "source": "pick:galvatron",
+         "predicted_step_s": 3.0, "peak_memory_bytes": 7e10, "planning_s": 4.0, "simulated_step_s": 2.5,
+         "simulated_peak_memory_bytes": 9e10, "memory_budget_bytes": 8e10},
     ]
     text = table(records)
-    assert "Spearman ρ predicted vs measured = 1.00" in text and "50.0 (best)" in text
-    assert "| pick:meshpar | a | 10.0 | 110.0 | 2.20x | 0.50 |" in text
-    assert "| jax.jit | dp |  | 50.0 | 1.00x |  |" in text
-    assert "no plan" in text and "peak 70.0 GB | 2000 |" in text
+    assert text.count("Spearman ρ predicted vs measured = 1.00") == 2 and "| | 100.0 (best) |" in text
+    assert "| cpu | gpt | pick:meshpar | a | 10.0 | 110.0 | 2.20x | 0.50 |" in text
+    assert "| cpu | gpt | jax.jit | dp |  | 50.0 | 1.00x |  |" in text
+    assert "| cpu | ut | final:meshpar | a | 10.0 | 80.0 | 2.00x | 0.50 |" in text
+    assert "| cpu | ut | final:jax.jit | dp |  | 40.0 | 1.00x |  |" in text
+    assert "| cpu | ut | pick:meshpar |" not in text
+    assert "| dgx_h100 x16 | meshpar | no plan | | | | 1.00 |" in text
+    assert "| dgx_h100 x1024 | meshpar | S=8 | 2.00 | 2.10 | 70.0 | 9.00 |" in text
+    assert "| dgx_h100 x1024 | galvatron | S=1 | 3.00 | 2.50 | 90.0 (over budget) | 4.00 |" in text
