@@ -208,6 +208,11 @@ def compiled_tensor_parallel(profile: ModelProfile, fun: Callable, args: Sequenc
     """
     from meshpar.parallelize import parallelize
 
+    if not isinstance(profile, ModelProfile):
+        raise TypeError(f"profile: expected a ModelProfile, got {type(profile).__name__}")
+    devices = tuple(devices)
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices: expected distinct devices, got {list(devices)}")
     rule = 2.0 * sum(layer.tp_bytes for layer in profile.layers)
     if len(devices) < 2 or rule == 0.0:
         return profile, 1.0

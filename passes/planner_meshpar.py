@@ -360,6 +360,8 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_b
     N, L, B = cluster.num_devices, profile.num_layers, profile.batch_size
     if max_micro_batches is None:
         max_micro_batches = B
+    if not isinstance(max_micro_batches, int) or max_micro_batches < 1:
+        raise ValueError(f"max_micro_batches: expected a positive integer or None, got {max_micro_batches!r}")
     if not isinstance(num_ranked, int) or num_ranked < 1:
         raise ValueError(f"num_ranked: expected a positive integer, got {num_ranked!r}")
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)

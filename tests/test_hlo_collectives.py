@@ -111,4 +111,7 @@ def test_compiled_tensor_parallel_sizes_the_profile_by_the_program_plain_jit_com
         np.testing.assert_allclose(after.tp_bytes, before.tp_bytes * scale, rtol=1e-12)
         assert dataclasses.replace(before, tp_bytes=0.0) == dataclasses.replace(after, tp_bytes=0.0)
     assert compiled_tensor_parallel(profile, step, (state, batch), (1,), devices[:1]) == (profile, 1.0)
-
+    with pytest.raises(TypeError, match="profile: expected a ModelProfile"):
+        compiled_tensor_parallel(None, step, (state, batch), (1,), devices)
+    with pytest.raises(ValueError, match="devices: expected distinct devices"):
+        compiled_tensor_parallel(profile, step, (state, batch), (1,), [devices[0]] * 2)

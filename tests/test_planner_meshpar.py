@@ -86,6 +86,9 @@ def test_every_plan_fits_the_budget_and_the_error_names_the_least_memory():
     assert search(profile, CLUSTER, HW, least * 1.0001)  # that much memory does fit a plan
     with pytest.raises(NoPlanFits):
         search(profile, CLUSTER, HW, least * 0.999)
+    for bad in ({"max_micro_batches": 0}, {"num_ranked": 0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))}: expected a positive integer"):
+            search(profile, CLUSTER, HW, **bad)
 
 
 @pytest.mark.parametrize("seed", range(3))
