@@ -8,8 +8,9 @@ host; activations and their gradients cross between the meshes through
 meshpar's cross-mesh resharding. The step is the usual transformer recipe:
 global-norm clipping before Adam, token accuracy returned as aux, the gradient
 norm logged. Prints the stages, their meshes and shardings, each resharding
-task's plan, the schedule, the loss, accuracy and gradient norm per step, and
-how far the result is from the same steps under plain jax.jit on one device.
+task's plan (as it runs across processes; one process moves by jax.device_put),
+the schedule, the loss, accuracy and gradient norm per step, and how far the
+result is from the same steps under plain jax.jit on one device.
 """
 
 from __future__ import annotations

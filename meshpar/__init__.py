@@ -6,7 +6,8 @@ from meshpar.sharding_spec import ShardingSpec
 from meshpar.tiles import Tile, tiles
 from meshpar.autodiff import AuxReduction, grad, value_and_grad
 from meshpar.parallelize import ParallelizedStep, PipeshardParallel, parallelize
-from meshpar import checkpoint, planning
+from meshpar import checkpoint, distributed, planning
+from meshpar.planning import plan_parallelism
 from meshpar.reshard import plan_between, plan_for, reshard
 from meshpar.stage_boundary import mark_stage_boundary
 from meshpar.passes import (
@@ -36,7 +37,9 @@ __all__ = [
     "ShardingSpec",
     "Tile",
     "checkpoint",
+    "distributed",
     "planning",
+    "plan_parallelism",
     "grad",
     "mark_stage_boundary",
     "parallelize",

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax._src import core
 from jax._src import linear_util as lu
 
+from meshpar.nnx_state import has_variables
 from meshpar.passes.micro_batching import REDUCTIONS, AuxReduction
 
 __all__ = ["AuxReduction", "grad", "value_and_grad", "pipeline_grad_p", "tracing_pipeline"]
@@ -148,6 +149,18 @@ def value_and_grad(
     Returns:
       ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux``; ``grads`` is shaped
       like the argument (a tuple of them when ``argnums`` is a sequence).
+
+    flax NNX: a differentiated argument holding ``nnx.Variable``s (an ``nnx.Module``) is
+    differentiated as ``nnx.value_and_grad`` does it: ``grads`` is an ``nnx.State`` of its
+    ``nnx.Param``s, and the other Variables the loss updates (``nnx.Dropout``'s ``Rngs``
+    counter, ``nnx.BatchNorm``'s statistics) are set on the object afterwards::
+
+        loss, grads = meshpar.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+
+    In a pipeline those updates combine over micro-batches like aux values: floating ones by
+    their mean, the others (counters, keys) as the last micro-batch's. Objects passed in
+    non-differentiated positions are read, not updated.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
@@ -163,77 +176,150 @@ def value_and_grad(
     plain = jax.value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, reduce_axes)
 
     def wrapped(*args: Any) -> tuple[Any, Any]:
+        if max(positions) < len(args) and any(has_variables(args[a]) for a in positions):
+            return _nnx_value_and_grad(fun, positions, several, has_aux, aux_reduction, reduction, fold_rng,
+                                       (holomorphic, allow_int, reduce_axes), args)
         if not getattr(_state, "active", False):
             return plain(*args)
-        if holomorphic or allow_int:
-            raise ValueError("value_and_grad: holomorphic and allow_int are not supported inside meshpar.parallelize")
-        if max(positions) >= len(args):
-            raise ValueError(f"argnums: {argnums!r} for a call with {len(args)} positional arguments")
-        diff = tuple(args[a] for a in positions)
-        rest = [a for i, a in enumerate(args) if i not in positions]
-
-        def loss_of(diff_args, *rest_args):
-            call = list(rest_args)
-            for a, d in sorted(zip(positions, diff_args)):
-                call.insert(a, d)
-            out = fun(*call)
-            if not has_aux:
-                return out, ()
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError("value_and_grad: with has_aux=True the loss function must return (loss, aux)")
-            return out[0], out[1]
-
-        converted, consts = jax.closure_convert(lambda d: loss_of(d, *rest), diff)
-        leaves, treedef = jax.tree.flatten(diff)
-        aux_tree = None
-
-        def flat(ls, cs):
-            nonlocal aux_tree
-            loss, aux = converted(jax.tree.unflatten(treedef, ls), *cs)
-            aux_leaves, aux_tree = jax.tree.flatten(aux)
-            return [loss, *aux_leaves]
-
-        closed = jax.make_jaxpr(flat)(leaves, consts)
-        loss_aval = closed.out_avals[0]
-        if loss_aval.shape != () or not jnp.issubdtype(loss_aval.dtype, jnp.inexact):
-            raise TypeError(f"value_and_grad: the loss function must return one floating scalar, got {loss_aval}")
-        passed = {k for k, v in enumerate(closed.jaxpr.outvars[1:]) if not _computed(closed.jaxpr, v)}
-        if passed:
-            closed = jax.make_jaxpr(
-                lambda ls, cs: [o if k == 0 or k - 1 not in passed else _owned(o) for k, o in enumerate(flat(ls, cs))]
-            )(leaves, consts)
-        reductions = _aux_reductions(aux_reduction, jax.tree.unflatten(aux_tree, [0] * aux_tree.num_leaves))
-        if len(reductions) != aux_tree.num_leaves:
-            raise ValueError(f"aux_reduction: gives {len(reductions)} leaf reductions for {aux_tree.num_leaves} aux leaves")
-        # Operands: the differentiated leaves first, then the jaxpr's own
-        # constants and the closed-over values, all as plain inputs so the
-        # compiler can cut the loss anywhere.
-        jaxpr = closed.jaxpr
-        n = len(leaves)
-        reordered = core.Jaxpr(
-            constvars=(),
-            invars=[*jaxpr.invars[:n], *jaxpr.constvars, *jaxpr.invars[n:]],
-            outvars=jaxpr.outvars,
-            eqns=jaxpr.eqns,
-            effects=jaxpr.effects,
-            debug_info=lu.DebugInfo(
-                "meshpar.value_and_grad", getattr(fun, "__name__", "loss"),
-                tuple(f"arg{i}" for i in range(len(jaxpr.invars) + len(jaxpr.constvars))),
-                ("loss", *(f"aux{k}" for k in range(aux_tree.num_leaves))),
-            ),
-        )
-        outs = pipeline_grad_p.bind(
-            *leaves, *closed.consts, *consts, loss_jaxpr=core.ClosedJaxpr(reordered, ()), num_diff=n,
-            num_aux=aux_tree.num_leaves, aux_reductions=reductions, reduction=reduction, fold_rng=fold_rng,
-        )
-        value, aux, grads = outs[0], outs[1:1 + aux_tree.num_leaves], outs[1 + aux_tree.num_leaves:]
-        grads = jax.tree.unflatten(treedef, grads)
-        grads = grads if several else grads[0]
-        if has_aux:
-            return (value, jax.tree.unflatten(aux_tree, aux)), grads
-        return value, grads
+        return _pipeline_value_and_grad(fun, positions, several, has_aux, lambda: aux_reduction, reduction,
+                                        fold_rng, holomorphic or allow_int, args)
 
     return wrapped
+
+
+def _pipeline_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], several: bool, has_aux: bool,
+                             aux_reduction_of: Callable[[], Any], reduction: str, fold_rng: bool,
+                             unsupported: bool, args: tuple) -> tuple[Any, Any]:
+    """``value_and_grad`` while ``parallelize`` traces: binds ``pipeline_grad_p``.
+    ``aux_reduction_of`` gives the aux reduction spec once ``fun`` has been traced."""
+    if unsupported:
+        raise ValueError("value_and_grad: holomorphic and allow_int are not supported inside meshpar.parallelize")
+    if max(positions) >= len(args):
+        raise ValueError(f"argnums: {positions if several else positions[0]!r} for a call with {len(args)} "
+                         f"positional arguments")
+    diff = tuple(args[a] for a in positions)
+    rest = [a for i, a in enumerate(args) if i not in positions]
+
+    def loss_of(diff_args, *rest_args):
+        call = list(rest_args)
+        for a, d in sorted(zip(positions, diff_args)):
+            call.insert(a, d)
+        out = fun(*call)
+        if not has_aux:
+            return out, ()
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError("value_and_grad: with has_aux=True the loss function must return (loss, aux)")
+        return out[0], out[1]
+
+    converted, consts = jax.closure_convert(lambda d: loss_of(d, *rest), diff)
+    leaves, treedef = jax.tree.flatten(diff)
+    aux_tree = None
+
+    def flat(ls, cs):
+        nonlocal aux_tree
+        loss, aux = converted(jax.tree.unflatten(treedef, ls), *cs)
+        aux_leaves, aux_tree = jax.tree.flatten(aux)
+        return [loss, *aux_leaves]
+
+    closed = jax.make_jaxpr(flat)(leaves, consts)
+    loss_aval = closed.out_avals[0]
+    if loss_aval.shape != () or not jnp.issubdtype(loss_aval.dtype, jnp.inexact):
+        raise TypeError(f"value_and_grad: the loss function must return one floating scalar, got {loss_aval}")
+    passed = {k for k, v in enumerate(closed.jaxpr.outvars[1:]) if not _computed(closed.jaxpr, v)}
+    if passed:
+        closed = jax.make_jaxpr(
+            lambda ls, cs: [o if k == 0 or k - 1 not in passed else _owned(o) for k, o in enumerate(flat(ls, cs))]
+        )(leaves, consts)
+    reductions = _aux_reductions(aux_reduction_of(), jax.tree.unflatten(aux_tree, [0] * aux_tree.num_leaves))
+    if len(reductions) != aux_tree.num_leaves:
+        raise ValueError(f"aux_reduction: gives {len(reductions)} leaf reductions for {aux_tree.num_leaves} aux leaves")
+    # Operands: the differentiated leaves first, then the jaxpr's own
+    # constants and the closed-over values, all as plain inputs so the
+    # compiler can cut the loss anywhere.
+    jaxpr = closed.jaxpr
+    n = len(leaves)
+    reordered = core.Jaxpr(
+        constvars=(),
+        invars=[*jaxpr.invars[:n], *jaxpr.constvars, *jaxpr.invars[n:]],
+        outvars=jaxpr.outvars,
+        eqns=jaxpr.eqns,
+        effects=jaxpr.effects,
+        debug_info=lu.DebugInfo(
+            "meshpar.value_and_grad", getattr(fun, "__name__", "loss"),
+            tuple(f"arg{i}" for i in range(len(jaxpr.invars) + len(jaxpr.constvars))),
+            ("loss", *(f"aux{k}" for k in range(aux_tree.num_leaves))),
+        ),
+    )
+    outs = pipeline_grad_p.bind(
+        *leaves, *closed.consts, *consts, loss_jaxpr=core.ClosedJaxpr(reordered, ()), num_diff=n,
+        num_aux=aux_tree.num_leaves, aux_reductions=reductions, reduction=reduction, fold_rng=fold_rng,
+    )
+    value, aux, grads = outs[0], outs[1:1 + aux_tree.num_leaves], outs[1 + aux_tree.num_leaves:]
+    grads = jax.tree.unflatten(treedef, grads)
+    grads = grads if several else grads[0]
+    if has_aux:
+        return (value, jax.tree.unflatten(aux_tree, aux)), grads
+    return value, grads
+
+
+def _nnx_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], several: bool, has_aux: bool,
+                        aux_reduction: Any, reduction: str, fold_rng: bool, jax_options: tuple,
+                        args: tuple) -> tuple[Any, Any]:
+    """``value_and_grad`` of a loss over NNX objects, as ``nnx.value_and_grad`` computes it: the
+    gradient with respect to each differentiated object's ``nnx.Param``s (an ``nnx.State``), and
+    the object's other Variables the loss updates (a dropout stream's counter, BatchNorm
+    statistics) set on it afterwards. In a pipeline those updates are aux values combined over
+    micro-batches: floating ones averaged (BatchNorm statistics, as for linen), others (counters,
+    keys) the last micro-batch's, which is the one step's update."""
+    from flax import nnx
+
+    parts = [nnx.split(args[a], nnx.Param, ...) if has_variables(args[a]) else (None, args[a], None)
+             for a in positions]
+    params = tuple(p for _, p, _ in parts)
+    rests = tuple(r for _, _, r in parts)
+    rest_leaves, rest_tree = jax.tree.flatten(rests)
+    changed: list[tuple[int, ...]] = []
+
+    def functional(params: tuple, rests: tuple, *others: Any) -> tuple[Any, Any]:
+        # Variables made anew at this trace level: NNX refuses updates to a Variable of another.
+        params, rests = jax.tree.map(lambda x: x, (params, rests))
+        # Read before the call: merged objects hold these very Variables, which the loss updates.
+        before = jax.tree.leaves(rests)
+        objects = [p if g is None else nnx.merge(g, p, r) for (g, _, _), p, r in zip(parts, params, rests)]
+        call = list(others)
+        for a, obj in sorted(zip(positions, objects)):
+            call.insert(a, obj)
+        out = fun(*call)
+        loss, aux = out if has_aux else (out, ())
+        if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError("value_and_grad: with has_aux=True the loss function must return (loss, aux)")
+        after = jax.tree.leaves(tuple(None if g is None else nnx.state(o, nnx.Not(nnx.Param))
+                                      for (g, _, _), o in zip(parts, objects)))
+        changed.append(tuple(i for i, (b, a) in enumerate(zip(before, after)) if b is not a))
+        return loss, (aux, [after[i] for i in changed[-1]])
+
+    def aux_reduction_of() -> tuple[Any, list[AuxReduction]]:
+        updates = [rest_leaves[i] for i in changed[-1]]
+        return aux_reduction, [AuxReduction.MEAN if jnp.issubdtype(jnp.result_type(u), jnp.floating)
+                               else AuxReduction.LAST for u in updates]
+
+    others = tuple(x for i, x in enumerate(args) if i not in positions)
+    holomorphic, allow_int, reduce_axes = jax_options
+    if getattr(_state, "active", False):
+        (value, (aux, updates)), grads = _pipeline_value_and_grad(
+            lambda p, r, *o: functional(p, r, *o), (0,), False, True, aux_reduction_of, reduction, fold_rng,
+            holomorphic or allow_int, (params, rests, *others))
+    else:
+        (value, (aux, updates)), grads = jax.value_and_grad(
+            functional, 0, True, holomorphic, allow_int, reduce_axes)(params, rests, *others)
+    new_leaves = list(rest_leaves)
+    for i, u in zip(changed[-1], updates, strict=True):
+        new_leaves[i] = u
+    for a, (g, _, _), rest in zip(positions, parts, jax.tree.unflatten(rest_tree, new_leaves)):
+        if g is not None:
+            nnx.update(args[a], rest)
+    grads = grads if several else grads[0]
+    return ((value, aux), grads) if has_aux else (value, grads)
 
 
 def _computed(jaxpr: core.Jaxpr, v: core.Atom) -> bool:

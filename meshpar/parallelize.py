@@ -13,12 +13,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.autodiff import tracing_pipeline
+from meshpar.batch_arguments import batch_size as check_batch, describe_arguments
 from meshpar.cluster import Cluster
 from meshpar.passes.balancers import get_balancer
 from meshpar.passes.edge_transfer import EXECUTORS, SIGNAL, Direction, TransferKind, choose_transfer
 from meshpar.passes.mesh_assignment import check_stage_split, mesh_shapes
 from meshpar.passes.micro_batching import resolve_micro_batching
-from meshpar.passes.pipeline_passes import PipelineOptions, compile_pipeline
+from meshpar.grad_call import find_grad_call
+from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_variables, has_variables,
+                               partition_specs, returning_updates, write_back)
+from meshpar.passes.pipeline_passes import PipelineOptions, compile_pipeline, state_counterparts
 from meshpar.passes.pipeline_schedule import SCHEDULES
 from meshpar.passes.stage_graph import StageGraph, StageMarkerError, user_location
 from meshpar.passes.step_split import GradCallError, OuterCompute, OuterMove
@@ -322,15 +326,6 @@ def _dtype(x: Any) -> Any:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
-def _flax_specs(args: Any) -> list[P | None]:
-    try:
-        import flax.linen as nn
-    except ImportError:  # flax is a dependency, but the specs are optional
-        return [None] * len(jax.tree.leaves(args))
-    specs = nn.get_partition_spec(args)
-    return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P) or x is None)
-
-
 class ParallelizedStep:
     """The decorated step: compiles on first call per input structure, then runs."""
 
@@ -340,12 +335,25 @@ class ParallelizedStep:
         # What meshpar.plan_parallelism chose, once an "auto" method has been planned.
         self.plan: Any = None
         self._cache: dict[Any, PipelineExecutable | SpmdStep] = {}
+        # Per cached executable of a step over NNX objects: which argument leaves it updates.
+        self._updates: dict[Any, StateUpdates] = {}
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args: Any) -> Any:
         leaves, in_tree = jax.tree.flatten(args)
         executable = self.get_executable(*args)
-        return jax.tree.unflatten(executable.out_tree, executable(leaves))
+        return self._outputs(args, executable, executable(leaves))
+
+    def _outputs(self, args: tuple, executable: PipelineExecutable | SpmdStep, leaves: list) -> Any:
+        """The step's outputs from the executable's; a step over NNX objects has its updates
+        written to their Variables, as ``nnx.jit`` does."""
+        out = jax.tree.unflatten(executable.out_tree, leaves)
+        updates = self._updates.get(self._key(args))
+        if updates is None:
+            return out
+        own, values = out
+        write_back(args, updates, values)
+        return own
 
     def trace(self, path: str, *args: Any, serialize: bool = False) -> tuple[Any, Timeline]:
         """Runs one step like calling this, recording when each task of the pipeline ran.
@@ -386,12 +394,20 @@ class ParallelizedStep:
             stem, ext = os.path.splitext(path)
             path = f"{stem}.p{process}{ext}"
         write_chrome_trace(path, timeline, process)
-        return jax.tree.unflatten(executable.out_tree, outputs), timeline
+        return self._outputs(args, executable, outputs), timeline
+
+    @staticmethod
+    def _key(args: tuple) -> Any:
+        leaves, in_tree = jax.tree.flatten(args)
+        return in_tree, tuple((np.shape(x), _dtype(x)) for x in leaves)
 
     def get_executable(self, *args: Any) -> PipelineExecutable | SpmdStep:
-        """The compiled pipeline for these arguments (compiling it if needed)."""
+        """The compiled pipeline for these arguments (compiling it if needed).
+
+        A step over flax NNX objects returns its own outputs and then the Variable values it
+        updated (``meshpar.nnx_state``): calling the step writes them back."""
         leaves, in_tree = jax.tree.flatten(args)
-        key = (in_tree, tuple((np.shape(x), _dtype(x)) for x in leaves))
+        key = self._key(args)
         if key not in self._cache:
             if self.method.planned:
                 self._plan(args)
@@ -415,15 +431,21 @@ class ParallelizedStep:
             single_program=m.single_program)
         print(f"meshpar.parallelize({getattr(self.fun, '__name__', 'step')}): {self.plan.describe()}", flush=True)
 
-    def _trace(self, method: PipeshardParallel, in_tree: Any, abstract: list) -> tuple[Any, Any]:
-        """The step's jaxpr and output shapes for arguments shaped ``abstract``."""
+    def _trace(self, method: PipeshardParallel, traced: Callable[..., Any], abstract: list,
+               args: tuple) -> tuple[Any, Any]:
+        """The jaxpr and output shapes of ``traced`` (the step as a function of its argument
+        leaves) for leaves shaped ``abstract``; ``args`` are the step's arguments (for messages)."""
         try:
             with tracing_pipeline(), _trace_mesh(method):
-                return jax.make_jaxpr(lambda *ls: self.fun(*jax.tree.unflatten(in_tree, ls)), return_shape=True)(*abstract)
-        except (StageMarkerError, GradCallError):
+                return jax.make_jaxpr(traced, return_shape=True)(*abstract)
+        except (StageMarkerError, GradCallError, NnxStateError):
             raise
         except Exception as e:
-            raise TypeError(f"{getattr(self.fun, '__name__', 'step')}: cannot be traced by meshpar.parallelize: {e}") from e
+            # A step that fails on micro-batch shapes often has its batch elsewhere: say which
+            # arguments were cut.
+            raise TypeError(f"{getattr(self.fun, '__name__', 'step')}: cannot be traced by meshpar.parallelize: {e}\n"
+                            f"(batch_argnums={method.batch_argnums} cut arguments {list(method.batch_argnums)} "
+                            f"into micro-batches; the step's arguments: {describe_arguments(args)})") from e
 
     def _compile(self, args: tuple, leaves: list, in_tree: Any) -> PipelineExecutable | SpmdStep:
         method = self.method
@@ -431,13 +453,7 @@ class ParallelizedStep:
         # so every stage computes on one micro-batch.
         arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
         batch_leaves = {i for i, a in enumerate(arg_of_leaf) if a in method.batch_argnums}
-        sizes = {np.shape(leaves[i])[:1] for i in batch_leaves}
-        if len(sizes) != 1 or sizes == {()}:
-            raise ValueError(
-                f"batch_argnums: the batch arguments {method.batch_argnums} have leaves with leading "
-                f"dimensions {sorted(sizes)}; expected one shared batch dimension"
-            )
-        ((batch_size,),) = sizes
+        batch_size = check_batch(args, method.batch_argnums)
         M = method.num_micro_batches
         if batch_size % M:
             raise ValueError(f"num_micro_batches: {M} does not divide the batch size {batch_size}")
@@ -445,13 +461,22 @@ class ParallelizedStep:
         # Traced twice: per micro-batch for the stages, and at the whole batch's shapes for what
         # runs once per step around the pipeline (a count over the whole batch, the update).
         name = getattr(self.fun, '__name__', 'step')
-        micro, _ = self._trace(method, in_tree, [
+        nnx_arguments = has_variables(args)
+        updates: list[StateUpdates] = []
+        if nnx_arguments:
+            check_distinct_variables(args, name)
+            traced = returning_updates(self.fun, in_tree, name, updates)
+        else:
+            def traced(*ls: Any) -> Any:
+                return self.fun(*jax.tree.unflatten(in_tree, ls))
+        micro, _ = self._trace(method, traced, [
             jax.ShapeDtypeStruct((micro_batch_size, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), _dtype(x))
-            for i, x in enumerate(leaves)])
-        outer, out_shapes = self._trace(method, in_tree, [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves])
+            for i, x in enumerate(leaves)], args)
+        outer, out_shapes = self._trace(method, traced, [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves],
+                                        args)
         # 2. Everything else is the pass pipeline's: stages, meshes, layout,
         # stage parts, transfers, schedule and program, each verified.
-        grad_micro, grad_whole = (_grad_eqn(name, jaxpr) for jaxpr in (micro, outer))
+        grad_micro, grad_whole = (find_grad_call(name, jaxpr, nnx_arguments) for jaxpr in (micro, outer))
         params = grad_micro.params
         num_diff, num_aux = params["num_diff"], params["num_aux"]
         if len(grad_micro.invars) != len(grad_whole.invars) or num_aux != grad_whole.params["num_aux"]:
@@ -462,10 +487,10 @@ class ParallelizedStep:
         # batch would be read whole, replicated over the data axis: every device computing it).
         probe = M if M > 1 or batch_size == 1 else _smallest_factor(batch_size)
         if probe != M:
-            traced, _ = self._trace(method, in_tree, [
+            probed, _ = self._trace(method, traced, [
                 jax.ShapeDtypeStruct((batch_size // probe, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x),
-                                     _dtype(x)) for i, x in enumerate(leaves)])
-            grad_probe = _grad_eqn(name, traced)
+                                     _dtype(x)) for i, x in enumerate(leaves)], args)
+            grad_probe = find_grad_call(name, probed, nnx_arguments)
         else:
             grad_probe = grad_micro
         micro_batching = resolve_micro_batching(
@@ -481,9 +506,19 @@ class ParallelizedStep:
             method.data_axis, method.model_axis, method.cut_points, method.auto_layers,
         )
         devices = list(method.devices) if method.devices is not None else jax.devices()
+        out_tree = jax.tree.structure(out_shapes)
+        if nnx_arguments:
+            if len(set(updates)) != 1:
+                raise ValueError(f"{name}: traced per micro-batch and for the whole batch, the step updates "
+                                 f"different NNX Variables; which it updates must not depend on the batch size")
+            self._updates[self._key(args)] = updates[-1]
+            own_tree = out_tree.children()[0]
+            replaced = [*state_counterparts(in_tree, own_tree), *updates[-1].leaves]
+        else:
+            replaced = state_counterparts(in_tree, out_tree)
         compiled = compile_pipeline(
-            outer, params, micro_batching, leaves, _flax_specs(args), frozenset(batch_leaves), in_tree,
-            jax.tree.structure(out_shapes), devices, options, functools.partial(_check_num_stages, method),
+            outer, params, micro_batching, leaves, partition_specs(args), frozenset(batch_leaves), replaced,
+            devices, options, functools.partial(_check_num_stages, method),
         )
         if method.single_program and compiled.graph.num_stages == 1 and M == 1:
             return _single_program(compiled, outer, jax.tree.structure(out_shapes), method)
@@ -552,13 +587,6 @@ def _smallest_factor(n: int) -> int:
     return next(k for k in range(2, n + 1) if n % k == 0)
 
 
-def _grad_eqn(name: str, traced: Any) -> Any:
-    found = [e for e in traced.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
-    if len(found) != 1:
-        raise ValueError(f"{name}: must call meshpar.value_and_grad or meshpar.grad exactly once, found {len(found)}")
-    return found[0]
-
-
 def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
     S = graph.num_stages
     if method.num_stages is not None and method.num_stages != S:
@@ -568,6 +596,13 @@ def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
                 f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends, pass "
                 f"auto_layers={method.num_stages} to cut it automatically, num_stages='auto' to plan it, "
                 f"or num_stages=1"
+            )
+        if method.auto_layers is not None and method.cut_points is None:
+            raise StageMarkerError(
+                f"num_stages: {method.num_stages} stages asked for, but auto_layers={method.auto_layers} cut the "
+                f"loss into {S} layers with {S - 1} automatic markers, one stage each; pass "
+                f"auto_layers={method.num_stages}, or cut_points naming which {method.num_stages - 1} of the "
+                f"{S - 1} automatic markers (numbered from 0) cut"
             )
         raise StageMarkerError(
             f"num_stages: {method.num_stages} stages asked for, but the model's "
@@ -600,7 +635,11 @@ def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
         )
     for t in executable.program.transfers:
         if t.kind is TransferKind.DEVICE_PUT:
-            how = "jax.device_put (one process owns both meshes)"
+            # The plan still says what the move costs on the cluster, and how it runs across processes.
+            plan = plan_between(t.shape, t.dtype, t.src, t.dst, strategy=method.resharding,
+                                balancer=method.balancer, cluster=method.cluster)
+            how = (f"jax.device_put, since one process owns both meshes; across processes the plan is "
+                   f"{plan.summary()}")
         elif t.kind is TransferKind.SIGNAL:
             how = "signal: one byte with the same dependencies, zeros delivered (upper-bound run)"
         elif not t.shape:

@@ -19,7 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
-from meshpar.parallelize import ParallelizedStep, PipeshardParallel, _dtype, _flax_specs
+from meshpar.batch_arguments import batch_size
+from meshpar.grad_call import find_grad_call
+from meshpar.nnx_state import has_variables, partition_specs
+from meshpar.parallelize import ParallelizedStep, PipeshardParallel, _dtype
 from meshpar.passes.cost_model import DEVICE_FLOPS
 from meshpar.passes.hlo_collectives import all_reduce_equivalent_bytes
 from meshpar.passes.layer_profile import ModelProfile
@@ -103,6 +106,7 @@ class ParallelismPlan:
       devices: the devices the plan runs on, in the order its meshes are cut.
       cluster: the hosts and links it was priced on.
       planning_s: seconds the planner took.
+      batch_argnums: the step's batch arguments, as planned; ``method`` keeps them.
     """
 
     best: PipelinePlan
@@ -111,6 +115,7 @@ class ParallelismPlan:
     devices: tuple[Any, ...]
     cluster: Cluster
     planning_s: float
+    batch_argnums: tuple[int, ...] = (1,)
 
     @property
     def method(self) -> PipeshardParallel:
@@ -118,15 +123,16 @@ class ParallelismPlan:
         return self.method_with()
 
     def method_with(self, **options: Any) -> PipeshardParallel:
-        """``method`` with other ``PipeshardParallel`` options (batch_argnums, executor, ...)."""
+        """``method`` with other ``PipeshardParallel`` options (executor, schedule options, ...);
+        what planning fixed (devices, cluster, batch_argnums) is kept unless overridden."""
         meshes = stage_meshes(self.cluster, [s.shape for s in self.best.stages])
         by_id = {d.id: d for d in self.devices}
         jax_meshes = [jax.sharding.Mesh(np.vectorize(by_id.get, otypes=[object])(m.device_ids), ("data", "model"))
                       for m in meshes]
-        return PipeshardParallel(
-            num_micro_batches=self.best.num_micro_batches, stage_meshes=jax_meshes, schedule=self.best.schedule,
-            cut_points=self.best.cut_points, cluster=self.cluster, devices=self.devices,
-            auto_layers=self.profile.auto_layers, **options)
+        planned = dict(num_micro_batches=self.best.num_micro_batches, stage_meshes=jax_meshes,
+                       schedule=self.best.schedule, cut_points=self.best.cut_points, cluster=self.cluster,
+                       devices=self.devices, auto_layers=self.profile.auto_layers, batch_argnums=self.batch_argnums)
+        return PipeshardParallel(**{**planned, **options})
 
     def describe(self) -> str:
         """The chosen plan, its stages' layers and meshes, and the runners-up."""
@@ -249,27 +255,22 @@ def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     between its stage markers, or, when it has none, ``num_layers`` layers cut automatically
     (``passes.layer_clustering``; fewer if the loss has fewer equations with FLOPs)."""
     leaves, in_tree = jax.tree.flatten(tuple(args))
-    arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
-    batch = [np.shape(x)[0] for x, a in zip(leaves, arg_of_leaf) if a in batch_argnums and np.ndim(x)]
-    if not batch:
-        raise ValueError(f"batch_argnums: {tuple(batch_argnums)} hold no array with a batch dimension")
+    size = batch_size(args, tuple(batch_argnums))
     abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves]
     with tracing_pipeline():
         outer = jax.make_jaxpr(lambda *ls: fun(*jax.tree.unflatten(in_tree, ls)))(*abstract)
-    grads = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
-    if len(grads) != 1:
-        raise ValueError(f"step: must call meshpar.value_and_grad or meshpar.grad exactly once, found {len(grads)}")
-    params = grads[0].params
+    grad = find_grad_call(getattr(fun, "__name__", "step"), outer, has_variables(tuple(args)))
+    params = grad.params
     loss, auto = params["loss_jaxpr"], None
     if count_markers(loss) == 0:
         auto = min(num_layers, max_layers(loss))
         loss = insert_layer_markers(loss, auto)
     graph = split_stages(loss, params["num_diff"])
-    specs = _flax_specs(tuple(args))
+    specs = partition_specs(tuple(args))
     leaf_of = {v: i for i, v in enumerate(outer.jaxpr.invars)}
     sharded = [any(e is not None for e in (specs[leaf_of[v]] or ())) if v in leaf_of else False
-               for v in grads[0].invars[:params["num_diff"]]]
-    return profile_layers(graph, batch[0], batch[0], sharded, name=name, auto_layers=auto)
+               for v in grad.invars[:params["num_diff"]]]
+    return profile_layers(graph, size, size, sharded, name=name, auto_layers=auto)
 
 
 def plan_parallelism(
@@ -295,7 +296,8 @@ def plan_parallelism(
       cluster: hosts and links to price transfers on; default one host per process.
       memory_budget_bytes: per device; ``None``: unbounded.
       planner: a key of ``PLANNERS``.
-      batch_argnums: positions of the batch arguments (default the parallelized step's, or (1,)).
+      batch_argnums: positions of the batch arguments (default the parallelized step's, or (1,));
+        checked (``meshpar.batch_arguments``) and kept in the plan's ``method``.
       hardware: device FLOP/s; default measured (``measure_hardware``) and calibrated on the
         step itself run as plain data parallelism (``calibrate``).
       num_stages, num_micro_batches: fix one instead of planning it.
@@ -322,5 +324,6 @@ def plan_parallelism(
     start = time.perf_counter()
     plans = PLANNERS[planner](profile, cluster, hardware, memory_budget_bytes, num_stages, num_micro_batches,
                               tuple(schedules))
-    return ParallelismPlan(plans[0], tuple(plans[1:]), profile, devices, cluster, time.perf_counter() - start)
+    return ParallelismPlan(plans[0], tuple(plans[1:]), profile, devices, cluster, time.perf_counter() - start,
+                           tuple(batch_argnums))
 

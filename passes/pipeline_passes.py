@@ -46,7 +46,7 @@ from .wire_format import wire_aval
 from .unit_tasks import PlanVerificationError
 from .weight_delay import weight_delays
 
-__all__ = ["PipelineOptions", "CompiledPipeline", "compile_pipeline"]
+__all__ = ["PipelineOptions", "CompiledPipeline", "compile_pipeline", "state_counterparts"]
 
 T = TypeVar("T")
 
@@ -104,15 +104,16 @@ def compile_pipeline(
     leaves: Sequence[Any],
     specs: Sequence[P | None],
     batch_leaves: frozenset[int],
-    in_tree: Any,
-    out_tree: Any,
+    counterparts: Sequence[int | None],
     devices: Sequence[Any],
     options: PipelineOptions,
     check_stages: Callable[[StageGraph], None] = lambda graph: None,
 ) -> CompiledPipeline:
     """Runs the passes (module doc) on a traced step ``outer`` (at the whole batch's shapes) whose
     gradient equation, traced per micro-batch, has ``grad_params``, combining micro-batches as
-    ``micro_batching`` says; ``check_stages`` validates the stage graph against the user's options."""
+    ``micro_batching`` says; ``counterparts`` gives per step output leaf the input leaf it replaces
+    in the state (``state_counterparts``), placed where that input lives; ``check_stages``
+    validates the stage graph against the user's options."""
     loss = grad_params["loss_jaxpr"]
     if options.auto_layers is not None:
         loss = insert_layer_markers(loss, options.auto_layers)
@@ -134,9 +135,9 @@ def compile_pipeline(
         outer, graph.param_owner, graph.loss.index, [r.index for r in graph.aux], S,
         [() if per_mb and _is_batch_leaf(outer, k, graph, batch_leaves) else r
          for k, (r, per_mb) in enumerate(zip(readers, micro_batching.per_micro_batch))],
-        _counterparts(in_tree, out_tree)), lambda sp: verify_step_split(sp, S))
+        counterparts), lambda sp: verify_step_split(sp, S))
     layout = layout_step(graph, split, meshes, leaves, specs, batch_leaves, options.micro_batch_size,
-                         in_tree, out_tree, options.executor, options.resharding,
+                         counterparts, options.executor, options.resharding,
                          micro_batching.per_micro_batch, micro_batching.fold_keys, axis_names=axis_names)
     parts = tuple(
         _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s, graph.differentiated_slots(s.index)), lambda p, s=s: verify_stage_parts(s, p))
@@ -178,9 +179,9 @@ def _is_batch_leaf(outer: core.ClosedJaxpr, k: int, graph: StageGraph, batch_lea
     return v in outer.jaxpr.invars and outer.jaxpr.invars.index(v) in batch_leaves
 
 
-def _counterparts(in_tree: Any, out_tree: Any) -> list[int | None]:
-    """Per step output leaf, the input leaf at the same position of the state (the step's first
-    argument and first output share a structure), else ``None``."""
+def state_counterparts(in_tree: Any, out_tree: Any) -> list[int | None]:
+    """Per step output leaf, the input leaf it replaces: the leaf at the same position of the
+    state when the step's first argument and first output share a structure, else ``None``."""
     outs: list[int | None] = [None] * out_tree.num_leaves
     in_children, out_children = in_tree.children(), out_tree.children()
     if in_children and out_children and in_children[0] == out_children[0]:

@@ -120,15 +120,6 @@ def _input_placements(graph: StageGraph, split: StepSplit, meshes, leaves, specs
     return placements
 
 
-def _output_placements(in_tree, out_tree, in_placements) -> list[Placement | None]:
-    outs: list[Placement | None] = [None] * out_tree.num_leaves
-    in_children, out_children = in_tree.children(), out_tree.children()
-    if in_children and out_children and in_children[0] == out_children[0]:
-        for j in range(in_children[0].num_leaves):
-            outs[j] = in_placements[j]
-    return outs
-
-
 def _move(what: str, aval: Any, src: NamedSharding, dst: NamedSharding, executor: str, strategy: str) -> ValueMove:
     if is_key(aval):
         raise ValueError(f"{what}: a PRNG key array moving between meshes around the pipeline; compute it "
@@ -146,8 +137,7 @@ def layout_step(
     specs: Sequence[P | None],
     batch_leaves: frozenset[int],
     micro_batch_size: int,
-    in_tree: Any,
-    out_tree: Any,
+    counterparts: Sequence[int | None],
     executor: str,
     strategy: str,
     per_micro_batch: Sequence[bool],
@@ -158,7 +148,9 @@ def layout_step(
     """The layout of a step over ``meshes`` (one per stage) for inputs ``leaves`` (arrays or shapes)
     with flax partition ``specs``; ``batch_leaves`` are cut into micro-batches of ``micro_batch_size``,
     as is every loss operand flagged in ``per_micro_batch``; the operands in ``fold_keys`` are
-    keys folded with the micro-batch index. ``axis_names`` are the meshes' (data, model) axes."""
+    keys folded with the micro-batch index; ``counterparts[j]`` is the input leaf output ``j``
+    replaces, if any (that output is placed like it). ``axis_names`` are the meshes' (data,
+    model) axes."""
     in_placements = _input_placements(graph, split, meshes, leaves, specs, batch_leaves, axis_names)
 
     def param_on(k: int, stage: int) -> NamedSharding:
@@ -195,7 +187,8 @@ def layout_step(
                 f"gradient of parameter {k} from stage {s} to its owner {owner}", aval,
                 param_on(k, s), param_on(k, owner), executor, strategy))
         gradient_moves.append(tuple(moves))
-    out_placements = _output_placements(in_tree, out_tree, in_placements)
+    # A state output lives where the input it replaces does.
+    out_placements = [None if i is None else in_placements[i] for i in counterparts]
     value_shardings: dict[tuple[OuterRef, int], NamedSharding] = {}
     for (ref, meshes_of), placement in zip(split.outputs, out_placements):
         for m in meshes_of:

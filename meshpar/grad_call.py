@@ -1,0 +1,91 @@
+"""The step's one ``meshpar.value_and_grad`` call, found in its traced jaxpr, or an error that
+says what the step differentiated with instead and shows the form that pipelines."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jax._src import core
+
+from meshpar.autodiff import pipeline_grad_p
+from meshpar.passes.stage_graph import user_location
+
+__all__ = ["find_grad_call"]
+
+# (file path suffix, function name prefix) of the frames JAX's and flax's own differentiation
+# leave on every equation they trace, and the API a user called to get there.
+_DIFFERENTIATORS = (
+    (os.path.join("flax", "nnx", "transforms", "autodiff.py"), "", "nnx.value_and_grad / nnx.grad"),
+    (os.path.join("jax", "_src", "api.py"), "grad", "jax.grad"),
+    (os.path.join("jax", "_src", "api.py"), "value_and_grad", "jax.value_and_grad"),
+    (os.path.join("jax", "_src", "api.py"), "vjp", "jax.vjp"),
+)
+
+_NNX_FORM = """    def loss_fn(model):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    loss, grads = meshpar.value_and_grad(loss_fn)(model)   # grads: an nnx.State of the nnx.Params
+    optimizer.update(model, grads)                          # in place, as under nnx.jit"""
+
+_LINEN_FORM = """    def loss_fn(params):
+        return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+    loss, grads = meshpar.value_and_grad(loss_fn)(state.params)
+    state = state.apply_gradients(grads=grads)"""
+
+
+def _differentiated_by(jaxpr: core.Jaxpr) -> tuple[str, str] | None:
+    """The differentiation API the first differentiated equation of ``jaxpr`` came from, and
+    the user's line that called it; ``None`` when no equation was differentiated."""
+    for eqn in jaxpr.eqns:
+        traceback = eqn.source_info.traceback
+        frames = traceback.frames if traceback is not None else ()
+        # The outermost API wins: jax.grad's equations also carry value_and_grad's and vjp's frames,
+        # and nnx's carry jax's.
+        for suffix, function, api in _DIFFERENTIATORS:
+            calls = [k for k, f in enumerate(frames) if f.file_name.endswith(suffix)
+                     and f.function_name.startswith(function)]
+            if calls:
+                return api, _caller(frames[calls[-1] + 1:])
+    return None
+
+
+def _caller(frames: Any) -> str:
+    """The first of ``frames`` (innermost first) in the user's code, not JAX's, flax's or meshpar's."""
+    import flax
+    import jax
+
+    import meshpar
+
+    libraries = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, flax, meshpar))
+    for frame in frames:
+        if not os.path.abspath(frame.file_name).startswith(libraries):
+            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+    return "unknown location"
+
+
+def find_grad_call(name: str, traced: core.ClosedJaxpr, nnx_arguments: bool) -> core.JaxprEqn:
+    """The step's one ``meshpar.value_and_grad`` / ``meshpar.grad`` equation.
+
+    Args:
+      name: the step's name, for messages.
+      traced: the step traced under ``meshpar.parallelize``.
+      nnx_arguments: whether the step takes NNX objects (the message then shows the NNX form).
+
+    Raises:
+      ValueError: none or several such calls; with none, the message names what the step
+        differentiated with instead (``nnx.value_and_grad``, ``jax.grad``, ...) and where.
+    """
+    found = [e for e in traced.jaxpr.eqns if e.primitive is pipeline_grad_p]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ValueError(f"{name}: must call meshpar.value_and_grad or meshpar.grad exactly once, found "
+                         f"{len(found)} (at {', '.join(user_location(e) for e in found)}); compute one loss "
+                         f"and differentiate it once per step")
+    other = _differentiated_by(traced.jaxpr)
+    instead = (f"it differentiates with {other[0]} at {other[1]}, which JAX differentiates while tracing, "
+               f"leaving no loss function for meshpar to cut into stages" if other else
+               "it differentiates nothing")
+    form = _NNX_FORM if nnx_arguments else _LINEN_FORM
+    raise ValueError(f"{name}: must call meshpar.value_and_grad or meshpar.grad exactly once, found none: "
+                     f"{instead}. Call meshpar's, with the same arguments:\n{form}")
