@@ -133,16 +133,29 @@ def _find_nested_marker(jaxpr: core.Jaxpr) -> bool:
     )
 
 
+# Per primitive holding a marker in its body, how to move the marker out.
+_NESTED_MARKER_FIX = {
+    "scan": "mark between scanned groups instead (two nn.scan / lax.scan stacks with a marker between them "
+            "cut there), or unroll that loop",
+    "remat2": "call it between rematerialized blocks (nn.remat / jax.checkpoint), not inside one",
+    "cond": "move the marker out of the cond (lax.cond / nn.cond)",
+    "while": "move the marker out of the while loop (lax.while_loop / fori_loop), or unroll it",
+    "pjit": "move the marker out of the nested jax.jit function, or call that function unjitted",
+}
+
 _OWN_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, lu.__file__))
 
 
 def user_location(eqn: core.JaxprEqn) -> str:
-    """Where in the user's code ``eqn`` was traced: the innermost frame outside JAX and meshpar."""
+    """Where in the user's code ``eqn`` was traced: the innermost frame outside JAX, flax and
+    meshpar (flax's own frames, e.g. ``nn.scan``'s, say nothing about the user's model)."""
     from jax._src import source_info_util
+
+    import flax
 
     import meshpar
 
-    own = (*_OWN_DIRS, os.path.dirname(os.path.abspath(meshpar.__file__)) + os.sep)
+    own = (*_OWN_DIRS, *(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (meshpar, flax)))
     for frame in source_info_util.user_frames(eqn.source_info.traceback):
         if not os.path.abspath(frame.file_name).startswith(own):
             return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
@@ -167,8 +180,8 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
         if eqn.primitive.name != MARKER and any(_find_nested_marker(j) for j in subjaxprs(eqn)):
             raise StageMarkerError(
                 f"mark_stage_boundary() is called inside a `{eqn.primitive.name}` body at {user_location(eqn)}; "
-                f"meshpar can only cut straight-line code between stages (move the marker out of the "
-                f"scan/cond/while/jit, e.g. unroll that loop)"
+                f"meshpar can only cut straight-line code between stages: "
+                f"{_NESTED_MARKER_FIX.get(eqn.primitive.name, _NESTED_MARKER_FIX['pjit'])}"
             )
     num_markers = count_markers(loss_jaxpr)
     if cuts is not None and (len(set(cuts)) != len(cuts) or not all(0 <= c < num_markers for c in cuts)):
