@@ -13,6 +13,10 @@ its result, which is cheap and saves a transfer. An equation combining several m
 (global-norm clipping, a global norm logged, any reduction over all parameters) runs on the
 mesh of its largest input; the other inputs move there, typically scalars: per-mesh partial
 results, a scalar combine, and the result sent back to whichever mesh reads it next.
+A conditional is split first (``split_conditionals``): an optimizer wrapper's cond around the
+whole update becomes one cond per mesh, reading the same predicate, which crosses with any
+scalars the branches combine (a global norm's partial sums); a part reading only scalars and
+values of no mesh is computed, like an uncoloured equation, by every mesh that needs its results.
 
 Computations are grouped by mesh and by *level*, the number of moves on the longest path
 into them; a phase runs level by level: every mesh's computation of the level, then the moves
@@ -30,6 +34,7 @@ from jax._src import core
 from jax._src import linear_util as lu
 
 from .micro_batching import is_key
+from .split_conditionals import cut_cond, inline_constant_conds, split_cond
 from .stage_graph import user_location
 
 __all__ = ["OuterRef", "OuterCompute", "OuterMove", "StepSplit", "split_step", "verify_step_split", "GradCallError"]
@@ -148,6 +153,64 @@ class _Planner:
             self.need(v, mesh)
 
 
+def _param_inputs(jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn) -> list[int]:
+    """For each differentiated leaf, the step input leaf it is.
+
+    Raises:
+      GradCallError: a differentiated leaf is computed inside the step.
+    """
+    position = {v: i for i, v in enumerate(jaxpr.invars)}
+    param_inputs = []
+    for k, v in enumerate(grad_eqn.invars[:grad_eqn.params["num_diff"]]):
+        if not isinstance(v, core.Var) or v not in position:
+            raise GradCallError(
+                f"parameter leaf {k} of the differentiated function is computed inside the step "
+                f"(meshpar.value_and_grad at {user_location(grad_eqn)}); differentiate with respect to the step's "
+                f"inputs directly (e.g. state.params)"
+            )
+        param_inputs.append(position[v])
+    return param_inputs
+
+
+def _colour(jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn, colour: dict[core.Var, int | None]) -> core.Jaxpr:
+    """Colours every equation's results in ``colour`` (module docstring), which holds the
+    parameters' and the pipeline's colours; returns ``jaxpr`` with each conditional over
+    several meshes' values cut and split into conditionals of one mesh each where it can be
+    (``split_conditionals``), every result defined once, as in ``jaxpr``."""
+    eqns: list[core.JaxprEqn] = []
+    for eqn in jaxpr.eqns:
+        if eqn is grad_eqn:
+            eqns.append(eqn)
+            continue
+        work = [eqn]
+        while work:
+            e = work.pop()
+            owners = [colour.get(v) if isinstance(v, core.Var) else None for v in e.invars]
+            cut = cut_cond(e, owners)
+            if cut is not None:
+                work.extend(reversed(cut))  # the first before the second, which reads its results
+                continue
+            for part, label in split_cond(e, owners) or [(e, None)]:
+                if label is None or len(label) > 1:
+                    c = _largest_input_mesh(part, colour)
+                else:
+                    # A conditional's part of one mesh's values (or scalars) runs there; one of
+                    # shared scalars and values of no mesh runs wherever its results are needed.
+                    c = next(iter(label), None)
+                colour.update((v, c) for v in part.outvars)
+                eqns.append(part)
+    return jaxpr.replace(eqns=eqns)
+
+
+def _largest_input_mesh(e: core.JaxprEqn, colour: dict[core.Var, int | None]) -> int | None:
+    """Where ``e``'s largest coloured input is (the lower mesh on ties), None if it has none:
+    where several meshes' values meet, the fewest bytes move."""
+    coloured = [(v, colour[v]) for v in e.invars if isinstance(v, core.Var) and colour.get(v) is not None]
+    if not coloured:
+        return None
+    return min(coloured, key=lambda vc: (-_nbytes(vc[0].aval), vc[1]))[1]
+
+
 def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_mesh: int,
                aux_meshes: Sequence[int], num_meshes: int, loss_readers: Sequence[Sequence[int]],
                counterparts: Sequence[int | None]) -> StepSplit:
@@ -167,7 +230,7 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
       GradCallError: no or several gradient equations, or a differentiated leaf computed
         inside the step, naming the user's source line.
     """
-    jaxpr = outer.jaxpr
+    jaxpr = inline_constant_conds(outer.jaxpr)
     grads = [e for e in jaxpr.eqns if e.primitive.name == GRAD]
     if len(grads) != 1:
         raise GradCallError(
@@ -175,6 +238,13 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
         )
     (grad_eqn,) = grads
     num_diff, num_aux = grad_eqn.params["num_diff"], grad_eqn.params["num_aux"]
+    param_inputs = _param_inputs(jaxpr, grad_eqn)
+    colour: dict[core.Var, int | None] = {}
+    for k, i in enumerate(param_inputs):
+        colour[jaxpr.invars[i]] = param_owner(k)
+    for k, v in enumerate(grad_eqn.outvars):
+        colour[v] = loss_mesh if k == 0 else aux_meshes[k - 1] if k <= num_aux else param_owner(k - 1 - num_aux)
+    jaxpr = _colour(jaxpr, grad_eqn, colour)
     ref_of: dict[core.Var, OuterRef] = {}
     for i, v in enumerate(jaxpr.invars):
         ref_of[v] = OuterRef("in", i)
@@ -191,16 +261,6 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
                 ref_of[v] = OuterRef("value", counter)
                 counter += 1
                 producer[v] = n
-    param_inputs = []
-    for k, v in enumerate(grad_eqn.invars[:num_diff]):
-        ref = ref_of.get(v) if isinstance(v, core.Var) else None
-        if ref is None or ref.kind != "in":
-            raise GradCallError(
-                f"parameter leaf {k} of the differentiated function is computed inside the step "
-                f"(meshpar.value_and_grad at {user_location(grad_eqn)}); differentiate with respect to the step's "
-                f"inputs directly (e.g. state.params)"
-            )
-        param_inputs.append(ref.index)
     consts = list(outer.consts)
     loss_operands = []
     for v in grad_eqn.invars[num_diff:]:
@@ -209,23 +269,6 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
             consts.append(v.val)
         else:
             loss_operands.append(ref_of[v])
-
-    colour: dict[core.Var, int | None] = {}
-    for k, i in enumerate(param_inputs):
-        colour[jaxpr.invars[i]] = param_owner(k)
-    for k, v in enumerate(grad_eqn.outvars):
-        colour[v] = loss_mesh if k == 0 else aux_meshes[k - 1] if k <= num_aux else param_owner(k - 1 - num_aux)
-    for e in jaxpr.eqns:
-        if e is grad_eqn:
-            continue
-        coloured = [(v, colour[v]) for v in e.invars if isinstance(v, core.Var) and colour.get(v) is not None]
-        if not coloured:
-            c = None
-        else:
-            # Several meshes' values meet: compute where the largest input already is.
-            c = min(coloured, key=lambda vc: (-_nbytes(vc[0].aval), vc[1]))[1]
-        for v in e.outvars:
-            colour[v] = c
 
     planner = _Planner(jaxpr, grad_eqn, ref_of, colour, producer)
     for v, readers in zip(grad_eqn.invars[num_diff:], loss_readers):
