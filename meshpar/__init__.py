@@ -10,6 +10,7 @@ from meshpar import checkpoint, distributed, planning
 from meshpar.planning import plan_parallelism
 from meshpar.reshard import plan_between, plan_for, reshard
 from meshpar.stage_boundary import mark_stage_boundary
+from meshpar.runtime.coordination import CoordinationError, PeerLostError
 from meshpar.passes import (
     ALPA_BASELINE,
     BALANCERS,
@@ -28,7 +29,9 @@ __all__ = [
     "BALANCERS",
     "BalancerOptions",
     "Cluster",
+    "CoordinationError",
     "ParallelizedStep",
+    "PeerLostError",
     "PipeshardParallel",
     "DeviceMesh",
     "ReshardingPlan",

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import socket
 from typing import Any
 
 import jax
 
-__all__ = ["initialize", "own_address"]
+__all__ = ["MIN_HEARTBEAT_TIMEOUT_S", "heartbeat_timeout", "initialize", "own_address"]
+
+# JAX's client heartbeats every half of the timeout from a thread of its own, so compiles and
+# busy Python threads do not delay it; this floor keeps a loaded machine's scheduling hiccups
+# from passing for a dead process when ``timeout_s`` is small.
+MIN_HEARTBEAT_TIMEOUT_S = 10
 
 
 def own_address(coordinator_address: str) -> str:
@@ -26,11 +32,18 @@ def _free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+def heartbeat_timeout(timeout_s: float) -> int:
+    """The coordination service's heartbeat timeout for a job whose processes wait ``timeout_s``
+    for each other: ``timeout_s`` rounded up, at least ``MIN_HEARTBEAT_TIMEOUT_S``."""
+    return max(MIN_HEARTBEAT_TIMEOUT_S, math.ceil(timeout_s))
+
+
 def initialize(
     coordinator_address: str,
     num_processes: int,
     process_id: int,
     *,
+    timeout_s: float = 120.0,
     transfer_address: str | None = None,
     transport_addresses: tuple[str, ...] | None = None,
     **kwargs: Any,
@@ -42,12 +55,32 @@ def initialize(
     cross-host transfer server (``jax_cross_host_transfer_socket_address``):
     CPUs move arrays between processes through it; GPU clients move them
     natively and start the server only if ever asked to fall back. Then it
-    calls ``jax.distributed.initialize``.
+    calls ``jax.distributed.initialize`` with ``heartbeat_timeout_seconds``
+    tied to ``timeout_s``.
+
+    A process that dies or freezes stops heartbeating. The coordination
+    service declares it dead ``heartbeat_timeout_seconds`` after its last
+    heartbeat (sent every half of that: between a half and all of it after
+    the death), and JAX then terminates every other process (SIGABRT,
+    logging "Terminating process because the JAX distributed service
+    detected fatal errors" with the dead process's index). No survivor exits
+    before that: at exit ``jax.distributed.shutdown`` waits in a barrier for
+    every process. With JAX's default of 100 s a survivor hung that long at
+    exit; tied to ``timeout_s`` it is gone within about ``timeout_s`` of the
+    death. A frozen peer is usually declared dead before a meshpar wait on it
+    times out. JAX's ``shutdown_timeout_seconds`` (300 s), the exit barrier's
+    wait for a process that is alive, is left alone: processes may finish
+    minutes apart (one saving a checkpoint).
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator.
       num_processes: processes in the job.
       process_id: this process's index.
+      timeout_s: how long processes wait for each other: the ``timeout_s``
+        given to meshpar's methods (their default is 120 s too). Sets
+        ``heartbeat_timeout_seconds`` to ``heartbeat_timeout(timeout_s)``
+        unless ``kwargs`` has it. Heartbeats come from a thread of JAX's
+        own, so a long compile does not miss them.
       transfer_address: ``ip:port`` for this process's transfer server;
         default this machine's address towards the coordinator and a free
         port. ``""`` leaves the setting alone.
@@ -70,6 +103,8 @@ def initialize(
         raise ValueError(f"num_processes: expected a positive integer, got {num_processes!r}")
     if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
         raise ValueError(f"process_id: expected an integer in [0, {num_processes}), got {process_id!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ValueError(f"timeout_s: expected a positive number of seconds, got {timeout_s!r}")
     if transfer_address is not None and not isinstance(transfer_address, str):
         raise ValueError(f"transfer_address: expected 'ip:port' or '', got {transfer_address!r}")
     if transport_addresses is not None and (
@@ -95,6 +130,7 @@ def initialize(
             host = transfer_address.rsplit(":", 1)[0]
             transport_addresses = (f"{host}:0",)
         jax.config.update("jax_cross_host_transport_addresses", ",".join(transport_addresses))
+    kwargs.setdefault("heartbeat_timeout_seconds", heartbeat_timeout(timeout_s))
     jax.distributed.initialize(
         coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id, **kwargs
     )

@@ -3,22 +3,49 @@
 Before processes enter a collective program together they must agree on
 what it is: a process that compiled a different plan would otherwise hang
 inside the collective or corrupt data silently. Every wait here has a
-timeout and says which processes did not answer or disagreed.
+timeout and says which processes did not answer or disagreed; a value
+another process was sending that fails in transit (the sender died) is
+reported naming that process and the value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
 import jax
 
-__all__ = ["CoordinationError", "agree", "kv_client", "wait_ready"]
+__all__ = [
+    "Arrival", "CoordinationError", "PeerLostError", "agree", "kv_client", "not_delivered", "raise_lost_peer",
+    "senders", "wait_arrivals", "wait_ready",
+]
 
 
 class CoordinationError(RuntimeError):
     """Processes disagreed, or one did not arrive in time."""
+
+
+class PeerLostError(CoordinationError):
+    """A value another process was sending this one failed in transit: that process exited, or
+    the connection to it broke."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """A value other processes send this one.
+
+    Attributes:
+      value: the array that arrives here.
+      what: what it is, for error messages.
+      senders: the other processes owning a device it is sent from.
+    """
+
+    value: jax.Array
+    what: str
+    senders: tuple[int, ...]
 
 
 def kv_client():
@@ -90,7 +117,19 @@ def wait_ready(arrays: Sequence[jax.Array], timeout_s: float, what: str, names: 
     Raises:
       CoordinationError: naming ``what``, how many arrays were still missing
         and (with ``names``) the first of them.
+      jax.errors.JaxRuntimeError: an array failed (``wait_arrivals`` names its sender).
     """
+    if not _block(arrays, timeout_s, what):
+        pending = [k for k in range(len(arrays)) if not arrays[k].is_ready()]
+        first = f", the first being {names[pending[0]]}" if names and pending else ""
+        raise CoordinationError(
+            f"{what}: {len(pending)} of {len(arrays)} did not arrive within {timeout_s:g} s{first} "
+            f"(process {jax.process_index()} is waiting; did every process make the same meshpar calls?)"
+        )
+
+
+def _block(arrays: Sequence[jax.Array], timeout_s: float, what: str) -> bool:
+    """Whether every array was ready within ``timeout_s``; raises the error of one that failed."""
     # A helper thread blocks (releasing the GIL), so the caller wakes the moment the last array
     # is ready instead of at a polling tick; if the wait gives up, the thread is left blocked.
     done = threading.Event()
@@ -107,11 +146,74 @@ def wait_ready(arrays: Sequence[jax.Array], timeout_s: float, what: str, names: 
 
     threading.Thread(target=wait, daemon=True, name=f"meshpar wait: {what}").start()
     if not done.wait(timeout_s):
-        pending = [k for k in range(len(arrays)) if not arrays[k].is_ready()]
-        first = f", the first being {names[pending[0]]}" if names and pending else ""
-        raise CoordinationError(
-            f"{what}: {len(pending)} of {len(arrays)} did not arrive within {timeout_s:g} s{first} "
-            f"(process {jax.process_index()} is waiting; did every process make the same meshpar calls?)"
-        )
+        return False
     if failed:
         raise failed[0]
+    return True
+
+
+def senders(sharding: jax.sharding.Sharding) -> tuple[int, ...]:
+    """The processes other than this one that own a device of ``sharding``, in order."""
+    me = jax.process_index()
+    return tuple(sorted({d.process_index for d in sharding.device_set} - {me}))
+
+
+def _processes(indices: Sequence[int]) -> str:
+    return ("process " if len(indices) == 1 else "processes ") + ", ".join(map(str, indices))
+
+
+def wait_arrivals(arrivals: Sequence[Arrival], timeout_s: float, what: str, doing: str) -> None:
+    """Waits until every value in ``arrivals`` has arrived, like ``wait_ready``; errors name
+    ``what`` was waited for, the processes at fault and what this process was ``doing``.
+
+    Raises:
+      PeerLostError: a value failed in transit (see ``raise_lost_peer``).
+      CoordinationError: some did not arrive within ``timeout_s`` (see ``not_delivered``).
+    """
+    try:
+        finished = _block([a.value for a in arrivals], timeout_s, what)
+    except jax.errors.JaxRuntimeError as e:
+        raise_lost_peer(e, arrivals, what, doing)
+    if not finished:
+        raise not_delivered(arrivals, timeout_s, what, doing)
+
+
+def raise_lost_peer(error: Exception, arrivals: Sequence[Arrival], what: str, doing: str) -> NoReturn:
+    """Raises ``error`` (the runtime's, e.g. ``INTERNAL: SocketServer: Connection closed``) as a
+    ``PeerLostError`` naming the value, the processes sending it and what this process was
+    ``doing`` when one of ``arrivals`` has failed in transit; as it is when none has (the error
+    is this process's own). Waits for none of them."""
+    lost = _lost_peer(arrivals, what, doing)
+    if lost is None:
+        raise error
+    raise lost from error
+
+
+def _lost_peer(arrivals: Sequence[Arrival], what: str, doing: str) -> PeerLostError | None:
+    for a in arrivals:
+        if a.value.is_deleted() or not a.value.is_ready():
+            continue
+        try:
+            a.value.block_until_ready()
+        except jax.errors.JaxRuntimeError as failure:
+            lost = _processes(a.senders) if a.senders else "a process"
+            return PeerLostError(
+                f"{what}: lost {lost}: {a.what} failed in transit ({failure}). "
+                f"Process {jax.process_index()} was {doing}; {lost} exited or the connection to it broke "
+                f"(see its log)"
+            )
+    return None
+
+
+def not_delivered(arrivals: Sequence[Arrival], timeout_s: float, what: str, doing: str) -> CoordinationError:
+    """The error for ``arrivals`` some of which did not arrive within ``timeout_s`` while this
+    process was ``doing``: how many, the first of them and every process that did not deliver."""
+    missing = [a for a in arrivals if not a.value.is_ready()]
+    late = sorted({p for a in missing for p in a.senders})
+    first = f", the first being {missing[0].what}" if missing else ""
+    by = f"; not delivered by {_processes(late)}" if late else ""
+    ask = f"is {_processes(late)} alive and responsive, and did" if late else "did"
+    return CoordinationError(
+        f"{what}: {len(missing)} of {len(arrivals)} did not arrive within {timeout_s:g} s{first}{by} "
+        f"(process {jax.process_index()} is {doing}; {ask} every process make the same meshpar calls?)"
+    )

@@ -27,7 +27,7 @@ from meshpar.passes.stage_parts import StageParts
 from meshpar.passes.step_layout import StepLayout, ValueMove
 from meshpar.passes.step_split import OuterCompute, OuterMove, OuterRef, OuterStep, StepSplit
 from meshpar.passes.wire_format import from_wire
-from meshpar.runtime.coordination import wait_ready
+from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals
 from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, StageInputs
 from meshpar.runtime.remote import absent
@@ -113,6 +113,8 @@ class PipelineExecutable:
                          for s, ops in enumerate(layout.stage_operands) for op in ops if op.fetch}
         self._gradient_moves = [[self._prepare(mv) if mv else None for mv in moves] for moves in layout.gradient_moves]
         self._outer_moves = {mv: self._prepare(vm) for mv, vm in layout.outer_moves.items()}
+        # Per move around the pipeline, the other processes sending it (to name them if it fails).
+        self._outer_senders = {mv: senders(vm.src) for mv, vm in layout.outer_moves.items()}
         self._consts = {(s, op.position): put(split.consts[op.source.index], op.sharding)
                         for s, ops in enumerate(layout.stage_operands) for op in ops
                         if op.source.kind == "const" and self.local[s]}
@@ -159,18 +161,35 @@ class PipelineExecutable:
 
     def __call__(self, leaves: Sequence[Any], recorder: StepRecorder | None = None) -> list[Any]:
         """One step on the flattened arguments; ``recorder`` (made for ``self.program`` and
-        ``self.local``) times the program's instructions."""
+        ``self.local``) times the program's instructions.
+
+        Raises:
+          PeerLostError: a value another process was sending here failed in transit (that
+            process exited, or the connection to it broke), naming both.
+          CoordinationError: values other processes send here did not arrive within
+            ``timeout_s``, naming the first and the processes that did not deliver.
+        """
+        arrivals: list[Arrival] = []
+        try:
+            return self._step(leaves, recorder, arrivals)
+        except jax.errors.JaxRuntimeError as e:
+            # The program's own transfers are named where they are waited for; this names the
+            # moves around the pipeline, whose failures surface in what reads them.
+            raise_lost_peer(e, arrivals, "pipeline transfers", "running a step")
+
+    def _step(self, leaves: Sequence[Any], recorder: StepRecorder | None, arrivals: list[Arrival]) -> list[Any]:
+        """The step; ``arrivals`` collects what other processes send here as it goes."""
         placed = [place(v, p) for v, p in zip(leaves, self.layout.in_placements)]
         values: dict[tuple[OuterRef, int], jax.Array] = {}
-        self._run_steps(self.split.before, placed, values)
+        self._run_steps(self.split.before, placed, values, arrivals)
         inputs = self._stage_inputs(placed, leaves, values)
         run = self._interpreter.run(inputs, self._zero_grads(), recorder)
+        arrivals += run.arriving
         self.peak_live_activations, self.peak_weight_states = run.peak_live_activations, run.peak_weight_states
         self._reduce(run, values)
-        self._run_steps(self.split.after, placed, values)
+        self._run_steps(self.split.after, placed, values, arrivals)
         if run.arriving:
-            wait_ready([v for v, _ in run.arriving], self.timeout_s, "pipeline transfers",
-                       names=[w for _, w in run.arriving])
+            wait_arrivals(run.arriving, self.timeout_s, "pipeline transfers", "waiting for them at the end of a step")
         return self._assemble_outputs(leaves, placed, values)
 
     def _value(self, ref: OuterRef, mesh: int, placed: list[dict[int, jax.Array]],
@@ -188,14 +207,17 @@ class PipelineExecutable:
         return absent(aval.shape, aval.dtype, sharding)
 
     def _run_steps(self, steps: Sequence[OuterStep], placed: list[dict[int, jax.Array]],
-                   values: dict[tuple[OuterRef, int], jax.Array]) -> None:
-        """The computations and moves around the pipeline, in the order every process runs them."""
+                   values: dict[tuple[OuterRef, int], jax.Array], arrivals: list[Arrival]) -> None:
+        """The computations and moves around the pipeline, in the order every process runs them;
+        moves other processes send here are added to ``arrivals``."""
         for step in steps:
             if isinstance(step, OuterMove):
                 # Every process joins the move, whether or not it holds either end.
                 move = self._outer_moves[step]
                 if len(step.values) == 1:
-                    values[(step.values[0], step.dst)] = move(self._value(step.values[0], step.src, placed, values))
+                    moved = values[(step.values[0], step.dst)] = move(
+                        self._value(step.values[0], step.src, placed, values))
+                    self._note_arrival(step, moved, arrivals)
                     continue
                 vm = self.layout.outer_moves[step]
                 if self.local[step.src]:
@@ -203,11 +225,19 @@ class PipelineExecutable:
                 else:
                     vector = absent(vm.shape, vm.dtype, vm.src)
                 moved = move(vector)
+                self._note_arrival(step, moved, arrivals)
                 if self.local[step.dst]:
                     values.update({(r, step.dst): v for r, v in zip(step.values, self._unpacks[step](moved))})
             elif self.local[step.mesh]:
                 outs = self._compute_fns[id(step)](*[self._value(r, step.mesh, placed, values) for r in step.inputs])
                 values.update({(ref, step.mesh): o for ref, o in zip(step.outputs, outs)})
+
+    def _note_arrival(self, step: OuterMove, moved: jax.Array, arrivals: list[Arrival]) -> None:
+        """Adds ``moved`` to ``arrivals`` when other processes send it here."""
+        if self.local[step.dst] and self._outer_senders[step]:
+            names = ", ".join(map(str, step.values))
+            arrivals.append(Arrival(moved, f"{names} moved from mesh {step.src} to mesh {step.dst}",
+                                    self._outer_senders[step]))
 
     def _stage_inputs(self, placed: list[dict[int, jax.Array]], leaves: Sequence[Any],
                       values: dict[tuple[OuterRef, int], jax.Array]) -> list[StageInputs | None]:

@@ -25,7 +25,7 @@ from meshpar.passes.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, RunBackward, RunBackwardInput,
     RunBackwardWeight, RunForward, Send,
 )
-from meshpar.runtime.coordination import CoordinationError, wait_ready
+from meshpar.runtime.coordination import Arrival, CoordinationError, not_delivered, raise_lost_peer, senders, wait_ready
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables
 from meshpar.runtime.step_trace import StepRecorder
@@ -54,15 +54,15 @@ class ProgramRun:
       peak_live_activations: per stage, most micro-batches whose forward
         residuals were held at once.
       peak_weight_states: per stage, most weight passes waiting at once.
-      arriving: values other processes sent here, with what they are, for
-        the end-of-step bounded wait.
+      arriving: values other processes sent here, with what they are and who
+        sent them, for the end-of-step bounded wait.
     """
 
     results: dict[BufferId, jax.Array]
     grads: list[list[jax.Array] | None]
     peak_live_activations: list[int]
     peak_weight_states: list[int]
-    arriving: list[tuple[jax.Array, str]]
+    arriving: list[Arrival]
 
 
 class ProgramInterpreter:
@@ -81,6 +81,10 @@ class ProgramInterpreter:
         both hang. Waiting here instead, for the oldest launch, cannot deadlock: every process
         launches in one order, which puts what the oldest reads earlier still.
       timeout_s: how long that wait lasts before raising ``CoordinationError``.
+
+    A run raises ``PeerLostError`` naming the value and its sender when a value another process
+    was sending failed in transit, and ``CoordinationError`` naming the processes that did not
+    deliver when the launch window's wait times out on values not yet arrived.
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class ProgramInterpreter:
             Free: self._free,
         }
         self._sequence: list[tuple[int, Instruction]] = program.launch_sequence()
+        self._senders = tuple(senders(t.src) for t in program.transfers)
 
     def run(self, inputs: Sequence[StageInputs | None], grads: list[list[jax.Array] | None],
             recorder: StepRecorder | None = None) -> ProgramRun:
@@ -119,7 +124,10 @@ class ProgramInterpreter:
         unfinished: collections.deque[tuple[jax.Array, Instruction]] = collections.deque()
         for mesh, ins in self._sequence:
             launch_time = time.perf_counter() if recorder is not None else 0.0
-            launched = self._handlers[type(ins)](mesh, ins, state)
+            try:
+                launched = self._handlers[type(ins)](mesh, ins, state)
+            except jax.errors.JaxRuntimeError as e:
+                raise_lost_peer(e, state.arriving, "pipeline transfers", f"launching {ins}")
             if recorder is not None:
                 recorder.launched(mesh, ins, launched, launch_time)
             if self.launch_window is not None and launched:
@@ -134,18 +142,17 @@ class ProgramInterpreter:
         # A gradient accumulator donated to the stage's next pass is that pass's to finish.
         if array.is_deleted():
             return
+        doing = f"waiting to launch past {ins}"
         try:
             wait_ready([array], self.timeout_s, f"the launch window (waiting for {ins})")
         except CoordinationError as e:
             # What holds a launch up across processes is a value a peer has not sent: name it.
-            missing = [what for value, what in state.arriving if not value.is_ready()]
-            if not missing:
+            if all(a.value.is_ready() for a in state.arriving):
                 raise
-            raise CoordinationError(
-                f"pipeline transfers: {len(missing)} of {len(state.arriving)} did not arrive within "
-                f"{self.timeout_s:g} s, the first being {missing[0]} (process {jax.process_index()} "
-                f"is waiting to launch past {ins}; did every process make the same meshpar calls?)"
-            ) from e
+            raise not_delivered(state.arriving, self.timeout_s, "pipeline transfers", doing) from e
+        except jax.errors.JaxRuntimeError as e:
+            # The launch read a value whose sender is gone (or failed on its own: then as it is).
+            raise_lost_peer(e, state.arriving, "pipeline transfers", doing)
 
     # -- handlers -------------------------------------------------------------
 
@@ -209,8 +216,9 @@ class ProgramInterpreter:
         if self.watch:
             producer = self.program.schedule.edges[transfer.edge][0]
             what = "activation" if transfer.direction is Direction.ACTIVATION else "gradient"
-            state.arriving.append((value, f"{what} of act{producer}.{transfer.slot} stage {transfer.src_stage} "
-                                          f"-> {transfer.dst_stage}, micro-batch {ins.micro_batch}"))
+            state.arriving.append(Arrival(
+                value, f"{what} of act{producer}.{transfer.slot} stage {transfer.src_stage} -> {transfer.dst_stage}, "
+                       f"micro-batch {ins.micro_batch}", self._senders[ins.transfer]))
         return ()
 
     def _free(self, mesh: int, ins: Free, state: _State) -> Launched:
@@ -233,4 +241,4 @@ class _State:
     peak_live: list[int]
     waiting: list[int]
     peak_weight: list[int]
-    arriving: list[tuple[jax.Array, str]]
+    arriving: list[Arrival]
