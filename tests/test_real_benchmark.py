@@ -9,12 +9,14 @@ import pytest
 
 from benchmarks import overlap
 from benchmarks.resharding.real import (
-    ALPA, COMPARISON, OURS_P2P, OURS_ROUNDS, STOCK, Method, aggregate, comparison_table, grid_methods,
-    not_applicable, real_cases, single_host_cases, stock_mesh_shape, table, targets,
+    ALPA, COMPARISON, OURS_P2P, OURS_ROUNDS, STOCK, Method, aggregate, comparison_table, distribution,
+    distribution_table, grid_methods, not_applicable, percentile, real_cases, single_host_cases, stock_mesh_shape,
+    table, targets,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KEYS = {"suite", "case", "strategy", "balancer", "median_s", "min_s", "max_s", "link_lower_bound_s", "bytes_moved"}
+KEYS = {"suite", "case", "strategy", "balancer", "times_s", "p50_s", "p90_s", "median_s", "min_s", "max_s",
+        "link_lower_bound_s", "bytes_moved"}
 
 
 def test_cases_sit_on_disjoint_emulated_hosts():
@@ -62,10 +64,42 @@ def test_aggregate_takes_the_slowest_process_per_repeat():
     assert KEYS <= r.keys()
     assert r["times_s"] == [0.20, 0.30, 0.15]
     assert (r["median_s"], r["min_s"], r["max_s"]) == (0.20, 0.15, 0.30)
+    assert (r["p50_s"], r["p90_s"]) == (0.20, 0.30)
     assert r["verified"] and r["steps"] == 7 and r["warmup_s"] == 2.0
     assert "| n_to_m | case1 | S0RR(2, 4) -> S0RR(2, 4) |" in table([r])
     lines[2]["verified"] = False
     assert not aggregate(lines, num_processes=2)[0]["verified"]
+
+
+def test_percentiles_are_nearest_rank():
+    times = [float(t) for t in range(20, 0, -1)]  # 20 .. 1, unsorted
+    assert percentile(times, 50) == 10.0 and percentile(times, 90) == 18.0 and percentile(times, 100) == 20.0
+    assert percentile(times[:15], 90) == 19.0  # 20 .. 6: the 14th fastest
+    assert percentile([1.0, 2.0, 3.0], 90) == 3.0 and percentile([5.0], 50) == 5.0
+    assert percentile([float(t) for t in range(1, 11)], 70) == 7.0  # not 8: 70 * 10 / 100 is not quite 7
+    for bad in (0, 101):
+        with pytest.raises(ValueError):
+            percentile(times, bad)
+    with pytest.raises(ValueError):
+        percentile([], 50)
+    assert distribution([0.3, 0.1, 0.2, 0.4]) == {"p50_s": 0.2, "p90_s": 0.4, "median_s": 0.25, "min_s": 0.1,
+                                                  "max_s": 0.4}
+
+
+def test_distribution_table_shows_p50_p90_max_over_the_bound():
+    lines = _comparison_lines("case3", {OURS_P2P: 110, ALPA: 165, STOCK: 120})
+    lines += _comparison_lines("case8", {OURS_P2P: 100, ALPA: 300}, stock_na="several hosts")
+    for line in lines:  # the receiver's times are the slower
+        if line["kind"] == "method":
+            line["times"] = [t / 1e3 for t in ((100, 110, 120, 130, 300) if line["process"] else (1,) * 5)]
+    records = aggregate(lines, num_processes=2)
+    text = distribution_table(records)
+    assert "| case | meshes | link lower bound (ms) | repeats | ours p2p | Alpa | stock JAX |" in text
+    assert "| case3 | RS0R(2, 4) -> S0RR(2, 4) | 100 | 5 | 1.20 / 3.00 / 3.00 | 1.20 / 3.00 / 3.00 |" in text
+    assert "| case8 |" in text and text.endswith("| 1.20 / 3.00 / 3.00 | n/a |")
+    for r in records:  # the single host's cases have no bound: milliseconds
+        r["link_lower_bound_s"] = None
+    assert "| 120.0 / 300.0 / 300.0 |" in distribution_table(records)
 
 
 def test_methods_parse_and_stock_jax_applies_only_to_process_aligned_meshes():

@@ -7,8 +7,11 @@
 ``real`` compares, per link rate, meshpar.reshard's p2p executor (eager and
 rounds order), its collective executor, Alpa's baseline and stock JAX (jit
 to the destination layout, then a cross-host jax.device_put); ``--grid``
-runs the old 9 strategy x balancer grid instead. The overlap benchmark
-(reshard alongside compute) is ``python -m benchmarks.overlap``.
+runs the old 9 strategy x balancer grid instead. It prints medians, then
+each case x method's p50 / p90 / max over the repeats. The overlap
+benchmark (reshard alongside compute) is ``python -m benchmarks.overlap``;
+one move's latency (4 B to 64 MiB, p2p vs jax.device_put) is
+``python -m benchmarks.move_latency``.
 """
 
 from __future__ import annotations
@@ -69,9 +72,15 @@ def _real(args: argparse.Namespace) -> int:
             print(f"\nEmulated cluster at {rate:g} Gbit/s: median time / link lower bound (1.00x = the measured "
                   "link's best); last columns: broadcast/ensemble's (ours) and Alpa's times.\n")
             print(real.table(rows))
-    if len(emulated) < len(records):
+        print(f"\nEmulated cluster at {rate:g} Gbit/s, spread over repeats: p50 / p90 / max (nearest rank) "
+              "of the slowest process's time, as multiples of the link lower bound.\n")
+        print(real.distribution_table(rows))
+    single = [r for r in records if r["suite"] == "single_host"]
+    if single:
         print("\nSingle host, 8 virtual CPU devices in one process (median):\n")
         print(real.single_host_table(records))
+        print("\nSingle host, spread over repeats: p50 / p90 / max (nearest rank), ms.\n")
+        print(real.distribution_table(single))
     if comparison:
         lines = real.targets(records)
         if lines:
@@ -117,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--link-gbit", type=float, nargs="+", default=[1.0],
                    help="shaped link rate(s) per host NIC; one emulated cluster and one table per rate (default 1)")
     p.add_argument("--devices-per-host", type=int, default=4, help="CPU devices per emulated host (default 4)")
-    p.add_argument("--repeat", type=int, default=3, help="timed calls per case x method (default 3)")
+    p.add_argument("--repeat", type=int, default=15,
+                   help="timed calls per case x method (default 15: enough for a p90)")
     p.add_argument("--json", help="write the records here")
     p.add_argument("--cases", nargs="+", help="case names, e.g. case1 case3 2x2 (default: all)")
     p.add_argument("--suites", nargs="+", choices=[*real.SUITES, "single_host"],

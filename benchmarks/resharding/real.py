@@ -35,11 +35,15 @@ local_allgather x naive, load_balance, ensemble) on one executor instead
 (default tensor 32 MiB, as in BENCHMARKS.md). Records, one per
 (suite, case, method, link rate)::
 
-    {"suite", "case", "strategy", "balancer", "executor", "order", "median_s", "min_s",
-     "max_s", "link_lower_bound_s", "bytes_moved", "link_gbit", ...}
+    {"suite", "case", "strategy", "balancer", "executor", "order", "times_s", "p50_s", "p90_s",
+     "median_s", "min_s", "max_s", "link_lower_bound_s", "bytes_moved", "link_gbit", ...}
 
-``median_s``/``min_s``/``max_s`` are over repeats of the slowest process's
-time (receivers finish last). ``link_lower_bound_s`` is the planner's lower
+``times_s`` has every timed repeat's time, each the slowest process's
+(receivers finish last); ``p50_s``/``p90_s`` (nearest rank, see
+:func:`percentile`), ``median_s``, ``min_s`` and ``max_s`` are over them.
+Besides the comparison (or grid) table of medians, the CLI prints each
+case x method's p50 / p90 / max as multiples of the link lower bound
+(:func:`distribution_table`). ``link_lower_bound_s`` is the planner's lower
 bound of the executed task on a cluster whose inter-host bandwidth is the
 measured rate and whose latency is 0. ``bytes_moved`` is the least number of
 bytes that must cross host NICs: per unit slice, its size times the number
@@ -53,6 +57,7 @@ case definitions before it configures JAX.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import subprocess
@@ -78,10 +83,13 @@ __all__ = [
     "STOCK",
     "aggregate",
     "comparison_table",
+    "distribution",
+    "distribution_table",
     "grid_methods",
     "machine_busy_cores",
     "method_label",
     "not_applicable",
+    "percentile",
     "real_cases",
     "run_real",
     "single_host_cases",
@@ -345,24 +353,49 @@ def _progress_line(case: RealCase, row: dict[Method, dict], methods: Sequence[Me
         if r is None:
             parts.append(f"{method_label(m)} n/a")
             continue
-        ratio = f" {r['median_s'] / lb:.2f}x" if lb else ""
+        ratios = f" {r['p50_s'] / lb:.2f}/{r['p90_s'] / lb:.2f}/{r['max_s'] / lb:.2f}x" if lb else ""
         bad = "" if r["verified"] else " UNVERIFIED"
-        parts.append(f"{method_label(m)} {r['median_s'] * 1e3:.0f}{ratio}{bad}")
+        parts.append(f"{method_label(m)} {r['p50_s'] * 1e3:.0f}{ratios}{bad}")
     head = f"[{elapsed:6.0f}s] {case.suite} {case.name} {any_r.get('src', '')} -> {any_r.get('dst', '')}"
     if lb:
         head += f", {any_r['bytes_moved'] / 2**20:.1f} MiB over the links, lower bound {lb * 1e3:.0f} ms"
-    line = head + ": " + ", ".join(parts) + " (median ms" + (", x bound)" if lb else ")")
+    line = head + ": " + ", ".join(parts) + " (p50 ms" + (", p50/p90/max x bound)" if lb else ")")
     ours = row.get(OURS_P2P)
     if ours and "cpu_cores" in ours:
         line += f"; ours p2p kept {ours['cpu_cores']:.1f} cores busy (machine {ours['machine_cores']:.1f})"
     return line
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (``0 < q <= 100``) of ``values`` by nearest rank: the smallest
+    value with at least ``q`` % of ``values`` at or below it.
+
+    Always one of the observed times, never an interpolation between two: p90
+    of 15 repeats is the 14th fastest, of 20 the 18th; p50 of an odd count is
+    the median, of an even count the lower of the middle two.
+    """
+    if not values:
+        raise ValueError("percentile: no values")
+    if not 0 < q <= 100:
+        raise ValueError(f"percentile: q must be in (0, 100], got {q!r}")
+    ordered = sorted(values)
+    # Rounded first: 70 * 10 / 100 is 7.000000000000001 in floating point.
+    rank = max(1, math.ceil(round(q * len(ordered) / 100, 9)))
+    return ordered[rank - 1]
+
+
+def distribution(times_s: Sequence[float]) -> dict[str, float]:
+    """``p50_s``, ``p90_s`` (:func:`percentile`), ``median_s``, ``min_s`` and ``max_s`` of ``times_s``."""
+    return {"p50_s": percentile(times_s, 50), "p90_s": percentile(times_s, 90),
+            "median_s": statistics.median(times_s), "min_s": min(times_s), "max_s": max(times_s)}
+
+
 def aggregate(lines: Sequence[dict], num_processes: int) -> list[dict]:
     """Per (suite, case, method) with every process's report: one record.
 
-    A repeat's time is the slowest process's; median/min/max are over repeats.
-    Lines without ``executor``/``order`` (older workers) get ``"-"``.
+    A repeat's time is the slowest process's (``times_s`` keeps them all);
+    the :func:`distribution` is over repeats. Lines without
+    ``executor``/``order`` (older workers) get ``"-"``.
     """
     info = {(r["suite"], r["case"]): r for r in lines if r.get("kind") == "case"}
     groups: dict[tuple[str, str, Method], list[dict]] = {}
@@ -386,9 +419,7 @@ def aggregate(lines: Sequence[dict], num_processes: int) -> list[dict]:
             "balancer": method.balancer,
             "executor": method.executor,
             "order": method.order,
-            "median_s": statistics.median(per_repeat),
-            "min_s": min(per_repeat),
-            "max_s": max(per_repeat),
+            **distribution(per_repeat),
             "link_lower_bound_s": c.get("link_lower_bound_s"),
             "bytes_moved": c.get("bytes_moved"),
             "tensor_bytes": c.get("tensor_bytes"),
@@ -639,6 +670,45 @@ def comparison_table(records: Sequence[dict]) -> str:
         lines.append(f"| {case} | {any_r['src']} -> {any_r['dst']} | {moved} | "
                      f"{lb * 1e3:.0f} | " + " | ".join(cells)
                      + f" | {bound} | {ratio(row.get(ALPA), ours)} | {stock} |")
+    return "\n".join(lines)
+
+
+def _columns(records: Sequence[dict]) -> list[Method]:
+    """The methods in ``records``: jax.device_put (single host), the comparison set, the grid, the rest."""
+    present = list(dict.fromkeys(_method_of(r) for r in records))
+    known = dict.fromkeys([SINGLE_DEVICE_PUT, *COMPARISON, *grid_methods("p2p"), *grid_methods("collective")])
+    return [m for m in known if m in present] + [m for m in present if m not in known]
+
+
+def _spread(r: dict, lb: float | None) -> str:
+    if lb:
+        cell = f"{r['p50_s'] / lb:.2f} / {r['p90_s'] / lb:.2f} / {r['max_s'] / lb:.2f}"
+    else:
+        cell = f"{r['p50_s'] * 1e3:.1f} / {r['p90_s'] * 1e3:.1f} / {r['max_s'] * 1e3:.1f}"
+    return cell + ("" if r["verified"] else " (!)")
+
+
+def distribution_table(records: Sequence[dict]) -> str:
+    """Markdown, one row per case of ``records`` (one link rate's, or the single host's): per
+    method, p50 / p90 / max over repeats as multiples of the case's link lower bound
+    (1.00 = the measured link's best), or in ms where the case has none (single host).
+
+    ``n/a``: stock JAX cannot do the case's move (see :func:`not_applicable`);
+    ``-``: not run; ``(!)``: the result did not match numpy.
+    """
+    columns = _columns(records)
+    lines = ["| case | meshes | link lower bound (ms) | repeats | "
+             + " | ".join(method_label(m) for m in columns) + " |",
+             "|" + "---|" * (len(columns) + 4)]
+    for (_, case), row in _by_case(records).items():
+        any_r = next(iter(row.values()))
+        lb = any_r.get("link_lower_bound_s")
+        cells = [_spread(row[m], lb) if m in row else "n/a" if m == STOCK and _stock_na(any_r) else "-"
+                 for m in columns]
+        repeats = sorted({len(r["times_s"]) for r in row.values()})
+        meshes = f"{any_r['src']} -> {any_r['dst']}" if any_r.get("src") else "-"
+        lines.append(f"| {case} | {meshes} | {f'{lb * 1e3:.0f}' if lb else '-'} | "
+                     f"{'/'.join(map(str, repeats))} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -81,7 +81,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="default: the comparison set (single host: device_put and broadcast/ensemble/p2p)")
     p.add_argument("--mib", type=float, default=COMPARISON_MIB, help="tensor size in MiB")
     p.add_argument("--devices-per-host", type=int, default=4)
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--link-rate", type=float, required=True, help="measured inter-host bytes/s")
     p.add_argument("--plan-rate", type=float, default=None,
                    help="inter-host bytes/s the planner assumes (default: --link-rate)")
