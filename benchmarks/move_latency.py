@@ -72,7 +72,7 @@ from collections.abc import Sequence
 
 from benchmarks.move_latency_worker import DEFAULT_SIZES, METHODS
 from benchmarks.resharding.real import distribution, machine_busy_cores, percentile
-from benchmarks.worker_records import ProgressPrinter, read_records, worker_env
+from benchmarks.worker_records import ProgressPrinter, read_records, worker_env, write_json
 
 __all__ = [
     "TARGET_LOCAL_P50_S", "TARGET_RTT_SLACK_S", "TARGET_TAIL_RATIO", "aggregate", "format_size", "main",
@@ -426,10 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in unverified:
         print(f"ERROR: {r['where']} {format_size(r['bytes'])} {r['method']}: result did not match numpy",
               file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {args.json}")
+    write_json(args.json, records)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 1 if errors or unverified or not records else 0
 

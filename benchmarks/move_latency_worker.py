@@ -46,11 +46,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from collections.abc import Callable
 
 from benchmarks.resharding.real_worker import ready
-from benchmarks.worker_records import RecordWriter
+from benchmarks.worker_records import RecordWriter, recording_outcome
 
 METHODS = ("p2p", "device_put")
 DEFAULT_SIZES = (4, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
@@ -85,13 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         initialize_from_env()  # before anything touches a JAX backend
     me = jax.process_index()
     out = RecordWriter(args.out, me)
-    try:
-        _run(args, out)
-    except BaseException as e:
-        out.write({"kind": "error", "process": me, "error": f"{type(e).__name__}: {e}",
-                   "traceback": traceback.format_exc()[-4000:]})
-        raise
-    out.write({"kind": "done", "process": me})
+    recording_outcome(lambda: _run(args, out), out, me)
     jax.distributed.shutdown()
     return 0
 

@@ -31,14 +31,13 @@ Importing this module touches neither JAX nor the network.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 
-from benchmarks.worker_records import ProgressPrinter, read_records, worker_env
+from benchmarks.worker_records import ProgressPrinter, read_records, worker_env, write_json
 
 __all__ = ["TARGET_RATIO", "aggregate", "main", "table", "targets"]
 
@@ -205,10 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     unverified = [r for r in records if not r["verified"]]
     for r in unverified:
         print(f"ERROR: {r['link_gbit']:g} Gbit/s {r['executor']}: result did not match numpy", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {args.json}")
+    write_json(args.json, records)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 1 if errors or unverified or not records else 0
 

@@ -37,7 +37,6 @@ Importing this module touches neither JAX nor the network.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -47,7 +46,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from benchmarks.pipeline_cases import CASES, METHODS
-from benchmarks.worker_records import ProgressPrinter, read_records, worker_env
+from benchmarks.worker_records import ProgressPrinter, read_records, worker_env, write_json
 
 __all__ = ["aggregate", "main", "table", "targets"]
 
@@ -371,10 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"wrote {path}")
     for e in errors:
         print(f"ERROR: {e}", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {args.json}")
+    write_json(args.json, records)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 1 if errors or not records else 0
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["ProgressPrinter", "RecordWriter", "read_records", "worker_env"]
+__all__ = ["ProgressPrinter", "RecordWriter", "read_records", "recording_outcome", "worker_env", "write_json"]
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,6 +32,29 @@ class RecordWriter:
     def write(self, record: dict) -> None:
         self._f.write(json.dumps({**self._fields, **record}) + "\n")
         self._f.flush()
+
+
+def recording_outcome(run: Callable[[], None], out: RecordWriter, process: int) -> None:
+    """Runs ``run()``, then records ``{"kind": "done"}``; on an exception records
+    ``{"kind": "error", ...}`` (message and traceback) first and re-raises, so the parent can
+    report what failed where."""
+    import traceback
+
+    try:
+        run()
+    except BaseException as e:
+        out.write({"kind": "error", "process": process, "error": f"{type(e).__name__}: {e}",
+                   "traceback": traceback.format_exc()[-4000:]})
+        raise
+    out.write({"kind": "done", "process": process})
+
+
+def write_json(path: str | None, records: list[dict]) -> None:
+    """Writes ``records`` to ``path`` (if given) and says so."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {path}")
 
 
 def read_records(directory: str) -> list[dict]:

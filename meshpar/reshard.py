@@ -18,6 +18,7 @@ from meshpar.passes.resharding_task import ReshardingTask
 from meshpar.passes.strategies import get_strategy
 from meshpar.passes.edge_transfer import EXECUTORS
 from meshpar.passes.hop_program import lower_to_hops, replicate_scalar, verify_hop_program
+from meshpar.passes.round_gates import round_gates, verify_round_gates
 from meshpar.passes.transfer_program import lower_plan, verify_program
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.p2p_executor import ORDERS, P2PReshardExecutable
@@ -65,7 +66,12 @@ def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, exe
         return ReshardingExecutable(program, shape, dtype, src, dst), plan
     hops = lower_to_hops(plan)
     verify_hop_program(hops)
-    return P2PReshardExecutable(hops, dtype, src, dst, order=order), plan
+    gates = ()
+    if order == "gated":
+        host_of = {d.id: d.process_index for s in (src, dst) for d in s.mesh.devices.flat}
+        gates = round_gates(hops, host_of)
+        verify_round_gates(hops, gates, host_of)
+    return P2PReshardExecutable(hops, dtype, src, dst, order=order, gates=gates), plan
 
 
 def plan_for(x: jax.Array, dst: NamedSharding, **kwargs: Any):
@@ -89,7 +95,7 @@ def _default_cluster(src: NamedSharding, dst: NamedSharding) -> Cluster:
 
 
 def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, strategy="broadcast",
-                    balancer="ensemble", chunks=None, cluster=None, executor="auto", order="eager"):
+                    balancer="ensemble", chunks=None, cluster=None, executor="auto", order="gated"):
     """Plans, lowers and compiles the move of a ``shape``/``dtype`` array from ``src`` to
     ``dst``, once: returns ``(executable, plan)``; ``executable(x)`` runs it (``plan`` is
     ``None`` for a 0-d value, which is replicated without one)."""
@@ -129,7 +135,7 @@ def reshard(
     chunks: int | None = None,
     cluster: Cluster | None = None,
     executor: str = "auto",
-    order: str = "eager",
+    order: str = "gated",
     timeout_s: float = 120.0,
 ) -> jax.Array:
     """``x`` moved onto ``dst``, a sharding on a mesh disjoint from ``x``'s.
@@ -154,9 +160,11 @@ def reshard(
         (``meshpar.runtime.p2p_executor``); ``"collective"``: one compiled
         ``ppermute`` program over both meshes, a rendezvous of all their
         devices (``meshpar.runtime.resharding_executor``).
-      order: p2p only: ``"eager"`` (every hop in flight at once, never
-        blocks the caller) or ``"rounds"`` (waits for each plan round's
-        arrivals before the next).
+      order: p2p only: ``"gated"`` (the default: every hop dispatched at
+        once, never blocking the caller, each plan round's cross-host hops
+        made to wait on the devices for the previous round's arrivals),
+        ``"eager"`` (no gates) or ``"rounds"`` (waits on the host for each
+        round's arrivals; blocks the caller).
       timeout_s: how long processes wait for each other to agree on the
         plan, and ``"rounds"`` for a round's arrivals.
 

@@ -13,11 +13,15 @@ enqueued, each hop starts when its source piece exists, and only a caller
 that reads the result waits for it. So the moves overlap with whatever else
 the devices run.
 
-Dispatch order: ``"eager"`` (default) enqueues every hop at once, step by
-step; ``"rounds"`` waits, before each plan round, for this process's
-arrivals of the previous round (receivers pull across processes, so that
-keeps the planner's rounds apart on the wire), and therefore blocks the
-calling thread; it exists to be measured against ``"eager"``.
+Dispatch order: ``"gated"`` (default) enqueues every hop at once, step by
+step, and keeps the planner's rounds apart on the wire on the devices: a
+sender's cross-host pieces of round ``r`` depend on a one-byte token made of
+the receiving host's round ``r - 1`` arrivals (``passes.round_gates``), so
+they leave only once those arrived; ``"eager"`` enqueues every hop at once
+with no gates (later rounds' flows then share NICs with earlier ones);
+``"rounds"`` waits on the host, before each plan round, for this process's
+arrivals of the previous round, and therefore blocks the calling thread.
+``"eager"`` and ``"rounds"`` exist to be measured against ``"gated"``.
 
 Multi-process rule (JAX's): cross-process transfers are numbered by a
 per-process counter that every process advances on every cross-process
@@ -28,7 +32,10 @@ name the hops with arrays that have no local shards).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -36,12 +43,30 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.hop_program import HopProgram
+from meshpar.passes.round_gates import Gate
 from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.remote import absent
 
-__all__ = ["ORDERS", "P2PReshardExecutable", "device_sharding", "require_cross_host_transfers"]
+__all__ = ["ORDERS", "HopArrival", "P2PReshardExecutable", "device_sharding", "require_cross_host_transfers"]
 
-ORDERS = ("eager", "rounds")
+ORDERS = ("gated", "eager", "rounds")
+
+
+@dataclasses.dataclass(frozen=True)
+class HopArrival:
+    """A cross-process hop into this process, as dispatched: step ``step`` of plan round
+    ``round`` moves piece ``piece`` (``nbytes``) from device ``src_device`` to ``dst_device``;
+    ``dispatched_s`` is ``time.time()`` at its ``jax.device_put`` and ``array`` the arriving
+    value (ready once it has arrived). For tracing where a move's time goes."""
+
+    step: int
+    round: int
+    src_device: int
+    dst_device: int
+    piece: int
+    nbytes: int
+    dispatched_s: float
+    array: jax.Array
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,6 +101,24 @@ def _cut_fn(slices: tuple[tuple[slice, ...], ...]):
     return cut
 
 
+def _token(piece: jax.Array) -> jax.Array:
+    """A 0-d ``uint8`` zero that exists only once ``piece`` does (``x * 0`` is not folded:
+    it is NaN for a NaN ``x``)."""
+    return (jax.numpy.ravel(piece)[:1].sum() * 0).astype(jax.numpy.uint8)
+
+
+def _combine(*tokens: jax.Array) -> jax.Array:
+    return functools.reduce(jax.numpy.maximum, tokens)
+
+
+def _gate(piece: jax.Array, token: jax.Array) -> jax.Array:
+    """``piece``, as a value that exists only once ``token`` does too."""
+    return jax.lax.optimization_barrier((piece, token))[0]
+
+
+_token_jit, _combine_jit, _gate_jit = jax.jit(_token), jax.jit(_combine), jax.jit(_gate)
+
+
 def _assemble_fn(tile: tuple[int, ...], offsets: tuple[tuple[int, ...], ...], dtype: Any):
     def assemble(*pieces: jax.Array) -> jax.Array:
         out = jax.numpy.zeros(tile, dtype)
@@ -93,7 +136,8 @@ class P2PReshardExecutable:
       program: the lowered plan (``lower_to_hops`` or ``replicate_scalar``).
       dtype: the array's dtype.
       src, dst: source and destination ``NamedSharding``.
-      order: ``"eager"`` or ``"rounds"`` (see the module docstring).
+      order: ``"gated"``, ``"eager"`` or ``"rounds"`` (see the module docstring).
+      gates: ``"gated"``'s gates (``passes.round_gates``), hosts being processes.
       timeout_s: how long ``"rounds"`` waits for one round's arrivals (a call
         may say otherwise).
 
@@ -108,8 +152,9 @@ class P2PReshardExecutable:
         src: NamedSharding,
         dst: NamedSharding,
         *,
-        order: str = "eager",
+        order: str = "gated",
         timeout_s: float = 120.0,
+        gates: tuple[Gate, ...] = (),
     ) -> None:
         if order not in ORDERS:
             raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
@@ -132,9 +177,33 @@ class P2PReshardExecutable:
         self._whole, self._cuts = self._compile_cuts(local)
         self._steps, self._absent = self._split_hops(local, me)
         self._round_starts = {first for first, _ in program.rounds[1:]}
+        self.gates = gates if order == "gated" else ()
+        self._gates_at: dict[int, list[Gate]] = {}
+        for g in self.gates:
+            self._gates_at.setdefault(program.rounds[g.round][0], []).append(g)
         self._assembles = self._compile_assembles(local)
         self._dst_order = [d.id for d in dst.mesh.devices.flat if d.id in local]
         self.participates = bool(local)
+
+    def _apply(self, gate: Gate, have: dict[tuple[int, int], jax.Array]) -> None:
+        """Makes ``gate.src_device``'s pieces wait for ``gate``'s token (every process calls the
+        token's cross-process ``device_put``, as for any hop)."""
+        collector = device_sharding(self._devices[gate.collector])
+        if gate.collector in self._local:
+            tokens = [_token_jit(have[a]) for a in gate.arrivals]
+            token = _combine_jit(*[t if d == gate.collector else jax.device_put(t, collector)
+                                   for t, (d, _) in zip(tokens, gate.arrivals)])
+        else:
+            token = absent((), np.uint8, collector)
+        moved = jax.device_put(token, device_sharding(self._devices[gate.src_device]))
+        if gate.src_device in self._local:
+            for piece in gate.pieces:
+                have[(gate.src_device, piece)] = _gate_jit(have[(gate.src_device, piece)], moved)
+
+    def _arrival(self, step: int, src: tuple[int, int], dst: tuple[int, int], array: jax.Array) -> HopArrival:
+        round_of = next(i for i, (first, end) in enumerate(self.program.rounds) if first <= step < end)
+        nbytes = int(np.prod(self.program.piece_shapes[src[1]], dtype=np.int64)) * self.dtype.itemsize
+        return HopArrival(step, round_of, src[0], dst[0], src[1], nbytes, time.time(), array)
 
     def _on(self, device: int, shape: tuple[int, ...]) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, self.dtype, sharding=device_sharding(self._devices[device]))
@@ -204,8 +273,10 @@ class P2PReshardExecutable:
             out.append((d, fn, tuple(p.piece for p in places)))
         return out
 
-    def __call__(self, x: jax.Array, *, timeout_s: float | None = None) -> jax.Array:
-        """``x`` (sharded as ``src``) moved onto ``dst``; returns without waiting (``"eager"``)."""
+    def __call__(self, x: jax.Array, *, timeout_s: float | None = None,
+                 on_arrival: Callable[[HopArrival], None] | None = None) -> jax.Array:
+        """``x`` (sharded as ``src``) moved onto ``dst``; returns without waiting (but with ``"rounds"``).
+        ``on_arrival`` is told of every cross-process hop into this process as it is dispatched."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         # Keyed by (device, piece); pieces on other processes' devices are shard-less.
         have: dict[tuple[int, int], jax.Array] = dict(self._absent)
@@ -221,6 +292,8 @@ class P2PReshardExecutable:
             if self.order == "rounds" and k in self._round_starts:
                 wait_ready(arrivals, timeout_s, f"a round of a p2p resharding (before step {k})")
                 arrivals = []
+            for gate in self._gates_at.get(k, ()):
+                self._apply(gate, have)
             if local_hops:
                 moved = jax.device_put([have[s] for s, _, _ in local_hops], [to for _, _, to in local_hops])
                 for (_, r, _), value in zip(local_hops, moved):
@@ -231,6 +304,8 @@ class P2PReshardExecutable:
                 if r[0] in self._local:
                     have[r] = moved
                     arrivals.append(moved)
+                    if on_arrival is not None:
+                        on_arrival(self._arrival(k, s, r, moved))
         tiles = {}
         for d, fn, pieces in self._assembles:
             tiles[d] = have[(d, pieces[0])] if fn is None else fn(*[have[(d, p)] for p in pieces])

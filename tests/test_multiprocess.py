@@ -1,4 +1,4 @@
-"""meshpar across two local processes (gloo over localhost), 4 CPU devices each."""
+"""meshpar across two (and three) local processes (gloo over localhost), 4 CPU devices each."""
 
 import os
 import socket
@@ -54,6 +54,14 @@ def run_all_ok(script: str, timeout_s: float) -> tuple[list[subprocess.Completed
 def test_reshard_across_two_processes():
     results, output = run_all_ok("mp_reshard_worker.py", timeout_s=600)
     assert all("reshard checks passed" in r.stdout for r in results), output
+
+
+@pytest.mark.multiprocess
+def test_round_gated_moves_across_three_processes_are_bit_exact():
+    results = run_processes("mp_gated_worker.py", 3, timeout_s=600)
+    output = "\n".join(f"--- process {i} ---\n{r.stdout[-4000:]}" for i, r in enumerate(results))
+    for pid, r in enumerate(results):
+        assert r.returncode == 0 and f"process {pid}: ALL OK" in r.stdout, output
 
 
 @pytest.mark.multiprocess

@@ -147,12 +147,12 @@ def test_comparison_table_and_targets():
                                          STOCK: 90})
     records = aggregate(lines, num_processes=2)
     assert len(records) == 14
-    assert {(r["executor"], r["order"]) for r in records} == {("p2p", "eager"), ("p2p", "rounds"),
+    assert {(r["executor"], r["order"]) for r in records} == {("p2p", "gated"), ("p2p", "rounds"),
                                                              ("collective", "-"), ("device_put", "-")}
-    p2p = next(r for r in records if r["case"] == "case3" and r["executor"] == "p2p" and r["order"] == "eager")
+    p2p = next(r for r in records if r["case"] == "case3" and r["executor"] == "p2p" and r["order"] == "gated")
     assert p2p["median_s"] == pytest.approx(0.110) and p2p["verified"]
     text = comparison_table(records)
-    assert "| case3 | RS0R(2, 4) -> S0RR(2, 4) | 1.0 | 100 | 110 | 120 | 130 | 165 | 120 | 1.10x | 1.50x | 1.09x |" in text
+    assert "| case3 | RS0R(2, 4) -> S0RR(2, 4) | 1.0 | 100 | 110 | - | 120 | 130 | 165 | 120 | 1.10x | 1.50x | 1.09x |" in text
     assert "| case8 |" in text and "| n/a | 1.00x | 3.00x | n/a |" in text
     for r in records:
         r["link_gbit"] = 0.25

@@ -117,7 +117,7 @@ def test_random_shapes_meshes_specs_dtypes(seed, executor):
     hosts = {d.id: rng.randrange(3) for d in DEVICES}
     strategy = STRATEGIES[seed % 4]
     chunks = rng.choice([None, 1, 3])
-    order = rng.choice(["eager", "rounds"])
+    order = rng.choice(["gated", "eager", "rounds"])
     kwargs = {"order": order} if executor == "p2p" else {}
     y = meshpar.reshard(x, dst, strategy=strategy, cluster=_cluster(hosts), chunks=chunks, executor=executor, **kwargs)
     _check(y, np.asarray(expected), dst)

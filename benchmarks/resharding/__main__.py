@@ -17,10 +17,10 @@ one move's latency (4 B to 64 MiB, p2p vs jax.device_put) is
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
+from benchmarks.worker_records import write_json
 from meshpar.passes import BALANCERS, STRATEGIES
 
 from . import real, sim
@@ -49,10 +49,7 @@ def _sim(args: argparse.Namespace) -> int:
     slowest = max(records, key=lambda r: r["planner_s"])
     print(f"\nslowest plan: {slowest['case']} {slowest['strategy']}/{slowest['balancer']}: "
           f"{slowest['planner_s']:.2f} s for {slowest['unit_tasks']} unit tasks")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {args.json}")
+    write_json(args.json, records)
     return 0
 
 
@@ -75,6 +72,12 @@ def _real(args: argparse.Namespace) -> int:
         print(f"\nEmulated cluster at {rate:g} Gbit/s, spread over repeats: p50 / p90 / max (nearest rank) "
               "of the slowest process's time, as multiples of the link lower bound.\n")
         print(real.distribution_table(rows))
+    traces = real.hop_trace_report(emulated)
+    if traces:
+        print("\nHop traces: per repeat, each plan round's first dispatch to last arrival (ms from the move's "
+              "first dispatch, all processes on one clock) and the hops in flight per host; then every hop of "
+              "the slowest and the median repeat ('alone': its bytes at the measured link rate).\n")
+        print(traces)
     single = [r for r in records if r["suite"] == "single_host"]
     if single:
         print("\nSingle host, 8 virtual CPU devices in one process (median):\n")
@@ -90,10 +93,7 @@ def _real(args: argparse.Namespace) -> int:
     for r in unverified:
         print(f"ERROR: {r['suite']} {r['case']} {real.method_label(real._method_of(r))}: result did not match numpy",
               file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-        print(f"wrote {len(records)} records to {args.json}")
+    write_json(args.json, records)
     return 1 if errors or unverified or not records else 0
 
 
@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=float, default=None,
                    help=f"tensor size in MiB (default {real.COMPARISON_MIB:g}; with --grid {real._BASE_MIB:g})")
     p.add_argument("--chunks", type=int, help="force the broadcast chunk count (default: the planner's)")
+    p.add_argument("--hop-trace", action="store_true",
+                   help="p2p methods: record when each hop arrived and print the slowest and median repeats' hops")
     p.add_argument("--plan-gbit", type=float,
                    help="plan for links of this rate instead of --link-gbit (same payload efficiency as measured)")
     p.add_argument("--latency", type=float, default=1e-3, help="planner's per-message latency, s (default 1e-3)")

@@ -77,6 +77,7 @@ __all__ = [
     "METHODS",
     "Method",
     "OURS_COLLECTIVE",
+    "OURS_EAGER",
     "OURS_P2P",
     "OURS_ROUNDS",
     "RealCase",
@@ -100,6 +101,8 @@ __all__ = [
 ]
 
 STRATEGIES = ("broadcast", "send_recv", "local_allgather")
+# meshpar.runtime.p2p_executor.ORDERS, spelled out: importing this module touches no JAX.
+P2P_ORDERS = ("gated", "eager", "rounds")
 BALANCERS = ("naive", "load_balance", "ensemble")
 # The old grid: (strategy, balancer) pairs, run on one executor (--grid).
 METHODS = tuple((s, b) for s in STRATEGIES for b in BALANCERS)
@@ -118,7 +121,8 @@ class Method(NamedTuple):
     ``"device_put"``: strategy ``"stock_jax"`` (jit to the destination's
     layout on the source devices, then a cross-host ``jax.device_put``) on the
     emulated cluster, ``"device_put"`` (a plain ``jax.device_put``) on a single
-    host. ``order``: ``"eager"``/``"rounds"`` for p2p, ``"-"`` otherwise.
+    host. ``order``: ``"gated"``/``"eager"``/``"rounds"`` for p2p (``P2PReshardExecutable``),
+    ``"-"`` otherwise.
     """
 
     strategy: str
@@ -133,28 +137,30 @@ class Method(NamedTuple):
 
     @classmethod
     def parse(cls, text: str) -> Method:
-        """``strategy/balancer[/executor[/order]]``; executor defaults to p2p, p2p's order to eager."""
+        """``strategy/balancer[/executor[/order]]``; executor defaults to p2p, p2p's order to gated."""
         parts = text.split("/")
         if not 2 <= len(parts) <= 4:
             raise ValueError(f"method: expected strategy/balancer[/executor[/order]], got {text!r}")
         strategy, balancer = parts[:2]
         executor = parts[2] if len(parts) > 2 else ("device_put" if strategy in ("stock_jax", "device_put") else "p2p")
-        order = parts[3] if len(parts) > 3 else ("eager" if executor == "p2p" else "-")
-        if executor == "p2p" and order not in ("eager", "rounds"):
-            raise ValueError(f"method {text!r}: p2p order must be eager or rounds")
+        order = parts[3] if len(parts) > 3 else ("gated" if executor == "p2p" else "-")
+        if executor == "p2p" and order not in P2P_ORDERS:
+            raise ValueError(f"method {text!r}: p2p order must be one of {P2P_ORDERS}")
         if executor != "p2p" and order != "-":
             raise ValueError(f"method {text!r}: only p2p has an order")
         return cls(strategy, balancer, executor, order)
 
 
-OURS_P2P = Method("broadcast", "ensemble", "p2p", "eager")
+OURS_P2P = Method("broadcast", "ensemble", "p2p", "gated")
+OURS_EAGER = Method("broadcast", "ensemble", "p2p", "eager")
 OURS_ROUNDS = Method("broadcast", "ensemble", "p2p", "rounds")
 OURS_COLLECTIVE = Method("broadcast", "ensemble", "collective")
 ALPA = Method("local_allgather", "load_balance", "collective")
 STOCK = Method("stock_jax", "-", "device_put")
 SINGLE_DEVICE_PUT = Method("device_put", "-", "device_put")
-COMPARISON = (OURS_P2P, OURS_ROUNDS, OURS_COLLECTIVE, ALPA, STOCK)
-_LABELS = {OURS_P2P: "ours p2p", OURS_ROUNDS: "ours p2p rounds", OURS_COLLECTIVE: "ours collective",
+COMPARISON = (OURS_P2P, OURS_EAGER, OURS_ROUNDS, OURS_COLLECTIVE, ALPA, STOCK)
+_LABELS = {OURS_P2P: "ours p2p", OURS_EAGER: "ours p2p ungated", OURS_ROUNDS: "ours p2p rounds",
+           OURS_COLLECTIVE: "ours collective",
            ALPA: "Alpa", STOCK: "stock JAX", SINGLE_DEVICE_PUT: "jax.device_put"}
 
 
@@ -166,7 +172,7 @@ def grid_methods(executor: str = "collective") -> list[Method]:
     """The old 9-method grid on one executor."""
     if executor not in EXECUTORS:
         raise ValueError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
-    return [Method(s, b, executor, "eager" if executor == "p2p" else "-") for s, b in METHODS]
+    return [Method(s, b, executor, "gated" if executor == "p2p" else "-") for s, b in METHODS]
 
 
 def _method_of(r: dict) -> Method:
@@ -441,10 +447,52 @@ def aggregate(lines: Sequence[dict], num_processes: int) -> list[dict]:
             "verified": all(g["verified"] is not False for g in group) and any(g["verified"] for g in group),
             "checked_shards": sum(g["checked_shards"] for g in group),
             "link_rate_Bps": c.get("link_rate"),
+            **_hop_traces(group, n),
+            # Retransmissions over the timed repeats, summed over every host's namespace: a
+            # retransmission timeout (TCPTimeouts) stalls a flow for at least 200 ms.
+            "tcp": {k: sum(g.get("tcp", {}).get(k, 0) for g in group) for k in group[0].get("tcp", {})},
             **{k: plan[k] for k in ("estimated_s", "unit_tasks", "rounds", "chunks", "steps", "ppermutes", "hops")
                if k in plan},
         })
     return records
+
+
+def _hop_traces(group: Sequence[dict], n: int) -> dict:
+    """With ``--hop-trace``: per repeat, every process's hops on one axis (``benchmarks.hop_trace``)."""
+    from benchmarks.hop_trace import hop_timeline
+
+    traced = [g for g in group if g.get("hops")]
+    if not traced:
+        return {}
+    host_of = {int(d): p for d, p in traced[0]["host_of"].items()}
+    return {"hop_timelines": [hop_timeline([g["hops"][i] for g in traced], host_of) for i in range(n)]}
+
+
+def hop_trace_report(records: Sequence[dict]) -> str:
+    """Per traced case and method: each repeat's time over the bound with its rounds' spans, and
+    the hops of the slowest and of the median repeat (which hop was late, and what was in flight)."""
+    from benchmarks.hop_trace import format_timeline, round_spans
+
+    out = []
+    for r in records:
+        timelines = r.get("hop_timelines")
+        if not timelines:
+            continue
+        bound = r["link_lower_bound_s"]
+        out.append(f"### {r['case']} {method_label(_method_of(r))} at {r.get('link_gbit')} Gbit/s "
+                   f"(bound {bound * 1e3:.0f} ms)")
+        order = sorted(range(len(r["times_s"])), key=lambda i: r["times_s"][i])
+        if r.get("tcp"):
+            out.append("TCP over the timed repeats, all hosts: " + ", ".join(f"{k} {v}" for k, v in r["tcp"].items()))
+        for i in range(len(r["times_s"])):
+            spans = "; ".join(f"r{s['round']}: {s['first_dispatch_ms']:.0f}-{s['last_ready_ms'] or float('nan'):.0f} ms"
+                              f" ({s['hops']} hops, <= {s['max_sends_per_host']} out / "
+                              f"{s['max_receives_per_host']} in per host)" for s in round_spans(timelines[i]))
+            out.append(f"repeat {i}: {r['times_s'][i] / bound:.2f}x  {spans}")
+        for name, i in (("slowest", order[-1]), ("median", order[len(order) // 2])):
+            out.append(f"{name} repeat ({r['times_s'][i] / bound:.2f}x):")
+            out.append(format_timeline(timelines[i], r["link_rate_Bps"]))
+    return "\n".join(out)
 
 
 def _run_emulated(args, link_gbit: float, cases: list[RealCase], methods: list[Method],
@@ -469,6 +517,8 @@ def _run_emulated(args, link_gbit: float, cases: list[RealCase], methods: list[M
                     "--cases", *[c.name for c in cases], "--methods", *[m.key for m in methods]]
             if args.chunks:
                 argv += ["--chunks", str(args.chunks)]
+            if getattr(args, "hop_trace", False):
+                argv += ["--hop-trace"]
             if args.plan_gbit:
                 argv += ["--plan-rate", repr(args.plan_gbit * 1e9 / 8 * rate / (link_gbit * 1e9 / 8))]
             errors += cluster.run_reporting(
