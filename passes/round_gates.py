@@ -1,4 +1,4 @@
-"""Pass: gate each plan round's cross-host hops on the previous round's arrivals, on the devices.
+"""Pass: gate each plan round's cross-host hops on earlier rounds' arrivals, on the devices.
 
 The planner's rounds assume each host's link carries one flow at a time. Dispatching every hop
 at once (never blocking the caller) lets a later round's flow share a NIC with an earlier
@@ -9,8 +9,8 @@ probes of a gated run; no retransmission timeouts), shrank its window and finish
 late, 2.1x the link bound. Waiting on the host for each round's arrivals keeps the flows apart
 but blocks the caller.
 
-A gate keeps them apart on the devices instead. A round-``r`` hop waits for the round-``r - 1``
-arrivals it would share a NIC with (``round_gates``): a one-byte token is derived from each,
+A gate keeps them apart on the devices instead. A round-``r`` hop waits for the earlier rounds'
+arrivals it would share a NIC with as another flow (``round_gates``): a one-byte token is derived from each,
 gathered on one device of their host (``collector``), moved to the hop's sender, and the piece
 it sends is made to depend on it. Receivers pull, and a sender's transfer server sends a piece
 only once it exists, so the later flow starts when the earlier one has ended, and the caller
@@ -33,8 +33,8 @@ __all__ = ["Gate", "round_gates", "verify_round_gates"]
 @dataclasses.dataclass(frozen=True)
 class Gate:
     """Before round ``round``, the pieces ``pieces`` that ``src_device`` sends across hosts wait
-    for a token made of the arrivals ``arrivals`` ((device, piece) keys of round ``round - 1``,
-    all on host ``host``), gathered on ``collector`` (one of those devices)."""
+    for a token made of the arrivals ``arrivals`` ((device, piece) keys of earlier rounds, all
+    on host ``host``), gathered on ``collector`` (one of those devices)."""
 
     round: int
     host: int
@@ -47,15 +47,17 @@ class Gate:
 def round_gates(program: HopProgram, host_of: Mapping[int, int]) -> tuple[Gate, ...]:
     """The gates of ``program``, in round, host, sender order: the same on every process.
 
-    A cross-host hop from host ``a`` into host ``b`` in round ``r`` waits for the previous
-    round's cross-host hops it would share a NIC with as another flow: those into ``b`` from a
-    host other than ``a``, and those out of ``a`` into a host other than ``b``. Hops between
-    the same two hosts share one connection, whose transfers queue in order, so they need no
-    gate (a plan of many small rounds between the same hosts gets none). Only pieces the sender
-    holds when the round starts are gated: one relayed within the round already waits for its
-    arrival. ``host_of`` maps every device of the program to its host (process)."""
+    A cross-host hop from host ``a`` into host ``b`` in round ``r`` waits for every earlier
+    round's cross-host hop it would share a NIC with as another flow: those into ``b`` from a
+    host other than ``a``, and those out of ``a`` into a host other than ``b``. Earlier hops
+    between the same two hosts are not waited for (the hop joins their flow), and neither are
+    later ones; every earlier round counts, not only the last, since a plan of many rounds
+    between the same hosts is in flight at once (case 4 of the paper's table: 16 rounds
+    ``0 -> 2``, then 16 rounds ``1 -> 2``, whose first hops otherwise left at once). Only pieces
+    the sender holds when the round starts are gated: one relayed within the round already
+    waits for its arrival. ``host_of`` maps every device of the program to its host (process)."""
     gates: list[Gate] = []
-    previous: list = []
+    earlier: list = []
     for r, (first, end) in enumerate(program.rounds):
         hops = [h for k in range(first, end) for h in program.steps[k] if host_of[h.src_device] != host_of[h.dst_device]]
         held = _held_before(program, r)
@@ -64,7 +66,7 @@ def round_gates(program: HopProgram, host_of: Mapping[int, int]) -> tuple[Gate, 
             a, b = host_of[h.src_device], host_of[h.dst_device]
             if (h.src_device, h.piece) not in held:
                 continue
-            for p in previous:
+            for p in earlier:
                 pa, pb = host_of[p.src_device], host_of[p.dst_device]
                 if (pb == b and pa != a) or (pa == a and pb != b):
                     arrivals, pieces = waits.setdefault((pb, h.src_device), ([], []))
@@ -74,7 +76,7 @@ def round_gates(program: HopProgram, host_of: Mapping[int, int]) -> tuple[Gate, 
                         pieces.append(h.piece)
         for (host, src), (arrivals, pieces) in sorted(waits.items()):
             gates.append(Gate(r, host, tuple(arrivals), arrivals[0][0], src, tuple(pieces)))
-        previous = hops
+        earlier += hops
     return tuple(gates)
 
 
@@ -87,7 +89,7 @@ def _held_before(program: HopProgram, r: int) -> set[tuple[int, int]]:
 
 
 def verify_round_gates(program: HopProgram, gates: tuple[Gate, ...], host_of: Mapping[int, int]) -> None:
-    """Checks each gate: its arrivals are cross-host hops of the previous round into its host,
+    """Checks each gate: its arrivals are cross-host hops of earlier rounds into its host,
     its collector is one of their devices, and its sender sends each of its pieces across hosts
     in its round, holding it when the round starts.
 
@@ -101,10 +103,10 @@ def verify_round_gates(program: HopProgram, gates: tuple[Gate, ...], host_of: Ma
     for g in gates:
         if not 1 <= g.round < len(program.rounds):
             raise PlanVerificationError(f"gate {g}: round {g.round} has no previous round")
-        into = {(h.dst_device, h.piece) for h in hops_of(g.round - 1)
+        into = {(h.dst_device, h.piece) for r in range(g.round) for h in hops_of(r)
                 if host_of[h.dst_device] == g.host and host_of[h.src_device] != g.host}
         if not g.arrivals or not set(g.arrivals) <= into:
-            raise PlanVerificationError(f"gate {g}: arrivals are not round {g.round - 1}'s cross-host arrivals "
+            raise PlanVerificationError(f"gate {g}: arrivals are not earlier rounds' cross-host arrivals "
                                         f"into host {g.host}")
         if g.collector not in {d for d, _ in g.arrivals}:
             raise PlanVerificationError(f"gate {g}: collector {g.collector} holds none of the arrivals")

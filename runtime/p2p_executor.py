@@ -185,20 +185,29 @@ class P2PReshardExecutable:
         self._dst_order = [d.id for d in dst.mesh.devices.flat if d.id in local]
         self.participates = bool(local)
 
-    def _apply(self, gate: Gate, have: dict[tuple[int, int], jax.Array]) -> None:
-        """Makes ``gate.src_device``'s pieces wait for ``gate``'s token (every process calls the
-        token's cross-process ``device_put``, as for any hop)."""
-        collector = device_sharding(self._devices[gate.collector])
-        if gate.collector in self._local:
-            tokens = [_token_jit(have[a]) for a in gate.arrivals]
-            token = _combine_jit(*[t if d == gate.collector else jax.device_put(t, collector)
-                                   for t, (d, _) in zip(tokens, gate.arrivals)])
-        else:
-            token = absent((), np.uint8, collector)
-        moved = jax.device_put(token, device_sharding(self._devices[gate.src_device]))
+    def _apply(self, gate: Gate, have: dict[tuple[int, int], jax.Array], tokens: dict) -> None:
+        """Makes ``gate.src_device``'s pieces wait for ``gate``'s token. ``tokens`` caches, for
+        one call, each arrival's token, each gathered token and each token moved to a sender
+        (later rounds' gates often await the same arrivals); every process fills it alike, so
+        every process calls the tokens' cross-process ``device_put``s in one order, as hops."""
+        gathered_key = (gate.collector, gate.arrivals)
+        if gathered_key not in tokens:
+            collector = device_sharding(self._devices[gate.collector])
+            if gate.collector in self._local:
+                for a in gate.arrivals:
+                    if a not in tokens:
+                        tokens[a] = _token_jit(have[a])
+                gathered = _combine_jit(*[tokens[a] if a[0] == gate.collector else jax.device_put(tokens[a], collector)
+                                          for a in gate.arrivals])
+            else:
+                gathered = absent((), np.uint8, collector)
+            tokens[gathered_key] = gathered
+        moved_key = (gathered_key, gate.src_device)
+        if moved_key not in tokens:
+            tokens[moved_key] = jax.device_put(tokens[gathered_key], device_sharding(self._devices[gate.src_device]))
         if gate.src_device in self._local:
             for piece in gate.pieces:
-                have[(gate.src_device, piece)] = _gate_jit(have[(gate.src_device, piece)], moved)
+                have[(gate.src_device, piece)] = _gate_jit(have[(gate.src_device, piece)], tokens[moved_key])
 
     def _arrival(self, step: int, src: tuple[int, int], dst: tuple[int, int], array: jax.Array) -> HopArrival:
         round_of = next(i for i, (first, end) in enumerate(self.program.rounds) if first <= step < end)
@@ -288,12 +297,13 @@ class P2PReshardExecutable:
                 for piece, value in zip(pieces, fn(shards[d])):
                     have[(d, piece)] = value
         arrivals: list[jax.Array] = []
+        tokens: dict = {}
         for k, (local_hops, cross_hops) in enumerate(self._steps):
             if self.order == "rounds" and k in self._round_starts:
                 wait_ready(arrivals, timeout_s, f"a round of a p2p resharding (before step {k})")
                 arrivals = []
             for gate in self._gates_at.get(k, ()):
-                self._apply(gate, have)
+                self._apply(gate, have, tokens)
             if local_hops:
                 moved = jax.device_put([have[s] for s, _, _ in local_hops], [to for _, _, to in local_hops])
                 for (_, r, _), value in zip(local_hops, moved):

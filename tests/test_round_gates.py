@@ -1,6 +1,6 @@
 """Round gates (passes.round_gates): which hops wait for which arrivals, checked against a
-direct reading of the hop program; and gated moves in one process, with hosts emulated by
-device groups, equal to numpy bit for bit and never leaving before the previous round arrived."""
+brute-force reading of the hop program; and gated moves in one process, with hosts emulated by
+device groups, equal to numpy bit for bit."""
 
 import random
 
@@ -36,7 +36,7 @@ def _case(seed):
 def _expected_gates(program, host_of):
     """Per round r >= 1, by brute force over pairs of hops: (r, host awaited, sender) for every
     cross-host hop a -> b of a piece its sender held before round r, and every cross-host hop
-    of round r - 1 into b from another host than a, or out of a into another host than b."""
+    of an earlier round into b from another host than a, or out of a into another host than b."""
     def hops(k):
         first, end = program.rounds[k]
         return [h for s in range(first, end) for h in program.steps[s]
@@ -50,7 +50,7 @@ def _expected_gates(program, host_of):
             a, b = host_of[h.src_device], host_of[h.dst_device]
             if (h.src_device, h.piece) not in held:
                 continue
-            for p in hops(r - 1):
+            for p in (q for k in range(r) for q in hops(k)):
                 pa, pb = host_of[p.src_device], host_of[p.dst_device]
                 if (pb == b and pa != a) or (pa == a and pb != b):
                     out.add((r, pb, h.src_device))
