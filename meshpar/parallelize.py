@@ -32,6 +32,7 @@ from meshpar.passes.weight_delay import check_weight_delay
 from meshpar.reshard import plan_between, prepare_reshard
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable
+from meshpar.runtime.p2p_executor import device_sharding
 from meshpar.runtime.remote import absent
 from meshpar.runtime.signal_move import SignalMove
 from meshpar.runtime.spmd_step import SpmdStep
@@ -528,8 +529,9 @@ class ParallelizedStep:
             if kind is TransferKind.DEVICE_PUT:
                 return functools.partial(jax.device_put, device=dst)
             if kind is TransferKind.SIGNAL:
-                # The byte moves as any 0-d value between the two meshes would.
-                one = (NamedSharding(src.mesh, P()), NamedSharding(dst.mesh, P()))
+                # The byte leaves from one source device (no collective over the source mesh) and
+                # moves as any 0-d value to every device of the destination mesh.
+                one = (device_sharding(src.mesh.devices.flat[0]), NamedSharding(dst.mesh, P()))
                 processes = [d.process_index for s in one for d in s.mesh.devices.flat]
                 carry = (functools.partial(jax.device_put, device=one[1])
                          if choose_transfer("auto", processes, 0) is TransferKind.DEVICE_PUT

@@ -14,41 +14,49 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
+from meshpar.runtime.p2p_executor import device_sharding
 from meshpar.runtime.remote import absent
 
 __all__ = ["SignalMove"]
 
 
-def _owns(sharding: NamedSharding) -> bool:
-    me = jax.process_index()
-    return any(d.process_index == me for d in sharding.mesh.devices.flat)
-
-
 class SignalMove:
     """Moves a byte derived from ``x`` (sharded as ``src``) and yields zeros sharded as ``dst``.
+
+    The byte is read from the shard on the source mesh's first device, by a program of that
+    device alone: a program over the whole source mesh would make its devices meet in a
+    collective (the byte is in one shard), a rendezvous the real move never has.
 
     Args:
       shape, dtype: the value's.
       src, dst: its shardings on the two meshes.
-      carry: moves a replicated 0-d ``uint8`` from ``src``'s mesh to ``dst``'s
-        (``jax.device_put`` inside a process, a p2p move across processes);
+      carry: moves a 0-d ``uint8`` on the source mesh's first device to every device of
+        ``dst``'s mesh (``jax.device_put`` inside a process, a p2p move across processes);
         every process calls it, as p2p moves require.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst: NamedSharding,
                  carry: Callable[[jax.Array], jax.Array]) -> None:
         self.shape, self.dtype, self.src, self.dst = tuple(shape), np.dtype(dtype), src, dst
-        self._token_sharding = NamedSharding(src.mesh, P())
+        first = src.mesh.devices.flat[0]
+        self._first = first.id
         self._carry = carry
-        self._token = jax.jit(lambda x: (jnp.ravel(x)[0] * 0).astype(jnp.uint8), out_shardings=self._token_sharding)
+        self._token = jax.jit(lambda x: (jnp.ravel(x)[:1].sum() * 0).astype(jnp.uint8))
         self._fill = jax.jit(lambda t: jnp.zeros(self.shape, self.dtype) + t.astype(self.dtype), out_shardings=dst)
-        self._sends, self._receives = _owns(src), _owns(dst)
+        me = jax.process_index()
+        self._sends = first.process_index == me
+        self._receives = any(d.process_index == me for d in dst.mesh.devices.flat)
         # What this process names in place of a value it owns no shard of.
-        self._no_token = None if self._sends else absent((), np.uint8, self._token_sharding)
+        self._no_token = None if self._sends else absent((), np.uint8, device_sharding(first))
         self._no_value = None if self._receives else absent(self.shape, self.dtype, dst)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        arrived = self._carry(self._token(x) if self._sends else self._no_token)
+        if self._sends:
+            shard = next(s.data for s in x.addressable_shards if s.device.id == self._first)
+            token = self._token(shard)
+        else:
+            token = self._no_token
+        arrived = self._carry(token)
         return self._fill(arrived) if self._receives else self._no_value

@@ -1,5 +1,7 @@
 """meshpar.parallelize against the same step under plain jax.jit, in one process with 8 devices."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -305,6 +307,45 @@ def test_signal_resharding_moves_one_byte_with_the_same_dependencies():
     value = jax.device_put(np.full(transfer.shape, 3.0, transfer.dtype), transfer.src)
     moved = forward(value)
     assert moved.sharding == transfer.dst and moved.shape == transfer.shape
+    np.testing.assert_array_equal(np.asarray(moved), np.zeros(transfer.shape, transfer.dtype))
+
+
+def test_signal_move_delivers_only_after_the_source_value_exists():
+    """A signal move's zeros depend on the sender's value: while the shard the byte is read from
+    is still being computed (a program of about a second, dispatched asynchronously), the
+    destination value is never ready; afterwards it is, and it is zeros."""
+    model = MLP(features=(16, 16, 4), num_stages=2)
+    batch = _mlp_batch()
+    state = make_state(model, batch["x"][:1])
+    method = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), resharding="signal")
+    executable = meshpar.parallelize(supervised_step(mse), method=method).get_executable(state, batch)
+    transfer, forward = executable.program.transfers[0], executable.transfer_moves[0]
+
+    @jax.jit
+    def slow(piece, m):
+        m = jax.lax.fori_loop(0, 12, lambda _, a: jnp.tanh(a @ a), m)
+        return piece + m[0, 0] * 0.0
+
+    full = np.full(transfer.shape, 3.0, transfer.dtype)
+    first = transfer.src.mesh.devices.flat[0]
+    shards = {}
+    for device, index in transfer.src.addressable_devices_indices_map(transfer.shape).items():
+        shards[device] = jax.device_put(full[index], device)
+    square = jax.device_put(np.eye(1500, dtype=np.float32), first)
+    jax.block_until_ready([*shards.values(), square])
+    shards[first] = slow(shards[first], square)
+    value = jax.make_array_from_single_device_arrays(
+        transfer.shape, transfer.src, [shards[d] for d in transfer.src.addressable_devices_indices_map(transfer.shape)])
+    moved = forward(value)
+    observed = 0
+    while True:
+        moved_ready = moved.is_ready()
+        if shards[first].is_ready():
+            break
+        assert not moved_ready, "the zeros arrived before the value they stand for existed"
+        observed += 1
+        time.sleep(0.01)
+    assert observed, "the source finished before the move could be watched; make `slow` slower"
     np.testing.assert_array_equal(np.asarray(moved), np.zeros(transfer.shape, transfer.dtype))
 
 
