@@ -3,10 +3,10 @@
 The planner's rounds assume each host's link carries one flow at a time. Dispatching every hop
 at once (never blocking the caller) lets a later round's flow share a NIC with an earlier
 round's flow to or from another host. Measured on the emulated cluster at 0.25 Gbit/s
-(BENCHMARKS.md, ``--hop-trace``): in one move in five to seven, a sender's two flows shared its
-NIC unevenly, the losing flow (always a later round's) lost its tail packets (4x the tail-loss
-probes of a gated run; no retransmission timeouts), shrank its window and finished up to 150 ms
-late, 2.1x the link bound. Waiting on the host for each round's arrivals keeps the flows apart
+(BENCHMARKS.md, ``--hop-trace``): in 1 to 5 of 15 repeats of a case, a sender's two flows
+shared its NIC unevenly, and the losing flow (always a later round's) lost packets (4-7x the
+tail-loss probes of a gated run, and no retransmission timeout), shrank its window and finished
+up to 150 ms late: 2.1x the link bound. Waiting on the host for each round's arrivals keeps the flows apart
 but blocks the caller.
 
 A gate keeps them apart on the devices instead. A round-``r`` hop waits for the earlier rounds'

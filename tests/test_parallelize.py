@@ -333,6 +333,9 @@ def test_signal_move_delivers_only_after_the_source_value_exists():
         shards[device] = jax.device_put(full[index], device)
     square = jax.device_put(np.eye(1500, dtype=np.float32), first)
     jax.block_until_ready([*shards.values(), square])
+    # Compiled first, so that the move is dispatched while the source is still computing.
+    jax.block_until_ready([forward(jax.make_array_from_single_device_arrays(
+        transfer.shape, transfer.src, list(shards.values()))), slow(shards[first], square)])
     shards[first] = slow(shards[first], square)
     value = jax.make_array_from_single_device_arrays(
         transfer.shape, transfer.src, [shards[d] for d in transfer.src.addressable_devices_indices_map(transfer.shape)])
