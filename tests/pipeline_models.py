@@ -35,6 +35,16 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=str(path[0]))
 
 
+class TwoStages(nn.Module):
+    """Dense(8) + tanh, a stage marker, Dense(4): the smallest two-stage model."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(8)(x))
+        meshpar.mark_stage_boundary()
+        return nn.Dense(4)(h)
+
+
 class TensorParallel(nn.Module):
     """Two stages whose kernels flax partitions over the stage mesh's ``model`` axis (the second
     one its input dimension), so both stages hold sharded parameters."""

@@ -21,18 +21,10 @@ from meshpar.autodiff import tracing_pipeline
 from meshpar.passes.split_conditionals import cut_cond, inline_constant_conds, split_cond
 from meshpar.passes.stage_graph import Ref, split_stages
 from meshpar.passes.step_split import OuterCompute, split_step
-from pipeline_models import assert_trees_close
+from pipeline_models import TwoStages, assert_trees_close
 
 METHOD = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2))
 GOOD, NAN = "good", "nan"
-
-
-class _TwoStages(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = jnp.tanh(nn.Dense(8)(x))
-        meshpar.mark_stage_boundary()
-        return nn.Dense(4)(h)
 
 
 def _batch(seed, nan=False):
@@ -108,7 +100,7 @@ def _moved_shapes(describe):
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
 def test_wrapped_updates_match_jit_stay_on_stage_meshes_and_move_only_scalars(wrapper):
     make_tx, kinds = WRAPPERS[wrapper]
-    state = _state(_TwoStages(), make_tx())
+    state = _state(TwoStages(), make_tx())
     parallel = meshpar.parallelize(_step, method=METHOD)
     reference = jax.jit(_step)
     ref, par = state, state
@@ -131,7 +123,7 @@ def test_wrapped_updates_match_jit_stay_on_stage_meshes_and_move_only_scalars(wr
 
 def test_apply_if_finite_sends_mesh_1s_finiteness_flags_and_the_predicate_back():
     batch = _batch(0)
-    state = _state(_TwoStages(), optax.apply_if_finite(_adam(), 3))
+    state = _state(TwoStages(), optax.apply_if_finite(_adam(), 3))
     split = meshpar.parallelize(_step, method=METHOD).get_executable(state, batch).split
     moves = split.moved()
     assert [(m.src, m.dst, len(m.values)) for m in moves] == [(1, 0, 2), (0, 1, 1)]
@@ -375,7 +367,7 @@ def test_constant_conds_are_inlined_recursively_and_others_kept():
 
 
 def _traced_split(tx):
-    args = (_state(_TwoStages(), tx), _batch(0))
+    args = (_state(TwoStages(), tx), _batch(0))
     with tracing_pipeline():
         outer = jax.make_jaxpr(_step)(*args)
     (grad,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]

@@ -13,7 +13,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 import meshpar
-from pipeline_models import assert_trees_close
+from pipeline_models import TwoStages, assert_trees_close
 
 M = 4
 METHOD = meshpar.PipeshardParallel(num_micro_batches=M, num_stages=2, stage_mesh_shape=(2, 2))
@@ -22,14 +22,6 @@ METHOD = meshpar.PipeshardParallel(num_micro_batches=M, num_stages=2, stage_mesh
 def _batch(n=16, d=6, k=4, seed=0):
     rng = np.random.default_rng(seed)
     return {"x": rng.standard_normal((n, d)).astype(np.float32), "y": rng.standard_normal((n, k)).astype(np.float32)}
-
-
-class _TwoStages(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = jnp.tanh(nn.Dense(8)(x))
-        meshpar.mark_stage_boundary()
-        return nn.Dense(4)(h)
 
 
 def _state(model, x, tx=None, **variables):
@@ -73,7 +65,7 @@ def _aux_step(aux_reduction=None):
 
 def test_aux_defaults_equal_jit_mean_count_and_concatenation():
     batch = _batch()
-    state = _state(_TwoStages(), batch["x"])
+    state = _state(TwoStages(), batch["x"])
     (ref, ref_loss, ref_aux), (par, par_loss, par_aux), _ = _run(_aux_step({"peak": "last"}), state, batch)
     assert_trees_close(par.params, ref.params)
     np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
@@ -89,7 +81,7 @@ def test_aux_defaults_equal_jit_mean_count_and_concatenation():
 
 def test_aux_reduction_sum_and_errors():
     batch = _batch()
-    state = _state(_TwoStages(), batch["x"])
+    state = _state(TwoStages(), batch["x"])
     _, (_, _, aux), _ = _run(_aux_step({"mse": meshpar.AuxReduction.SUM, "hits": "sum", "pred": "concat",
                                         "peak": "mean"}), state, batch, steps=1)
     per_mb = [float(jnp.mean((state.apply_fn({"params": state.params}, _micro(batch, m)["x"]) - _micro(batch, m)["y"]) ** 2))
@@ -110,7 +102,7 @@ def test_aux_reduction_sum_and_errors():
 
 def test_parameters_computed_in_the_step_are_rejected_naming_the_line():
     batch = _batch()
-    state = _state(_TwoStages(), batch["x"])
+    state = _state(TwoStages(), batch["x"])
 
     def step(state, batch):
         scaled = jax.tree.map(lambda p: p * 2.0, state.params)
@@ -137,7 +129,7 @@ def test_value_and_grad_matches_jax_outside_a_pipeline():
 
 def test_argnums_tuple_and_grad_with_aux_in_a_pipeline():
     batch = _batch()
-    state = _state(_TwoStages(), batch["x"])
+    state = _state(TwoStages(), batch["x"])
 
     def step(state, batch):
         def loss_fn(x_scale, params):
@@ -334,7 +326,7 @@ def test_flax_dropout_rngs_draw_per_micro_batch_keys():
 
 def test_sum_reduction_equals_jit_of_a_summed_loss():
     batch = _batch()
-    state = _state(_TwoStages(), batch["x"], tx=optax.sgd(1e-3))
+    state = _state(TwoStages(), batch["x"], tx=optax.sgd(1e-3))
 
     def step(state, batch):
         def loss_fn(params):
@@ -367,7 +359,7 @@ def test_masked_mean_recipe_equals_jit_even_with_a_fully_masked_micro_batch():
     w[:4] = 0.0  # micro-batch 0 is all padding
     w[9] = 0.0
     batch["w"] = w
-    state = _state(_TwoStages(), batch["x"])
+    state = _state(TwoStages(), batch["x"])
     (ref, ref_loss, ref_count), (par, par_loss, par_count), parallel = _run(_masked_step, state, batch)
     assert np.isfinite(float(par_loss))
     np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
@@ -384,7 +376,7 @@ def test_masked_mean_recipe_equals_jit_even_with_a_fully_masked_micro_batch():
 def test_global_norm_clipping_and_logging_match_jit():
     batch = _batch()
     tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2, eps=1e-5))
-    state = _state(_TwoStages(), batch["x"], tx=tx)
+    state = _state(TwoStages(), batch["x"], tx=tx)
 
     def step(state, batch):
         def loss_fn(params):
