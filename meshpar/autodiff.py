@@ -41,8 +41,9 @@ from jax._src import linear_util as lu
 
 from meshpar.nnx_state import has_variables
 from meshpar.passes.micro_batching import REDUCTIONS, AuxReduction
+from meshpar.passes.step_primitives import pipeline_grad_p
 
-__all__ = ["AuxReduction", "grad", "value_and_grad", "pipeline_grad_p", "tracing_pipeline"]
+__all__ = ["AuxReduction", "grad", "value_and_grad", "tracing_pipeline"]
 
 _state = threading.local()
 
@@ -56,30 +57,6 @@ def tracing_pipeline() -> Iterator[None]:
         yield
     finally:
         _state.active = previous
-
-
-pipeline_grad_p = core.Primitive("meshpar_pipeline_grad")
-pipeline_grad_p.multiple_results = True
-
-
-@pipeline_grad_p.def_abstract_eval
-def _abstract_eval(*avals: core.AbstractValue, loss_jaxpr: core.ClosedJaxpr, num_diff: int, num_aux: int,
-                   **params: Any) -> list:
-    # At the whole batch's shapes (the trace the update is taken from), the loss function's
-    # aux avals are what combining the micro-batches' gives: concatenated leaves have the
-    # whole batch's leading dimension, the others keep their shape.
-    return [*loss_jaxpr.out_avals[:1 + num_aux], *avals[:num_diff]]
-
-
-@pipeline_grad_p.def_impl
-def _impl(*args: Any, loss_jaxpr: core.ClosedJaxpr, num_diff: int, num_aux: int, **params: Any) -> list:
-    # Evaluating the traced step directly (no pipeline): plain value_and_grad.
-    def loss(diff, rest):
-        value, *aux = core.jaxpr_as_fun(loss_jaxpr)(*diff, *rest)
-        return value, aux
-
-    (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(list(args[:num_diff]), list(args[num_diff:]))
-    return [value, *aux, *grads]
 
 
 def _check_aux_reduction(aux_reduction: Any) -> None:

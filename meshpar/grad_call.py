@@ -8,8 +8,8 @@ from typing import Any
 
 from jax._src import core
 
-from meshpar.autodiff import pipeline_grad_p
 from meshpar.passes.stage_graph import user_location
+from meshpar.passes.step_primitives import pipeline_grad_p
 
 __all__ = ["find_grad_call"]
 

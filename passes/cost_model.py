@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from jax._src import core
+from jax._src.lax.control_flow.loops import scan_p
 from jax.sharding import Mesh
 
 from .edge_transfer import Direction, EdgeTransfer, TransferKind
@@ -62,7 +63,7 @@ def jaxpr_ops(jaxpr: core.Jaxpr | core.ClosedJaxpr) -> float:
     for e in jaxpr.eqns:
         inner = list(subjaxprs(e))
         if inner:
-            total += (e.params.get("length", 1) if e.primitive.name == "scan" else 1) * sum(jaxpr_ops(j) for j in inner)
+            total += (e.params.get("length", 1) if e.primitive is scan_p else 1) * sum(jaxpr_ops(j) for j in inner)
         else:
             total += 1.0
     return total

@@ -15,10 +15,8 @@ import math
 import numpy as np
 from jax._src import core, source_info_util
 
-from meshpar.stage_boundary import stage_boundary_p
-
 from .cost_model import _eqn_flops
-from .stage_graph import MARKER
+from .step_primitives import stage_boundary_p
 
 __all__ = ["cut_positions", "insert_layer_markers", "max_layers"]
 
@@ -99,7 +97,7 @@ def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int) -> core.
         equations with FLOPs than ``num_layers``.
     """
     jaxpr = loss_jaxpr.jaxpr
-    if any(e.primitive.name == MARKER for e in jaxpr.eqns):
+    if any(e.primitive is stage_boundary_p for e in jaxpr.eqns):
         raise ValueError("num_layers: the loss has stage markers; automatic layers are for losses without them")
     if num_layers == 1:
         return loss_jaxpr

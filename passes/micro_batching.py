@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
+from jax._src.random.prng import random_wrap_p
 
 from .stage_graph import subjaxprs
 
@@ -61,7 +62,7 @@ def _wrapped_vars(jaxpr: core.Jaxpr) -> set[core.Var]:
     whose inputs are the equation's operands one to one (jit, remat, custom derivatives)."""
     found: set[core.Var] = set()
     for e in jaxpr.eqns:
-        if e.primitive.name == "random_wrap":
+        if e.primitive is random_wrap_p:
             found.update(v for v in e.invars if isinstance(v, core.Var))
             continue
         for sub in _operand_aligned(e):

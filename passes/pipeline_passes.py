@@ -41,6 +41,7 @@ from .stage_graph import Ref, StageGraph, split_stages, verify_stage_graph
 from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout, layout_step
+from .step_primitives import pipeline_grad_p
 from .step_split import StepSplit, split_step, verify_step_split
 from .wire_format import wire_aval
 from .unit_tasks import PlanVerificationError
@@ -174,7 +175,7 @@ def compile_pipeline(
 def _is_batch_leaf(outer: core.ClosedJaxpr, k: int, graph: StageGraph, batch_leaves: frozenset[int]) -> bool:
     """Whether non-differentiated loss operand ``k`` is a batch input leaf itself (sliced on the
     host per micro-batch, never placed whole)."""
-    (grad_eqn,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
+    (grad_eqn,) = [e for e in outer.jaxpr.eqns if e.primitive is pipeline_grad_p]
     v = grad_eqn.invars[graph.num_params + k]
     return v in outer.jaxpr.invars and outer.jaxpr.invars.index(v) in batch_leaves
 

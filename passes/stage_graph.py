@@ -19,10 +19,14 @@ import jax
 import jax.numpy as jnp
 from jax._src import core
 from jax._src import linear_util as lu
+from jax._src.ad_checkpoint import remat_p
+from jax._src.lax.control_flow.conditionals import cond_p
+from jax._src.lax.control_flow.loops import scan_p, while_p
+
+from .step_primitives import stage_boundary_p
 
 __all__ = ["Ref", "Stage", "StageGraph", "count_markers", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "is_differentiable", "user_location"]
 
-MARKER = "meshpar_stage_boundary"
 
 
 class StageMarkerError(ValueError):
@@ -129,19 +133,19 @@ def subjaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
 
 def _find_nested_marker(jaxpr: core.Jaxpr) -> bool:
     return any(
-        e.primitive.name == MARKER or any(_find_nested_marker(j) for j in subjaxprs(e)) for e in jaxpr.eqns
+        e.primitive is stage_boundary_p or any(_find_nested_marker(j) for j in subjaxprs(e)) for e in jaxpr.eqns
     )
 
 
 # Per primitive holding a marker in its body, how to move the marker out.
 _NESTED_MARKER_FIX = {
-    "scan": "mark between scanned groups instead (two nn.scan / lax.scan stacks with a marker between them "
+    scan_p: "mark between scanned groups instead (two nn.scan / lax.scan stacks with a marker between them "
             "cut there), or unroll that loop",
-    "remat2": "call it between rematerialized blocks (nn.remat / jax.checkpoint), not inside one",
-    "cond": "move the marker out of the cond (lax.cond / nn.cond)",
-    "while": "move the marker out of the while loop (lax.while_loop / fori_loop), or unroll it",
-    "pjit": "move the marker out of the nested jax.jit function, or call that function unjitted",
+    remat_p: "call it between rematerialized blocks (nn.remat / jax.checkpoint), not inside one",
+    cond_p: "move the marker out of the cond (lax.cond / nn.cond)",
+    while_p: "move the marker out of the while loop (lax.while_loop / fori_loop), or unroll it",
 }
+_NESTED_MARKER_DEFAULT_FIX = "move the marker out of the nested function (e.g. a jax.jit), or call it unjitted"
 
 _OWN_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, lu.__file__))
 
@@ -164,7 +168,7 @@ def user_location(eqn: core.JaxprEqn) -> str:
 
 def count_markers(loss_jaxpr: core.ClosedJaxpr) -> int:
     """How many top-level stage markers ``loss_jaxpr`` has (candidate cut points)."""
-    return sum(e.primitive.name == MARKER for e in loss_jaxpr.jaxpr.eqns)
+    return sum(e.primitive is stage_boundary_p for e in loss_jaxpr.jaxpr.eqns)
 
 
 def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[int] | None = None) -> StageGraph:
@@ -177,11 +181,11 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
     """
     jaxpr = loss_jaxpr.jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name != MARKER and any(_find_nested_marker(j) for j in subjaxprs(eqn)):
+        if eqn.primitive is not stage_boundary_p and any(_find_nested_marker(j) for j in subjaxprs(eqn)):
             raise StageMarkerError(
                 f"mark_stage_boundary() is called inside a `{eqn.primitive.name}` body at {user_location(eqn)}; "
                 f"meshpar can only cut straight-line code between stages: "
-                f"{_NESTED_MARKER_FIX.get(eqn.primitive.name, _NESTED_MARKER_FIX['pjit'])}"
+                f"{_NESTED_MARKER_FIX.get(eqn.primitive, _NESTED_MARKER_DEFAULT_FIX)}"
             )
     num_markers = count_markers(loss_jaxpr)
     if cuts is not None and (len(set(cuts)) != len(cuts) or not all(0 <= c < num_markers for c in cuts)):
@@ -190,7 +194,7 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
     segments: list[list[core.JaxprEqn]] = [[]]
     marker = 0
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == MARKER:
+        if eqn.primitive is stage_boundary_p:
             if marker in cutting:
                 segments.append([])
             marker += 1

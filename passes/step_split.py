@@ -1,7 +1,7 @@
 """Pass: split what the train step does around the gradient into per-mesh computations and moves.
 
 The traced step is ``outer``: a jaxpr over the flattened (state, batch) leaves at the whole
-batch's shapes, with one ``meshpar_pipeline_grad`` equation (the pipeline). Every other
+batch's shapes, with one ``pipeline_grad_p`` equation (the pipeline). Every other
 equation runs either before the pipeline (it computes an operand of the loss function: a
 token count, a derived key) or after it (the update, metrics).
 
@@ -36,10 +36,10 @@ from jax._src import linear_util as lu
 from .micro_batching import is_key
 from .split_conditionals import cut_cond, inline_constant_conds, split_cond
 from .stage_graph import user_location
+from .step_primitives import pipeline_grad_p
 
 __all__ = ["OuterRef", "OuterCompute", "OuterMove", "StepSplit", "split_step", "verify_step_split", "GradCallError"]
 
-GRAD = "meshpar_pipeline_grad"
 
 
 class GradCallError(ValueError):
@@ -231,7 +231,7 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
         inside the step, naming the user's source line.
     """
     jaxpr = inline_constant_conds(outer.jaxpr)
-    grads = [e for e in jaxpr.eqns if e.primitive.name == GRAD]
+    grads = [e for e in jaxpr.eqns if e.primitive is pipeline_grad_p]
     if len(grads) != 1:
         raise GradCallError(
             f"the step must call meshpar.value_and_grad (or meshpar.grad) exactly once, found {len(grads)} calls"
