@@ -34,14 +34,40 @@ micro-batch's activation pass.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .dependency_graph import dependency_graph, launch_order, verify_acyclic
 from .pipeline_tasks import Task, TaskKind, task_dependencies
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
-__all__ = ["PipelineSchedule", "SCHEDULES", "make_schedule", "stage_sequence", "verify_schedule"]
+__all__ = ["PipelineSchedule", "SCHEDULES", "ScheduleKind", "make_schedule", "schedule_kind", "stage_sequence",
+           "verify_schedule"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """One entry of ``SCHEDULES``: how a stage orders its tasks.
+
+    Attributes:
+      name: the user's name for it (``PipeshardParallel(schedule=...)``).
+      forwards_ahead: ``(stage, num_stages) ->`` the forwards stage ``s`` runs before its
+        first backward, the steady phase's first included (``None``: every forward first,
+        GPipe); also the micro-batches it holds at its peak, at most ``M``.
+      places_weight_passes: ``(sequence, stage) ->`` the sequence with each backward split and
+        its weight pass placed by the schedule itself (``None``: backwards stay whole unless
+        weight delaying splits them).
+    """
+
+    name: str
+    forwards_ahead: Callable[[int, int], int] | None
+    places_weight_passes: Callable[[list[Task], int], list[Task]] | None = None
+
+    def peak_live(self, stage: int, num_stages: int, num_micro_batches: int) -> int:
+        """Micro-batches whose forward residuals stage ``stage`` holds at its peak."""
+        if self.forwards_ahead is None:
+            return num_micro_batches
+        return min(self.forwards_ahead(stage, num_stages), num_micro_batches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +95,12 @@ class PipelineSchedule:
     order: tuple[Task, ...]
 
 
-def _base_sequence(name: str, s: int, num_stages: int, m: int) -> list[Task]:
+def _base_sequence(kind: ScheduleKind, s: int, num_stages: int, m: int) -> list[Task]:
     fwd = [Task(F, s, i) for i in range(m)]
     bwd = [Task(B, s, i) for i in range(m)]
-    if name == "gpipe":
+    if kind.forwards_ahead is None:
         return fwd + bwd
-    # Forwards before the first backward, counting the steady phase's first.
-    ahead = num_stages - s if name in ("1f1b", "zb_h1") else 2 * (num_stages - s) - 1
-    warmup = min(ahead - 1, m)
+    warmup = min(kind.forwards_ahead(s, num_stages) - 1, m)
     seq = fwd[:warmup]
     for i in range(m - warmup):
         seq += [fwd[warmup + i], bwd[i]]
@@ -114,10 +138,22 @@ def _zb_h1(seq: list[Task], s: int) -> list[Task]:
 
 def stage_sequence(name: str, s: int, num_stages: int, num_micro_batches: int, delay: int | None = None) -> list[Task]:
     """Stage ``s``'s compute tasks under schedule ``name``; ``delay`` splits backwards (see module doc)."""
-    seq = _base_sequence(name, s, num_stages, num_micro_batches)
-    if name == "zb_h1":
-        return _zb_h1(seq, s)
+    kind = schedule_kind(name)
+    seq = _base_sequence(kind, s, num_stages, num_micro_batches)
+    if kind.places_weight_passes is not None:
+        return kind.places_weight_passes(seq, s)
     return seq if delay is None else _delay_weights(seq, delay)
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registered schedule ``name``.
+
+    Raises:
+      ValueError: naming ``schedule`` and the registered names.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule: unknown {name!r}; expected one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name]
 
 
 def make_schedule(
@@ -137,17 +173,16 @@ def make_schedule(
     Raises:
       ValueError: unknown ``name``, sizes below 1, or delays that do not fit.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule: unknown {name!r}; expected one of {sorted(SCHEDULES)}")
+    kind = schedule_kind(name)
     if num_stages < 1 or num_micro_batches < 1:
         raise ValueError(f"num_micro_batches: expected >= 1, got {num_micro_batches}")
     if weight_delays is not None:
-        if name == "zb_h1":
-            raise ValueError("weight_delay: zb_h1 places its weight passes itself; leave weight_delay=False")
+        if kind.places_weight_passes is not None:
+            raise ValueError(f"weight_delay: {name} places its weight passes itself; leave weight_delay=False")
         if len(weight_delays) != num_stages or any(not isinstance(d, int) or d < 0 for d in weight_delays):
             raise ValueError(f"weight_delay: expected {num_stages} non-negative delays, got {weight_delays!r}")
     edges = tuple(edges)
-    split = name == "zb_h1" or weight_delays is not None
+    split = kind.places_weight_passes is not None or weight_delays is not None
     sequences = tuple(
         tuple(stage_sequence(name, s, num_stages, num_micro_batches,
                              None if weight_delays is None else weight_delays[s]))
@@ -191,4 +226,20 @@ def verify_schedule(schedule: PipelineSchedule) -> None:
             raise PlanVerificationError(f"stage {s}: launch order {launched} breaks its sequence {list(seq)}")
 
 
-SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1")
+def _one_f_one_b(s: int, num_stages: int) -> int:
+    return num_stages - s
+
+
+def _eager_one_f_one_b(s: int, num_stages: int) -> int:
+    return 2 * (num_stages - s) - 1
+
+
+# Name -> schedule; a new schedule is one ScheduleKind here (its name is resolved only here).
+SCHEDULES: dict[str, ScheduleKind] = {
+    kind.name: kind for kind in (
+        ScheduleKind("gpipe", None),
+        ScheduleKind("1f1b", _one_f_one_b),
+        ScheduleKind("eager_1f1b", _eager_one_f_one_b),
+        ScheduleKind("zb_h1", _one_f_one_b, _zb_h1),
+    )
+}

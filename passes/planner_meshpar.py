@@ -39,7 +39,7 @@ from meshpar.mesh import DeviceMesh
 from meshpar.sharding_spec import ShardingSpec
 
 from .layer_profile import ModelProfile
-from .pipeline_schedule import make_schedule
+from .pipeline_schedule import make_schedule, schedule_kind
 from .plan_resharding import plan_resharding
 from .planner_atp import mesh_bandwidths
 from .resharding_task import ReshardingTask
@@ -198,7 +198,7 @@ class _Prefix:
 
 
 def _live(schedule: str, s: int, S: int, M: int) -> int:
-    return min(S - s, M) if schedule == "1f1b" else min(2 * (S - s) - 1, M)
+    return schedule_kind(schedule).peak_live(s, S, M)
 
 
 def _stage_seconds(pre: _Prefix, i, j, shape: tuple[int, int], b: int, hardware: Hardware, tp_bw: float):

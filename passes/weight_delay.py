@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from .pipeline_schedule import make_schedule
+from .pipeline_schedule import SCHEDULES, make_schedule
 from .schedule_simulator import TaskDurations, simulate
 
 __all__ = ["WEIGHT_DELAYS", "MAX_ROUNDS", "check_weight_delay", "max_delay", "weight_delays"]
@@ -43,10 +43,11 @@ def check_weight_delay(weight_delay: object, schedule: str) -> None:
     """Raises ``ValueError`` naming ``weight_delay`` when it is unknown or does not fit ``schedule``."""
     if not any(weight_delay is v or (isinstance(v, str) and weight_delay == v) for v in WEIGHT_DELAYS):
         raise ValueError(f"weight_delay: expected False, True or 'auto', got {weight_delay!r}")
-    if schedule == "zb_h1" and weight_delay is not False:
+    kind = SCHEDULES.get(schedule)
+    if kind is not None and kind.places_weight_passes is not None and weight_delay is not False:
         raise ValueError(
-            "weight_delay: zb_h1 always splits backwards and places the weight passes itself "
-            f"(stage s holds back s of them); leave weight_delay=False, got {weight_delay!r}"
+            f"weight_delay: {schedule} always splits backwards and places the weight passes itself; "
+            f"leave weight_delay=False, got {weight_delay!r}"
         )
 
 

@@ -47,7 +47,7 @@ def _random_case(rng, max_stages=5, max_micro_batches=8):
     """A random schedule (any name, split or not) on a random graph, with random durations."""
     S, M = rng.randint(1, max_stages), rng.randint(1, max_micro_batches)
     edges = rng.choice(GRAPHS)(S)
-    name = rng.choice(SCHEDULES)
+    name = rng.choice(list(SCHEDULES))
     delays = None if name == "zb_h1" or rng.random() < 0.4 else [rng.randint(0, 3) for _ in range(S)]
     activation, gradient = (tuple(rng.choice([0.0, rng.uniform(0, 4)]) for _ in edges) for _ in range(2))
     durations = TaskDurations(_random_stages(rng, S), activation, gradient)
@@ -163,7 +163,7 @@ def test_without_transfer_time_blocking_transfers_cost_nothing_for_one_micro_bat
     for _ in range(200):
         S = rng.randint(1, 6)
         edges = rng.choice(GRAPHS)(S)
-        name = rng.choice(SCHEDULES)
+        name = rng.choice(list(SCHEDULES))
         durations = TaskDurations(_random_stages(rng, S), (0.0,) * len(edges), (0.0,) * len(edges))
         schedule = make_schedule(name, S, 1, edges)
         assert simulate(schedule, durations, overlap=False).step_seconds == simulate(schedule, durations).step_seconds
