@@ -24,8 +24,8 @@ from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_varia
                                partition_specs, returning_updates, write_back)
 from meshpar.passes.pipeline_passes import PipelineOptions, compile_pipeline, state_counterparts
 from meshpar.passes.pipeline_schedule import SCHEDULES
-from meshpar.passes.stage_graph import StageGraph, StageMarkerError, user_location
-from meshpar.passes.step_split import GradCallError, OuterCompute, OuterMove
+from meshpar.passes.stage_graph import RefKind, StageGraph, StageMarkerError, user_location
+from meshpar.passes.step_split import GradCallError, OuterCompute, OuterKind, OuterMove
 from meshpar.passes.strategies import get_strategy
 from meshpar.passes.timeline import Timeline, write_chrome_trace
 from meshpar.passes.weight_delay import check_weight_delay
@@ -574,7 +574,7 @@ def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardP
     """The one-stage, one-micro-batch step as one program, its leaves placed as the pipeline
     would place them (a batch leaf as its stage reads it: the micro-batch is the batch)."""
     layout, mesh = compiled.layout, compiled.meshes[0]
-    read_as = {op.source.index: op.sharding for op in layout.stage_operands[0] if op.source.kind == "in"}
+    read_as = {op.source.index: op.sharding for op in layout.stage_operands[0] if op.source.kind is OuterKind.IN}
     ins = [p.on(0) if p.meshes else read_as.get(i, NamedSharding(mesh, P(method.data_axis)))
            for i, p in enumerate(layout.in_placements)]
     outs = [p.on(0) if p is not None and p.meshes else None for p in layout.out_placements]
@@ -630,7 +630,7 @@ def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
         sharded = sum(1 for axes in split_over if axes)
         placed = (f"{sharded} sharded over {', '.join(map(repr, sorted(set().union(*split_over))))}, the rest replicated"
                if sharded else "all replicated")
-        others = [str(r) for r in stage.inputs if r.kind != "param"]
+        others = [str(r) for r in stage.inputs if r.kind is not RefKind.PARAM]
         lines.append(
             f"  stage {stage.index}: mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}; "
             f"{len(specs)} parameter leaves ({placed}); also reads {', '.join(others) or 'nothing else'}"

@@ -37,7 +37,7 @@ from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verif
 from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
 from .schedule_simulator import TaskDurations
 from .layer_clustering import insert_layer_markers
-from .stage_graph import Ref, StageGraph, split_stages, verify_stage_graph
+from .stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
 from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout, layout_step
@@ -131,7 +131,7 @@ def compile_pipeline(
                 f"the {data}-way {options.data_axis!r} axis (data_axis) of the stage meshes; pass "
                 f"num_micro_batches so that batch / num_micro_batches is a multiple of {data}"
             )
-    readers = [graph.consumers(Ref("input", k)) for k in range(graph.num_inputs)]
+    readers = [graph.consumers(Ref(RefKind.INPUT, k)) for k in range(graph.num_inputs)]
     split = _run("split_step", lambda: split_step(
         outer, graph.param_owner, graph.loss.index, [r.index for r in graph.aux], S,
         [() if per_mb and _is_batch_leaf(outer, k, graph, batch_leaves) else r
@@ -161,7 +161,7 @@ def compile_pipeline(
         options.schedule, S, options.num_micro_batches, schedule_edges, delays), verify_schedule)
     ios = stage_io(
         S,
-        [(p, c, ref.slot, [r for r in graph.stages[c].inputs if r.kind == "act"].index(ref)) for p, c, ref in edges],
+        [(p, c, ref.slot, [r for r in graph.stages[c].inputs if r.kind is RefKind.ACT].index(ref)) for p, c, ref in edges],
         (graph.loss.index, graph.loss.slot),
         [len(s.outputs) for s in graph.stages],
         [(r.index, r.slot) for r in graph.aux],

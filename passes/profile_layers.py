@@ -19,7 +19,7 @@ from jax._src import core
 
 from .cost_model import jaxpr_flops, jaxpr_ops
 from .layer_profile import CrossingValue, LayerProfile, ModelProfile
-from .stage_graph import StageGraph
+from .stage_graph import RefKind, StageGraph
 from .stage_parts import stage_parts
 
 __all__ = ["profile_layers"]
@@ -58,12 +58,12 @@ def profile_layers(
     for stage in graph.stages:
         parts = stage_parts(stage, graph.differentiated_slots(stage.index))
         params = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals)
-                  if r.kind == "param" and owners[r.index] == stage.index]
+                  if r.kind is RefKind.PARAM and owners[r.index] == stage.index]
         param_bytes = sum(map(_bytes, params))
         residuals = parts.forward.out_avals[parts.num_outputs:]
         outputs = [a for r, a in zip(stage.outputs, stage.jaxpr.out_avals) if graph.consumers(r)]
         out_bytes = sum(map(_bytes, outputs)) / micro_batch_size
-        sharded = any(model_sharded[r.index] for r in stage.inputs if r.kind == "param")
+        sharded = any(model_sharded[r.index] for r in stage.inputs if r.kind is RefKind.PARAM)
         layers.append(LayerProfile(
             flops=jaxpr_flops(stage.jaxpr) / micro_batch_size,
             param_bytes=param_bytes,

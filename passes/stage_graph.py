@@ -12,6 +12,7 @@ inputs: the transposed markers.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from collections.abc import Iterator, Sequence
 
@@ -25,7 +26,7 @@ from jax._src.lax.control_flow.loops import scan_p, while_p
 
 from .step_primitives import stage_boundary_p
 
-__all__ = ["Ref", "Stage", "StageGraph", "count_markers", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "is_differentiable", "user_location"]
+__all__ = ["Ref", "RefKind", "Stage", "StageGraph", "count_markers", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "is_differentiable", "user_location"]
 
 
 
@@ -33,21 +34,32 @@ class StageMarkerError(ValueError):
     """A stage marker where the compiler cannot cut, or too few of them."""
 
 
+class RefKind(enum.Enum):
+    """What a ``Ref`` names: a differentiated leaf, another operand, or a stage's output."""
+
+    PARAM = "param"
+    INPUT = "input"
+    ACT = "act"
+
+    def __lt__(self, other: RefKind) -> bool:
+        return self.value < other.value
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class Ref:
     """Names a value of the loss function.
 
-    ``kind`` is ``"param"`` (differentiated leaf ``index``), ``"input"``
-    (other operand ``index``) or ``"act"`` (a value computed by stage
-    ``index`` and numbered ``slot`` among that stage's outputs).
+    ``kind`` is ``PARAM`` (differentiated leaf ``index``), ``INPUT`` (other operand
+    ``index``) or ``ACT`` (a value computed by stage ``index`` and numbered ``slot`` among
+    that stage's outputs).
     """
 
-    kind: str
+    kind: RefKind
     index: int
     slot: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.index}" + (f".{self.slot}" if self.kind == "act" else "")
+        return f"{self.kind.value}{self.index}" + (f".{self.slot}" if self.kind is RefKind.ACT else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +70,7 @@ class Stage:
       index: position in the pipeline.
       jaxpr: closed jaxpr with ``len(inputs)`` inputs and ``len(outputs)`` outputs.
       inputs: what each jaxpr input is.
-      outputs: ``Ref("act", index, k)`` for output ``k``.
+      outputs: ``Ref(RefKind.ACT, index, k)`` for output ``k``.
     """
 
     index: int
@@ -68,7 +80,7 @@ class Stage:
 
     @property
     def param_inputs(self) -> tuple[int, ...]:
-        return tuple(r.index for r in self.inputs if r.kind == "param")
+        return tuple(r.index for r in self.inputs if r.kind is RefKind.PARAM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +109,7 @@ class StageGraph:
 
     def param_owner(self, k: int) -> int:
         """The first stage that reads parameter leaf ``k`` (its home mesh)."""
-        users = self.consumers(Ref("param", k))
+        users = self.consumers(Ref(RefKind.PARAM, k))
         return users[0] if users else self.num_stages - 1
 
     def differentiated_slots(self, s: int) -> tuple[int, ...]:
@@ -112,7 +124,7 @@ class StageGraph:
     def edges(self) -> tuple[tuple[int, int, Ref], ...]:
         """(producer, consumer, value) for every activation crossing stages."""
         return tuple(
-            (r.index, s.index, r) for s in self.stages for r in s.inputs if r.kind == "act"
+            (r.index, s.index, r) for s in self.stages for r in s.inputs if r.kind is RefKind.ACT
         )
 
 
@@ -203,7 +215,7 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
 
     ref_of: dict[core.Var, Ref] = {}
     for k, v in enumerate(jaxpr.invars):
-        ref_of[v] = Ref("param", k) if k < num_params else Ref("input", k - num_params)
+        ref_of[v] = Ref(RefKind.PARAM, k) if k < num_params else Ref(RefKind.INPUT, k - num_params)
     stage_of: dict[core.Var, int] = {}
     for s, eqns in enumerate(segments):
         for e in eqns:
@@ -232,7 +244,7 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
         wanted.update(v for v in (loss_var, *aux_vars) if stage_of[v] == s)
         exported[s] = [v for e in segments[s] for v in e.outvars if v in wanted]
         for k, v in enumerate(exported[s]):
-            ref_of[v] = Ref("act", s, k)
+            ref_of[v] = Ref(RefKind.ACT, s, k)
 
     stages = []
     for s, eqns in enumerate(segments):
@@ -276,7 +288,7 @@ def verify_stage_graph(graph: StageGraph) -> None:
         except Exception as e:
             raise PlanVerificationError(f"stage {stage.index} does not type-check: {e}") from e
         for r in stage.inputs:
-            if r.kind == "act" and not r.index < stage.index:
+            if r.kind is RefKind.ACT and not r.index < stage.index:
                 raise PlanVerificationError(f"stage {stage.index} reads {r} from a later stage")
         if len(stage.inputs) != len(stage.jaxpr.in_avals) or len(stage.outputs) != len(stage.jaxpr.out_avals):
             raise PlanVerificationError(f"stage {stage.index}: refs do not match its jaxpr's signature")

@@ -30,7 +30,7 @@ import jax
 from jax._src import core
 from jax._src import linear_util as lu
 
-from .stage_graph import Stage, is_differentiable
+from .stage_graph import RefKind, Stage, is_differentiable
 from .unit_tasks import PlanVerificationError
 
 __all__ = ["StageParts", "stage_parts", "verify_stage_parts"]
@@ -92,11 +92,12 @@ class StageParts:
 
 def _positions(stage: Stage) -> tuple[tuple[int, ...], ...]:
     """(diff_inputs, other_inputs, act_inputs, param_inputs) of ``stage``."""
-    kinds = [r.kind if r.kind != "act" or is_differentiable(a) else "act_value"
-             for r, a in zip(stage.inputs, stage.jaxpr.in_avals)]
-    diff = tuple(i for i, k in enumerate(kinds) if k in ("param", "act"))
-    return (diff, tuple(i for i in range(len(kinds)) if i not in diff),
-            tuple(i for i in diff if kinds[i] == "act"), tuple(i for i in diff if kinds[i] == "param"))
+    # An activation without a cotangent (an integer, a key) is read, not differentiated.
+    diff = tuple(i for i, (r, a) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals))
+                 if r.kind is RefKind.PARAM or (r.kind is RefKind.ACT and is_differentiable(a)))
+    return (diff, tuple(i for i in range(len(stage.inputs)) if i not in diff),
+            tuple(i for i in diff if stage.inputs[i].kind is RefKind.ACT),
+            tuple(i for i in diff if stage.inputs[i].kind is RefKind.PARAM))
 
 
 def _spec(aval: core.AbstractValue) -> jax.ShapeDtypeStruct:

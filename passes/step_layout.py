@@ -23,8 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .edge_transfer import TransferKind, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
 from .micro_batching import is_key
-from .stage_graph import StageGraph
-from .step_split import OuterMove, OuterRef, StepSplit
+from .stage_graph import RefKind, StageGraph
+from .step_split import OuterKind, OuterMove, OuterRef, StepSplit
 
 __all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step"]
 
@@ -165,14 +165,14 @@ def layout_step(
         s = stage.index
         ops = []
         for pos, (r, aval) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals)):
-            if r.kind == "param":
+            if r.kind is RefKind.PARAM:
                 leaf = split.param_inputs[r.index]
                 placement, here = in_placements[leaf], param_on(r.index, s)
                 fetch = None if s in placement.meshes else _move(
                     f"parameter {r.index} from its owner {placement.meshes[0]} to stage {s}", aval,
                     placement.shardings[0], here, executor, strategy)
-                ops.append(StageOperand(pos, OuterRef("in", leaf), here, False, fetch))
-            elif r.kind == "input":
+                ops.append(StageOperand(pos, OuterRef(OuterKind.IN, leaf), here, False, fetch))
+            elif r.kind is RefKind.INPUT:
                 source = split.loss_operands[r.index]
                 batch = per_micro_batch[r.index]
                 fold = r.index in fold_keys and not batch
@@ -181,7 +181,7 @@ def layout_step(
         operands.append(tuple(ops))
         grad_shardings.append(tuple(param_on(k, s) for k in stage.param_inputs))
         moves = []
-        for k, aval in zip(stage.param_inputs, (a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind == "param")):
+        for k, aval in zip(stage.param_inputs, (a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM)):
             owner = graph.param_owner(k)
             moves.append(None if owner == s else _move(
                 f"gradient of parameter {k} from stage {s} to its owner {owner}", aval,
@@ -192,11 +192,11 @@ def layout_step(
     value_shardings: dict[tuple[OuterRef, int], NamedSharding] = {}
     for (ref, meshes_of), placement in zip(split.outputs, out_placements):
         for m in meshes_of:
-            if placement is not None and m in placement.meshes and ref.kind == "value":
+            if placement is not None and m in placement.meshes and ref.kind is OuterKind.VALUE:
                 value_shardings.setdefault((ref, m), placement.on(m))
 
     def sharding_of(ref: OuterRef, mesh: int) -> NamedSharding:
-        if ref.kind == "grad":
+        if ref.kind is OuterKind.GRAD:
             return param_on(ref.index, mesh)
         return value_shardings.setdefault((ref, mesh), NamedSharding(meshes[mesh], P()))
 
@@ -217,7 +217,7 @@ def layout_step(
                                 executor, strategy)
     for s, ops in enumerate(operands):
         for op in ops:
-            if op.source.kind == "value":
+            if op.source.kind is OuterKind.VALUE:
                 value_shardings.setdefault((op.source, s), NamedSharding(meshes[s], P()))
     return StepLayout(
         tuple(in_placements), tuple(out_placements), tuple(operands),

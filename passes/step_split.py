@@ -26,6 +26,7 @@ out of it, packed into one transfer per pair of meshes and dtype. Every process 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -38,7 +39,7 @@ from .split_conditionals import cut_cond, inline_constant_conds, split_cond
 from .stage_graph import user_location
 from .step_primitives import pipeline_grad_p
 
-__all__ = ["OuterRef", "OuterCompute", "OuterMove", "StepSplit", "split_step", "verify_step_split", "GradCallError"]
+__all__ = ["OuterKind", "OuterRef", "OuterCompute", "OuterMove", "StepSplit", "split_step", "verify_step_split", "GradCallError"]
 
 
 
@@ -46,17 +47,32 @@ class GradCallError(ValueError):
     """The step's use of ``meshpar.value_and_grad`` cannot be pipelined."""
 
 
+class OuterKind(enum.Enum):
+    """What an ``OuterRef`` names (see there)."""
+
+    IN = "in"
+    CONST = "const"
+    LITERAL = "literal"
+    LOSS = "loss"
+    AUX = "aux"
+    GRAD = "grad"
+    VALUE = "value"
+
+    def __lt__(self, other: OuterKind) -> bool:
+        return self.value < other.value
+
+
 @dataclasses.dataclass(frozen=True, order=True)
 class OuterRef:
-    """A value of the traced step: ``in`` (step input leaf), ``const``, ``literal`` (an
-    output that is a literal), ``loss``, ``aux`` or ``grad`` (outputs of the gradient
-    equation, ``index``-th leaf), or ``value`` (the ``index``-th other computed value)."""
+    """A value of the traced step: ``IN`` (step input leaf), ``CONST``, ``LITERAL`` (an
+    output that is a literal), ``LOSS``, ``AUX`` or ``GRAD`` (outputs of the gradient
+    equation, ``index``-th leaf), or ``VALUE`` (the ``index``-th other computed value)."""
 
-    kind: str
+    kind: OuterKind
     index: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.index}"
+        return f"{self.kind.value}{self.index}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +150,13 @@ class _Planner:
         if isinstance(v, core.Literal):
             return
         ref = self.ref_of[v]
-        if ref.kind == "in":
+        if ref.kind is OuterKind.IN:
             self.input_needs.setdefault(ref.index, set()).add(mesh)
             return
-        if ref.kind == "const":
+        if ref.kind is OuterKind.CONST:
             return
         home = self.colour.get(v)
-        if ref.kind == "value":
+        if ref.kind is OuterKind.VALUE:
             self.compute(self.producer[v], mesh if home is None else home)
         if home is not None and home != mesh:
             self.moves.setdefault((ref, home, mesh), self.phase)
@@ -247,25 +263,25 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
     jaxpr = _colour(jaxpr, grad_eqn, colour)
     ref_of: dict[core.Var, OuterRef] = {}
     for i, v in enumerate(jaxpr.invars):
-        ref_of[v] = OuterRef("in", i)
+        ref_of[v] = OuterRef(OuterKind.IN, i)
     for i, v in enumerate(jaxpr.constvars):
-        ref_of[v] = OuterRef("const", i)
+        ref_of[v] = OuterRef(OuterKind.CONST, i)
     producer: dict[core.Var, int] = {}
     counter = 0
     for n, e in enumerate(jaxpr.eqns):
         for k, v in enumerate(e.outvars):
             if e is grad_eqn:
-                ref_of[v] = (OuterRef("loss") if k == 0 else OuterRef("aux", k - 1) if k <= num_aux
-                             else OuterRef("grad", k - 1 - num_aux))
+                ref_of[v] = (OuterRef(OuterKind.LOSS) if k == 0 else OuterRef(OuterKind.AUX, k - 1) if k <= num_aux
+                             else OuterRef(OuterKind.GRAD, k - 1 - num_aux))
             else:
-                ref_of[v] = OuterRef("value", counter)
+                ref_of[v] = OuterRef(OuterKind.VALUE, counter)
                 counter += 1
                 producer[v] = n
     consts = list(outer.consts)
     loss_operands = []
     for v in grad_eqn.invars[num_diff:]:
         if isinstance(v, core.Literal):  # a Python or numpy scalar the loss closes over
-            loss_operands.append(OuterRef("const", len(consts)))
+            loss_operands.append(OuterRef(OuterKind.CONST, len(consts)))
             consts.append(v.val)
         else:
             loss_operands.append(ref_of[v])
@@ -280,8 +296,8 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
     # Coloured outputs first: the updates they need fix where the old state is read.
     for uncoloured in (False, True):
         for j, v in enumerate(jaxpr.outvars):
-            if isinstance(v, core.Literal) or ref_of[v].kind in ("in", "const"):
-                outputs[j] = (OuterRef("literal", j) if isinstance(v, core.Literal) else ref_of[v], ())
+            if isinstance(v, core.Literal) or ref_of[v].kind in (OuterKind.IN, OuterKind.CONST):
+                outputs[j] = (OuterRef(OuterKind.LITERAL, j) if isinstance(v, core.Literal) else ref_of[v], ())
                 continue
             home = colour.get(v)
             if (home is None) != uncoloured:
@@ -297,7 +313,7 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
             outputs[j] = (ref_of[v], meshes)
 
     avals = {ref_of[v]: v.aval for e in jaxpr.eqns for v in e.outvars}
-    homes = {ref_of[v]: c for v, c in colour.items() if c is not None and ref_of[v].kind != "in"}
+    homes = {ref_of[v]: c for v, c in colour.items() if c is not None and ref_of[v].kind is not OuterKind.IN}
     levels = {phase: _levels(jaxpr, planner, ref_of, phase) for phase in ("before", "after")}
     group_of = {key: (phase, lvl) for phase, lv in levels.items() for key, lvl in lv.items()}
     # A value leaves its group when it is moved, read by the pipeline or returned, or read by
@@ -369,7 +385,7 @@ def _phase_steps(jaxpr: core.Jaxpr, planner: _Planner, ref_of: dict[core.Var, Ou
         for ref, src, dst in moves:
             if produced_at.get((ref, src), -1) == lvl:
                 # A gradient keeps its parameter's sharding: it moves alone.
-                alone = ref.kind == "grad" or is_key(avals[ref])
+                alone = ref.kind is OuterKind.GRAD or is_key(avals[ref])
                 packed.setdefault((src, dst, ref) if alone else (src, dst, str(avals[ref].dtype)), []).append(ref)
         steps.extend(OuterMove(tuple(refs), key[0], key[1]) for key, refs in packed.items())
     return tuple(steps)
@@ -418,7 +434,7 @@ def verify_step_split(split: StepSplit, num_meshes: int) -> None:
                 if not 0 <= step.mesh < num_meshes:
                     raise PlanVerificationError(f"{phase}: computation on mesh {step.mesh} of {num_meshes}")
                 for ref in step.inputs:
-                    if ref.kind not in ("in", "const") and (ref, step.mesh) not in have:
+                    if ref.kind not in (OuterKind.IN, OuterKind.CONST) and (ref, step.mesh) not in have:
                         raise PlanVerificationError(f"{phase}: mesh {step.mesh} reads {ref} before it is there")
                 have.update((ref, step.mesh) for ref in step.outputs)
             else:
@@ -431,7 +447,7 @@ def verify_step_split(split: StepSplit, num_meshes: int) -> None:
 
     walk(split.before, "before the pipeline")
     for ref, mesh in split.homes.items():
-        if ref.kind in ("loss", "aux", "grad"):
+        if ref.kind in (OuterKind.LOSS, OuterKind.AUX, OuterKind.GRAD):
             have.add((ref, mesh))
     walk(split.after, "after the pipeline")
     for j, (ref, meshes) in enumerate(split.outputs):

@@ -22,10 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshpar.passes.edge_transfer import Direction, TransferKind
 from meshpar.passes.micro_batching import AuxReduction, MicroBatching
 from meshpar.passes.pipeline_program import BufferId, BufferKind, PipelineProgram
-from meshpar.passes.stage_graph import StageGraph
+from meshpar.passes.stage_graph import RefKind, StageGraph
 from meshpar.passes.stage_parts import StageParts
 from meshpar.passes.step_layout import StepLayout, ValueMove
-from meshpar.passes.step_split import OuterCompute, OuterMove, OuterRef, OuterStep, StepSplit
+from meshpar.passes.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, OuterStep, StepSplit
 from meshpar.passes.wire_format import from_wire
 from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals
 from meshpar.runtime.placement import join, place, put
@@ -117,7 +117,7 @@ class PipelineExecutable:
         self._outer_senders = {mv: senders(vm.src) for mv, vm in layout.outer_moves.items()}
         self._consts = {(s, op.position): put(split.consts[op.source.index], op.sharding)
                         for s, ops in enumerate(layout.stage_operands) for op in ops
-                        if op.source.kind == "const" and self.local[s]}
+                        if op.source.kind is OuterKind.CONST and self.local[s]}
         self._compute_fns = {id(c): self._compile_compute(c) for c in (*split.before, *split.after)
                              if isinstance(c, OuterCompute)}
         self._folds = {s: jax.jit(_fold_all, static_argnums=1) for s in range(graph.num_stages)}
@@ -126,7 +126,7 @@ class PipelineExecutable:
         self._unpacks = {mv: _unpacker([split.avals[r] for r in mv.values],
                                        [layout.value_shardings[(r, mv.dst)] for r in mv.values]) for mv in packed}
         # Per stage, its parameters' shapes and dtypes (Stage.param_inputs order).
-        self._param_avals = [[a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind == "param"]
+        self._param_avals = [[a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
                              for stage in graph.stages]
         # Per stage, the most micro-batches whose forward residuals were alive
         # at once during the last step (what the schedule costs in memory), and
@@ -195,10 +195,10 @@ class PipelineExecutable:
     def _value(self, ref: OuterRef, mesh: int, placed: list[dict[int, jax.Array]],
                values: dict[tuple[OuterRef, int], jax.Array]) -> Any:
         """``ref`` on ``mesh``, where the layout put it (an absent stand-in on other processes' meshes)."""
-        if ref.kind == "in":
+        if ref.kind is OuterKind.IN:
             arrays = placed[ref.index]
             return arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
-        if ref.kind == "const":
+        if ref.kind is OuterKind.CONST:
             return self.split.consts[ref.index]
         if (ref, mesh) in values:
             return values[(ref, mesh)]
@@ -262,7 +262,7 @@ class PipelineExecutable:
                     fixed.append(self._fetches[(s, op.position)](placed[op.source.index][owner]))
                 elif not self.local[s]:
                     continue
-                elif op.source.kind == "const":
+                elif op.source.kind is OuterKind.CONST:
                     fixed.append(self._consts[(s, op.position)])
                 else:
                     fixed.append(self._value(op.source, s, placed, values))
@@ -274,7 +274,7 @@ class PipelineExecutable:
             for op in per_mb:
                 if op.fold_key:
                     columns.append(self._folds[s](self._value(op.source, s, placed, values), M))
-                elif op.source.kind == "in" and op.source.index in batches:
+                elif op.source.kind is OuterKind.IN and op.source.index in batches:
                     leaf = batches[op.source.index]
                     columns.append([put(leaf[m * size:(m + 1) * size], op.sharding) for m in range(M)])
                 else:
@@ -299,7 +299,7 @@ class PipelineExecutable:
         graph, mb = self.graph, self.micro_batching
         loss_home = graph.loss.index
         if self.local[loss_home]:
-            values[(OuterRef("loss"), loss_home)] = _combine(
+            values[(OuterRef(OuterKind.LOSS), loss_home)] = _combine(
                 [run.results[BufferId(BufferKind.RESULT, loss_home, m, graph.loss.slot)]
                  for m in range(self.num_micro_batches)],
                 AuxReduction.MEAN if mb.reduction == "mean" else AuxReduction.SUM)
@@ -307,7 +307,7 @@ class PipelineExecutable:
             if self.local[ref.index]:
                 parts = [run.results[BufferId(BufferKind.RESULT, ref.index, m, ref.slot)]
                          for m in range(self.num_micro_batches)]
-                aux = OuterRef("aux", k)
+                aux = OuterRef(OuterKind.AUX, k)
                 combined = from_wire(_combine(parts, how), self.split.avals[aux])
                 target = self.layout.value_shardings.get((aux, ref.index))
                 values[(aux, ref.index)] = combined if target is None else jax.device_put(combined, target)
@@ -318,7 +318,7 @@ class PipelineExecutable:
                 if moves[n] is not None:
                     g = moves[n](g)
                 owner = graph.param_owner(k)
-                key = (OuterRef("grad", k), owner)
+                key = (OuterRef(OuterKind.GRAD, k), owner)
                 values[key] = g if key not in values or not self.local[owner] else values[key] + g
 
     def _output_shardings(self, j: int, meshes: Sequence[int]) -> list[NamedSharding]:
@@ -329,11 +329,11 @@ class PipelineExecutable:
     def _assemble_outputs(self, leaves, placed, values) -> list[Any]:
         results = []
         for j, (ref, meshes) in enumerate(self.split.outputs):
-            if ref.kind == "literal":
+            if ref.kind is OuterKind.LITERAL:
                 results.append(jnp.asarray(self.split.literals[j], self.out_avals[j].dtype))
-            elif ref.kind == "const":
+            elif ref.kind is OuterKind.CONST:
                 results.append(self.split.consts[ref.index])
-            elif ref.kind == "in":
+            elif ref.kind is OuterKind.IN:
                 arrays = placed[ref.index]
                 if not arrays:  # a batch leaf returned as it came
                     results.append(leaves[ref.index])

@@ -32,7 +32,7 @@ from jax._src import core
 from jax.sharding import Mesh, NamedSharding
 
 from meshpar.passes.pipeline_program import StageIO
-from meshpar.passes.stage_graph import Stage
+from meshpar.passes.stage_graph import RefKind, Stage
 from meshpar.passes.stage_parts import StageParts
 from meshpar.passes.step_layout import StageOperand
 from meshpar.passes.wire_format import from_wire, to_wire
@@ -84,7 +84,7 @@ def compile_stage(
     the shardings their transfers expect."""
     fixed_pos = [o.position for o in operands if not o.per_micro_batch]
     batch_pos = [o.position for o in operands if o.per_micro_batch]
-    act_pos = [k for k, r in enumerate(stage.inputs) if r.kind == "act"]
+    act_pos = [k for k, r in enumerate(stage.inputs) if r.kind is RefKind.ACT]
     out_avals = stage.jaxpr.out_avals
     forward_fn = core.jaxpr_as_fun(parts.forward)
     backward_fn = core.jaxpr_as_fun(parts.backward)

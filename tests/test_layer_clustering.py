@@ -16,7 +16,7 @@ from examples.mlp import MLP
 from examples.train_step import supervised_step
 from meshpar.passes.layer_clustering import cut_positions, insert_layer_markers, max_layers
 from meshpar.passes.planner_meshpar import Hardware
-from meshpar.passes.stage_graph import StageMarkerError, count_markers, split_stages
+from meshpar.passes.stage_graph import RefKind, StageMarkerError, count_markers, split_stages
 from meshpar.planning import AUTO_LAYERS, plan_parallelism
 from pipeline_models import assert_trees_close, make_state, mse
 
@@ -65,7 +65,7 @@ def test_markers_cut_a_chain_into_balanced_layers_and_compute_the_same():
     assert count_markers(marked) == 2 and max_layers(loss) == len(loss.jaxpr.eqns)  # each computes
     graph = split_stages(marked, 6)
     # Three layers of two matmuls each: each stage owns two of the weights.
-    assert [sorted(r.index for r in s.inputs if r.kind == "param") for s in graph.stages] == [[0, 1], [2, 3], [4, 5]]
+    assert [sorted(r.index for r in s.inputs if r.kind is RefKind.PARAM) for s in graph.stages] == [[0, 1], [2, 3], [4, 5]]
     np.testing.assert_allclose(core.jaxpr_as_fun(marked)(*ws, x)[0], _chain_loss(ws, x), rtol=1e-6)
     with pytest.raises(ValueError, match="has stage markers"):
         insert_layer_markers(marked, 2)

@@ -19,8 +19,8 @@ from jax._src import core
 import meshpar
 from meshpar.autodiff import tracing_pipeline
 from meshpar.passes.split_conditionals import cut_cond, inline_constant_conds, split_cond
-from meshpar.passes.stage_graph import Ref, split_stages
-from meshpar.passes.step_split import OuterCompute, split_step
+from meshpar.passes.stage_graph import Ref, RefKind, split_stages
+from meshpar.passes.step_split import OuterCompute, OuterKind, split_step
 from pipeline_models import TwoStages, assert_trees_close
 
 METHOD = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2))
@@ -372,7 +372,7 @@ def _traced_split(tx):
         outer = jax.make_jaxpr(_step)(*args)
     (grad,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
     graph = split_stages(grad.params["loss_jaxpr"], grad.params["num_diff"])
-    readers = [graph.consumers(Ref("input", k)) for k in range(graph.num_inputs)]
+    readers = [graph.consumers(Ref(RefKind.INPUT, k)) for k in range(graph.num_inputs)]
     split = split_step(outer, graph.param_owner, graph.loss.index, [r.index for r in graph.aux],
                        graph.num_stages, readers, [None] * len(outer.jaxpr.outvars))
     return outer, grad, split, jax.tree.leaves(args)
@@ -387,15 +387,16 @@ def _run_original(outer, grad, inputs, pipeline_results):
 
 def _run_split(split, inputs, pipeline_results):
     """The split's computations in order, meshes ignored (the verifier checks them)."""
-    values = {("loss", 0): pipeline_results[0]}
-    values |= {("grad", k): g for k, g in enumerate(pipeline_results[1:])}
-    read = lambda ref: (inputs[ref.index] if ref.kind == "in" else split.consts[ref.index] if ref.kind == "const"
+    values = {(OuterKind.LOSS, 0): pipeline_results[0]}
+    values |= {(OuterKind.GRAD, k): g for k, g in enumerate(pipeline_results[1:])}
+    read = lambda ref: (inputs[ref.index] if ref.kind is OuterKind.IN
+                        else split.consts[ref.index] if ref.kind is OuterKind.CONST
                         else values[(ref.kind, ref.index)])
     for step in (*split.before, *split.after):
         if isinstance(step, OuterCompute):
             outs = core.eval_jaxpr(step.jaxpr.jaxpr, step.jaxpr.consts, *map(read, step.inputs))
             values.update(((r.kind, r.index), o) for r, o in zip(step.outputs, outs))
-    return [read(ref) if ref.kind != "literal" else split.literals[ref.index] for ref, _ in split.outputs]
+    return [read(ref) if ref.kind is not OuterKind.LITERAL else split.literals[ref.index] for ref, _ in split.outputs]
 
 
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))

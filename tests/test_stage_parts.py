@@ -9,19 +9,19 @@ import pytest
 from jax._src import core
 
 import meshpar
-from meshpar.passes.stage_graph import Ref, Stage, split_stages
+from meshpar.passes.stage_graph import Ref, RefKind, Stage, split_stages
 from meshpar.passes.stage_parts import StageParts, stage_parts, verify_stage_parts
 from meshpar.passes.unit_tasks import PlanVerificationError
 
 F32 = jnp.float32
-act, param, inp = (lambda k=0, slot=0: Ref("act", k, slot)), (lambda k=0: Ref("param", k)), (lambda k=0: Ref("input", k))
+act, param, inp = (lambda k=0, slot=0: Ref(RefKind.ACT, k, slot)), (lambda k=0: Ref(RefKind.PARAM, k)), (lambda k=0: Ref(RefKind.INPUT, k))
 
 
 def _stage(fun, refs, shapes, index=1):
     """A Stage from a Python function of its inputs (each a float32 shape or a ShapeDtypeStruct)."""
     specs = [s if isinstance(s, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(s, F32) for s in shapes]
     closed = jax.make_jaxpr(lambda *a: tuple(fun(*a)))(*specs)
-    return Stage(index, closed, tuple(refs), tuple(Ref("act", index, k) for k in range(len(closed.out_avals))))
+    return Stage(index, closed, tuple(refs), tuple(Ref(RefKind.ACT, index, k) for k in range(len(closed.out_avals))))
 
 
 def _values(avals, seed):
@@ -116,7 +116,7 @@ def built(request):
 def _reference_vjp(name, stage, args, cts):
     """Cotangents of the act then param inputs, by jax.vjp of the Python function (or the stage jaxpr)."""
     fun = CASES[name][0] if name in CASES else core.jaxpr_as_fun(stage.jaxpr)
-    diff = [i for i, r in enumerate(stage.inputs) if r.kind in ("act", "param")
+    diff = [i for i, r in enumerate(stage.inputs) if r.kind in (RefKind.ACT, RefKind.PARAM)
             and jnp.issubdtype(stage.jaxpr.in_avals[i].dtype, jnp.inexact)]
     floating = [k for k, a in enumerate(stage.jaxpr.out_avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
 
@@ -129,7 +129,7 @@ def _reference_vjp(name, stage, args, cts):
 
     _, vjp = jax.vjp(f, *[args[i] for i in diff])
     grads = dict(zip(diff, vjp(tuple(cts))))
-    order = [i for i in diff if stage.inputs[i].kind == "act"] + [i for i in diff if stage.inputs[i].kind == "param"]
+    order = [i for i in diff if stage.inputs[i].kind is RefKind.ACT] + [i for i in diff if stage.inputs[i].kind is RefKind.PARAM]
     return [grads[i] for i in order]
 
 

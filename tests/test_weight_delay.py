@@ -14,7 +14,7 @@ from meshpar.passes.cost_model import DEVICE_FLOPS, estimate_durations, jaxpr_fl
 from meshpar.passes.edge_transfer import Direction, EdgeTransfer, TransferKind
 from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.schedule_simulator import StageSeconds, TaskDurations, simulate
-from meshpar.passes.stage_graph import Ref, Stage
+from meshpar.passes.stage_graph import Ref, RefKind, Stage
 from meshpar.passes.stage_parts import stage_parts
 from meshpar.passes.weight_delay import check_weight_delay, max_delay, weight_delays
 
@@ -97,8 +97,8 @@ def test_estimate_durations_from_flops_and_bytes():
     """Compute: a stage's FLOPs over its mesh's devices; transfers: an edge's bytes per direction
     over the intra-host bandwidth for jax.device_put, the inter-host one otherwise."""
     x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
-    stage = Stage(1, jax.make_jaxpr(lambda x, w: (jnp.tanh(x @ w),))(x, w), (Ref("act", 0, 0), Ref("param", 0)),
-                  (Ref("act", 1, 0),))
+    stage = Stage(1, jax.make_jaxpr(lambda x, w: (jnp.tanh(x @ w),))(x, w), (Ref(RefKind.ACT, 0, 0), Ref(RefKind.PARAM, 0)),
+                  (Ref(RefKind.ACT, 1, 0),))
     parts = stage_parts(stage)
     devices = np.array(jax.devices()[:4])
     meshes = [Mesh(devices[:2].reshape(2, 1), ("data", "model")), Mesh(devices[2:].reshape(2, 1), ("data", "model"))]
