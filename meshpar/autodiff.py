@@ -284,7 +284,7 @@ def _nnx_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], sev
     holomorphic, allow_int, reduce_axes = jax_options
     if getattr(_state, "active", False):
         (value, (aux, updates)), grads = _pipeline_value_and_grad(
-            lambda p, r, *o: functional(p, r, *o), (0,), False, True, aux_reduction_of, reduction, fold_rng,
+            functional, (0,), False, True, aux_reduction_of, reduction, fold_rng,
             holomorphic or allow_int, (params, rests, *others))
     else:
         (value, (aux, updates)), grads = jax.value_and_grad(

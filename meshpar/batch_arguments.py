@@ -37,7 +37,8 @@ def _could_be_batch(arg: Any) -> bool:
 
 
 def describe_arguments(args: Sequence[Any]) -> str:
-    """Each argument's leading dimensions, for messages: ``arg 0: leading dims [4, 16]; ...``."""
+    """Each argument's leading dimensions, for messages:
+    ``argument 0: leading dimensions [4, 16]; argument 1: a PRNG key; ...``."""
     def one(i: int, arg: Any) -> str:
         leaves = jax.tree.leaves(arg)
         if len(leaves) == 1 and _is_key(leaves[0]):

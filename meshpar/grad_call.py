@@ -4,11 +4,10 @@ says what the step differentiated with instead and shows the form that pipelines
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from jax._src import core
 
-from meshpar.passes.stage_graph import user_location
+from meshpar.passes.stage_graph import first_user_frame, user_location
 from meshpar.passes.step_primitives import pipeline_grad_p
 
 __all__ = ["find_grad_call"]
@@ -45,22 +44,10 @@ def _differentiated_by(jaxpr: core.Jaxpr) -> tuple[str, str] | None:
             calls = [k for k, f in enumerate(frames) if f.file_name.endswith(suffix)
                      and f.function_name.startswith(function)]
             if calls:
-                return api, _caller(frames[calls[-1] + 1:])
+                # The user's line is the first frame outside the libraries past the API's own.
+                return api, first_user_frame((f.file_name, f.line_num, f.function_name)
+                                             for f in frames[calls[-1] + 1:])
     return None
-
-
-def _caller(frames: Any) -> str:
-    """The first of ``frames`` (innermost first) in the user's code, not JAX's, flax's or meshpar's."""
-    import flax
-    import jax
-
-    import meshpar
-
-    libraries = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (jax, flax, meshpar))
-    for frame in frames:
-        if not os.path.abspath(frame.file_name).startswith(libraries):
-            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
-    return "unknown location"
 
 
 def find_grad_call(name: str, traced: core.ClosedJaxpr, nnx_arguments: bool) -> core.JaxprEqn:

@@ -6,8 +6,8 @@ arguments and update their ``nnx.Variable``s in place, as an ``nnx.jit`` step do
 objects are pytrees, so the step is traced on copies of them; ``returning_updates`` makes the
 traced step also return every Variable leaf it replaced, and ``write_back`` sets those values on
 the caller's objects after the step ran. The step stays functional for the compiler: an update
-is an output whose counterpart (``counterparts``) is the input leaf it replaces, placed where
-that input lives.
+is an output whose counterpart (``compile_pipeline``'s ``counterparts``) is the input leaf it
+replaces, placed where that input lives.
 
 Invariants: a Variable flattens to its value's leaves, in place among its object's leaves, so
 leaf ``i`` of the arguments is the same Variable's value before and after the step; the step
@@ -107,14 +107,14 @@ def returning_updates(fun: Callable[..., Any], in_tree: Any, name: str,
         after, tree = jax.tree.flatten(args)
         if tree != in_tree:
             raise NnxStateError(f"{name}: the step changed the structure of its NNX arguments (added or removed an "
-                             f"attribute or Variable); meshpar.parallelize, like nnx.jit, can only update "
-                             f"existing Variables in place")
+                                f"attribute or Variable); meshpar.parallelize, like nnx.jit, can only update "
+                                f"existing Variables in place")
         changed = tuple(i for i, (a, b) in enumerate(zip(leaves, after)) if a is not b)
         for i in changed:
             if owners[i] is None:
                 path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(args)[0][i][0])
                 raise NnxStateError(f"{name}: the step assigned a new value to args{path}, which no nnx.Variable "
-                                 f"holds; keep state that a step updates in an nnx.Variable, or return it")
+                                    f"holds; keep state that a step updates in an nnx.Variable, or return it")
         record.append(StateUpdates(changed))
         return out, tuple(after[i] for i in changed)
 
@@ -132,9 +132,7 @@ def write_back(args: tuple, updates: StateUpdates, values: Sequence[Any]) -> Non
         if var is None or id(var) not in new:
             continue
         changes = new.pop(id(var))
-        # A Variable's leaves are consecutive: rebuild its value from its own leaves.
-        first = i
-        own = jax.tree.leaves(var.get_raw_value())
-        value_leaves = [changes.get(first + k, leaves[first + k]) for k in range(len(own))]
-        var.set_value(jax.tree.unflatten(jax.tree.structure(var.get_raw_value()), value_leaves))
+        # A Variable's leaves are consecutive, from leaf i on: rebuild its value from them.
+        own, tree = jax.tree.flatten(var.get_raw_value())
+        var.set_value(jax.tree.unflatten(tree, [changes.get(i + k, leaves[i + k]) for k in range(len(own))]))
 

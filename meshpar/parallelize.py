@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -327,6 +327,14 @@ def _dtype(x: Any) -> Any:
     return jax.dtypes.canonicalize_dtype(dtype)
 
 
+class _Compiled(NamedTuple):
+    """A compiled step: its executable, and for a step over NNX objects which argument leaves
+    its trailing outputs update (``None`` otherwise)."""
+
+    executable: PipelineExecutable | SpmdStep
+    updates: StateUpdates | None
+
+
 class ParallelizedStep:
     """The decorated step: compiles on first call per input structure, then runs."""
 
@@ -335,25 +343,22 @@ class ParallelizedStep:
         self.method = method
         # What meshpar.plan_parallelism chose, once an "auto" method has been planned.
         self.plan: Any = None
-        self._cache: dict[Any, PipelineExecutable | SpmdStep] = {}
-        # Per cached executable of a step over NNX objects: which argument leaves it updates.
-        self._updates: dict[Any, StateUpdates] = {}
+        self._cache: dict[Any, _Compiled] = {}
         functools.update_wrapper(self, fun)
 
     def __call__(self, *args: Any) -> Any:
-        leaves, in_tree = jax.tree.flatten(args)
-        executable = self.get_executable(*args)
-        return self._outputs(args, executable, executable(leaves))
+        leaves, compiled = self._lookup(args)
+        return self._outputs(args, compiled, compiled.executable(leaves))
 
-    def _outputs(self, args: tuple, executable: PipelineExecutable | SpmdStep, leaves: list) -> Any:
+    @staticmethod
+    def _outputs(args: tuple, compiled: _Compiled, leaves: list) -> Any:
         """The step's outputs from the executable's; a step over NNX objects has its updates
         written to their Variables, as ``nnx.jit`` does."""
-        out = jax.tree.unflatten(executable.out_tree, leaves)
-        updates = self._updates.get(self._key(args))
-        if updates is None:
+        out = jax.tree.unflatten(compiled.executable.out_tree, leaves)
+        if compiled.updates is None:
             return out
         own, values = out
-        write_back(args, updates, values)
+        write_back(args, compiled.updates, values)
         return own
 
     def trace(self, path: str, *args: Any, serialize: bool = False) -> tuple[Any, Timeline]:
@@ -382,8 +387,8 @@ class ParallelizedStep:
         if not isinstance(path, str) or not path or os.path.isdir(path) \
                 or not os.path.isdir(os.path.dirname(path) or "."):
             raise ValueError(f"path: expected a file path in an existing directory, got {path!r}")
-        leaves, _ = jax.tree.flatten(args)
-        executable = self.get_executable(*args)
+        leaves, compiled = self._lookup(args)
+        executable = compiled.executable
         if isinstance(executable, SpmdStep):
             raise ValueError("trace: this step has one stage and one micro-batch and runs as one SPMD program, "
                              "which has no pipeline tasks to time; pass PipeshardParallel(single_program=False)")
@@ -395,26 +400,26 @@ class ParallelizedStep:
             stem, ext = os.path.splitext(path)
             path = f"{stem}.p{process}{ext}"
         write_chrome_trace(path, timeline, process)
-        return self._outputs(args, executable, outputs), timeline
-
-    @staticmethod
-    def _key(args: tuple) -> Any:
-        leaves, in_tree = jax.tree.flatten(args)
-        return in_tree, tuple((np.shape(x), _dtype(x)) for x in leaves)
+        return self._outputs(args, compiled, outputs), timeline
 
     def get_executable(self, *args: Any) -> PipelineExecutable | SpmdStep:
         """The compiled pipeline for these arguments (compiling it if needed).
 
         A step over flax NNX objects returns its own outputs and then the Variable values it
         updated (``meshpar.nnx_state``): calling the step writes them back."""
+        return self._lookup(args)[1].executable
+
+    def _lookup(self, args: tuple) -> tuple[list, _Compiled]:
+        """``args``' leaves, and the compiled step for their structure and shapes (compiled on
+        the first call with them)."""
         leaves, in_tree = jax.tree.flatten(args)
-        key = self._key(args)
+        key = (in_tree, tuple((np.shape(x), _dtype(x)) for x in leaves))
         if key not in self._cache:
             if self.method.planned:
                 self._plan(args)
             self.method.check_devices()
             self._cache[key] = self._compile(args, leaves, in_tree)
-        return self._cache[key]
+        return leaves, self._cache[key]
 
     def _plan(self, args: tuple) -> None:
         """Replaces the ``"auto"`` arguments with ``meshpar.plan_parallelism``'s choice for ``args``."""
@@ -448,7 +453,7 @@ class ParallelizedStep:
                             f"(batch_argnums={method.batch_argnums} cut arguments {list(method.batch_argnums)} "
                             f"into micro-batches; the step's arguments: {describe_arguments(args)})") from e
 
-    def _compile(self, args: tuple, leaves: list, in_tree: Any) -> PipelineExecutable | SpmdStep:
+    def _compile(self, args: tuple, leaves: list, in_tree: Any) -> _Compiled:
         method = self.method
         # 1. Trace to a jaxpr (abstract evaluation only) at micro-batch shapes,
         # so every stage computes on one micro-batch.
@@ -512,17 +517,18 @@ class ParallelizedStep:
             if len(set(updates)) != 1:
                 raise ValueError(f"{name}: traced per micro-batch and for the whole batch, the step updates "
                                  f"different NNX Variables; which it updates must not depend on the batch size")
-            self._updates[self._key(args)] = updates[-1]
+            state_updates = updates[-1]
             own_tree = out_tree.children()[0]
-            replaced = [*state_counterparts(in_tree, own_tree), *updates[-1].leaves]
+            replaced = [*state_counterparts(in_tree, own_tree), *state_updates.leaves]
         else:
+            state_updates = None
             replaced = state_counterparts(in_tree, out_tree)
         compiled = compile_pipeline(
             outer, params, micro_batching, leaves, partition_specs(args), frozenset(batch_leaves), replaced,
             devices, options, functools.partial(_check_num_stages, method),
         )
         if method.single_program and compiled.graph.num_stages == 1 and M == 1:
-            return _single_program(compiled, outer, jax.tree.structure(out_shapes), method)
+            return _Compiled(_single_program(compiled, outer, out_tree, method), state_updates)
         fingerprints: list[str] = []
 
         def prepare_move(kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding):
@@ -553,7 +559,7 @@ class ParallelizedStep:
 
         executable = PipelineExecutable(
             compiled.graph, compiled.split, compiled.layout, compiled.program, compiled.parts, compiled.meshes,
-            micro_batch_size, prepare_move, jax.tree.structure(out_shapes), jax.tree.leaves(out_shapes),
+            micro_batch_size, prepare_move, out_tree, jax.tree.leaves(out_shapes),
             compiled.micro_batching, timeout_s=method.timeout_s,
         )
         if jax.process_count() > 1:
@@ -567,7 +573,7 @@ class ParallelizedStep:
                 what=f"meshpar.parallelize({getattr(self.fun, '__name__', 'step')})",
             )
         executable.describe = functools.partial(_describe, executable, method)  # type: ignore[attr-defined]
-        return executable
+        return _Compiled(executable, state_updates)
 
 
 def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardParallel) -> SpmdStep:

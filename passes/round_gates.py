@@ -58,9 +58,10 @@ def round_gates(program: HopProgram, host_of: Mapping[int, int]) -> tuple[Gate, 
     waits for its arrival. ``host_of`` maps every device of the program to its host (process)."""
     gates: list[Gate] = []
     earlier: list = []
+    held = {(c.device, c.piece) for c in program.cuts}  # when the round starts (_held_before)
     for r, (first, end) in enumerate(program.rounds):
-        hops = [h for k in range(first, end) for h in program.steps[k] if host_of[h.src_device] != host_of[h.dst_device]]
-        held = _held_before(program, r)
+        steps = program.steps[first:end]
+        hops = [h for step in steps for h in step if host_of[h.src_device] != host_of[h.dst_device]]
         waits: dict[tuple[int, int], tuple[list[tuple[int, int]], list[int]]] = {}
         for h in hops:
             a, b = host_of[h.src_device], host_of[h.dst_device]
@@ -77,6 +78,7 @@ def round_gates(program: HopProgram, host_of: Mapping[int, int]) -> tuple[Gate, 
         for (host, src), (arrivals, pieces) in sorted(waits.items()):
             gates.append(Gate(r, host, tuple(arrivals), arrivals[0][0], src, tuple(pieces)))
         earlier += hops
+        held |= {(h.dst_device, h.piece) for step in steps for h in step}
     return tuple(gates)
 
 

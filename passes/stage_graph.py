@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ from jax._src.lax.control_flow.loops import scan_p, while_p
 
 from .step_primitives import stage_boundary_p
 
-__all__ = ["Ref", "RefKind", "Stage", "StageGraph", "count_markers", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "is_differentiable", "user_location"]
+__all__ = ["Ref", "RefKind", "Stage", "StageGraph", "count_markers", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "first_user_frame", "is_differentiable", "user_location"]
 
 
 
@@ -162,20 +162,27 @@ _NESTED_MARKER_DEFAULT_FIX = "move the marker out of the nested function (e.g. a
 _OWN_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, lu.__file__))
 
 
-def user_location(eqn: core.JaxprEqn) -> str:
-    """Where in the user's code ``eqn`` was traced: the innermost frame outside JAX, flax and
-    meshpar (flax's own frames, e.g. ``nn.scan``'s, say nothing about the user's model)."""
-    from jax._src import source_info_util
-
+def first_user_frame(frames: Iterable[tuple[str, int, str]]) -> str:
+    """``file:line (function)`` of the first of ``frames`` (``(file, line, function)``, innermost
+    first) outside JAX, flax and meshpar: flax's own frames, e.g. ``nn.scan``'s, say nothing
+    about the user's model."""
     import flax
 
     import meshpar
 
-    own = (*_OWN_DIRS, *(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (meshpar, flax)))
-    for frame in source_info_util.user_frames(eqn.source_info.traceback):
-        if not os.path.abspath(frame.file_name).startswith(own):
-            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    own = (*_OWN_DIRS, *(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (meshpar, flax, jax)))
+    for file_name, line, function in frames:
+        if not os.path.abspath(file_name).startswith(own):
+            return f"{file_name}:{line} ({function})"
     return "unknown location"
+
+
+def user_location(eqn: core.JaxprEqn) -> str:
+    """Where in the user's code ``eqn`` was traced (``first_user_frame``)."""
+    from jax._src import source_info_util
+
+    return first_user_frame((f.file_name, f.start_line, f.function_name)
+                            for f in source_info_util.user_frames(eqn.source_info.traceback))
 
 
 def count_markers(loss_jaxpr: core.ClosedJaxpr) -> int:

@@ -39,12 +39,12 @@ class Arrival:
 
     Attributes:
       value: the array that arrives here.
-      what: what it is, for error messages.
+      what: what it is, for error messages (``None``: unnamed).
       senders: the other processes owning a device it is sent from.
     """
 
     value: jax.Array
-    what: str
+    what: str | None
     senders: tuple[int, ...]
 
 
@@ -120,12 +120,8 @@ def wait_ready(arrays: Sequence[jax.Array], timeout_s: float, what: str, names: 
       jax.errors.JaxRuntimeError: an array failed (``wait_arrivals`` names its sender).
     """
     if not _block(arrays, timeout_s, what):
-        pending = [k for k in range(len(arrays)) if not arrays[k].is_ready()]
-        first = f", the first being {names[pending[0]]}" if names and pending else ""
-        raise CoordinationError(
-            f"{what}: {len(pending)} of {len(arrays)} did not arrive within {timeout_s:g} s{first} "
-            f"(process {jax.process_index()} is waiting; did every process make the same meshpar calls?)"
-        )
+        named = [Arrival(a, names[k] if names else None, ()) for k, a in enumerate(arrays)]
+        raise not_delivered(named, timeout_s, what, "waiting")
 
 
 def _block(arrays: Sequence[jax.Array], timeout_s: float, what: str) -> bool:
@@ -210,7 +206,7 @@ def not_delivered(arrivals: Sequence[Arrival], timeout_s: float, what: str, doin
     process was ``doing``: how many, the first of them and every process that did not deliver."""
     missing = [a for a in arrivals if not a.value.is_ready()]
     late = sorted({p for a in missing for p in a.senders})
-    first = f", the first being {missing[0].what}" if missing else ""
+    first = f", the first being {missing[0].what}" if missing and missing[0].what else ""
     by = f"; not delivered by {_processes(late)}" if late else ""
     ask = f"is {_processes(late)} alive and responsive, and did" if late else "did"
     return CoordinationError(

@@ -15,9 +15,9 @@ the devices run.
 
 Dispatch order: ``"gated"`` (default) enqueues every hop at once, step by
 step, and keeps the planner's rounds apart on the wire on the devices: a
-sender's cross-host pieces of round ``r`` depend on a one-byte token made of
-the receiving host's round ``r - 1`` arrivals (``passes.round_gates``), so
-they leave only once those arrived; ``"eager"`` enqueues every hop at once
+sender's cross-host piece of a later round depends on a one-byte token made
+of the earlier rounds' arrivals it would share a NIC with
+(``passes.round_gates``), so it leaves only once those arrived; ``"eager"`` enqueues every hop at once
 with no gates (later rounds' flows then share NICs with earlier ones);
 ``"rounds"`` waits on the host, before each plan round, for this process's
 arrivals of the previous round, and therefore blocks the calling thread.
@@ -47,7 +47,8 @@ from meshpar.passes.round_gates import Gate
 from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.remote import absent
 
-__all__ = ["ORDERS", "HopArrival", "P2PReshardExecutable", "device_sharding", "require_cross_host_transfers"]
+__all__ = ["ORDERS", "HopArrival", "P2PReshardExecutable", "device_sharding", "require_cross_host_transfers",
+           "token_of"]
 
 ORDERS = ("gated", "eager", "rounds")
 
@@ -116,7 +117,7 @@ def _gate(piece: jax.Array, token: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier((piece, token))[0]
 
 
-_token_jit, _combine_jit, _gate_jit = jax.jit(_token), jax.jit(_combine), jax.jit(_gate)
+token_of, _combine_jit, _gate_jit = jax.jit(_token), jax.jit(_combine), jax.jit(_gate)
 
 
 def _assemble_fn(tile: tuple[int, ...], offsets: tuple[tuple[int, ...], ...], dtype: Any):
@@ -196,7 +197,7 @@ class P2PReshardExecutable:
             if gate.collector in self._local:
                 for a in gate.arrivals:
                     if a not in tokens:
-                        tokens[a] = _token_jit(have[a])
+                        tokens[a] = token_of(have[a])
                 gathered = _combine_jit(*[tokens[a] if a[0] == gate.collector else jax.device_put(tokens[a], collector)
                                           for a in gate.arrivals])
             else:
