@@ -59,10 +59,15 @@ def batch_size(args: Sequence[Any], batch_argnums: Sequence[int]) -> int:
     """The batch size: the one leading dimension of every leaf of the arguments ``batch_argnums``.
 
     Raises:
-      ValueError: naming ``batch_argnums``: a position beyond the arguments, or an argument
+      ValueError: naming ``batch_argnums``: not a non-empty sequence of non-negative integers,
+        a position beyond the arguments, or an argument
         that cannot be the batch (a PRNG key, a scalar, no arrays, leaves of several leading
         dimensions), with what each argument holds and a likely fix.
     """
+    if (isinstance(batch_argnums, (str, bytes)) or not isinstance(batch_argnums, Sequence) or not batch_argnums
+            or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in batch_argnums)):
+        raise ValueError(f"batch_argnums: expected a non-empty sequence of non-negative integers (the positions "
+                         f"of the batch arguments), got {batch_argnums!r}; e.g. batch_argnums=(1,)")
     where = f"batch_argnums={tuple(batch_argnums)}"
     if max(batch_argnums) >= len(args):
         raise ValueError(f"batch_argnums: {where} for a step called with {len(args)} arguments; "

@@ -35,6 +35,9 @@ def test_batch_size_accepts_one_shared_leading_dimension_and_names_the_alternati
         batch_size((params, BATCH), (3,))
     with pytest.raises(ValueError, match=r"the batch arguments have leading dimensions \[8, 16\]"):
         batch_size((params, BATCH, {"x": np.ones((8, 2))}), (1, 2))
+    for bad in ((), (-1,), (True,), "1", 1):
+        with pytest.raises(ValueError, match="batch_argnums: expected a non-empty sequence of non-negative integers"):
+            batch_size((params, BATCH), bad)
     assert describe_arguments((jax.random.key(0), BATCH)) == ("argument 0: a PRNG key; "
                                                               "argument 1: leading dimensions [16]")
 
