@@ -73,7 +73,7 @@ def _trace_files(trace_dir: str, name: str) -> list[str]:
 def merged_timeline(trace_dir: str, name: str, source: str, schedule):
     """Every process's events of one traced step of ``schedule``, in one ``Timeline`` on the
     machine's clock, each transfer starting once its value was computed on the sending process."""
-    from meshpar.passes.timeline import clip_to_dependencies, merge_timelines, read_chrome_trace
+    from meshpar.passes.simulation.timeline import clip_to_dependencies, merge_timelines, read_chrome_trace
 
     paths = _trace_files(trace_dir, name)
     if not paths:
@@ -83,7 +83,7 @@ def merged_timeline(trace_dir: str, name: str, source: str, schedule):
 
 
 def _schedule(spec: dict):
-    from meshpar.passes.pipeline_schedule import make_schedule
+    from meshpar.passes.pipeline.pipeline_schedule import make_schedule
 
     return make_schedule(spec["name"], spec["num_stages"], spec["num_micro_batches"],
                          [tuple(e) for e in spec["edges"]], spec["weight_delays"])
@@ -91,7 +91,7 @@ def _schedule(spec: dict):
 
 def _durations(first: dict, schedule, trace_dir: str):
     """Measured isolated compute per stage, the planner's transfer estimates per edge."""
-    from meshpar.passes.schedule_simulator import TaskDurations, stage_seconds_from
+    from meshpar.passes.simulation.schedule_simulator import TaskDurations, stage_seconds_from
 
     timeline = merged_timeline(trace_dir, first["serialized_trace"], "measured, serialized", schedule)
     stages = stage_seconds_from(timeline, schedule.num_stages)
@@ -115,7 +115,7 @@ def _share(durations, schedule) -> float:
 
 def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes: int) -> list[dict]:
     """One record per (case, method) every process reported, with the simulator's prediction."""
-    from meshpar.passes.schedule_simulator import simulate
+    from meshpar.passes.simulation.schedule_simulator import simulate
 
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in lines:
@@ -297,7 +297,7 @@ def _plot(args: argparse.Namespace, traces: str, records: Sequence[dict]) -> lis
     """Per cluster: the measured and the simulated timelines of ``PLOT_METHODS`` on ``--png-case``."""
     from benchmarks.pipeline_worker import slug
     from benchmarks.timeline_plot import plot_timelines
-    from meshpar.passes.schedule_simulator import StageSeconds, TaskDurations, simulate
+    from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 
     os.makedirs(args.png, exist_ok=True)
     written = []

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _transfer_estimates(executable, method, cluster) -> list[dict]:
     """Per transfer of the program: what it is and the planner's estimated seconds."""
-    from meshpar.passes.edge_transfer import Direction, TransferKind
+    from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind
     from meshpar.reshard import plan_between
 
     out = []
@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     import jax
 
     import meshpar
-    from meshpar.passes.edge_transfer import TransferKind
+    from meshpar.passes.pipeline.edge_transfer import TransferKind
     from meshpar.runtime.coordination import kv_client, wait_ready
 
     me, nproc = jax.process_index(), jax.process_count()

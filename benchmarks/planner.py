@@ -131,7 +131,7 @@ def _head_to_head(runs: dict, rounds: int, repeat: int) -> dict[str, float]:
 
 
 def _grid(profile, cluster, hardware, quick: bool):
-    from meshpar.passes.planner_meshpar import StagePlan, _shapes, predict
+    from meshpar.passes.planning.planner_meshpar import StagePlan, _shapes, predict
 
     L = profile.num_layers
     plans = []
@@ -220,7 +220,7 @@ def run_cpu(args, emit) -> None:
 
 
 def _gpt96(batch: int):
-    from meshpar.passes.layer_profile import LayerProfile, ModelProfile
+    from meshpar.passes.planning.layer_profile import LayerProfile, ModelProfile
 
     h, seq = 12288, 2048
     layer = LayerProfile(flops=24 * seq * h * h, param_bytes=12 * h * h * 2, optimizer_bytes=12 * h * h * 12,
@@ -230,7 +230,7 @@ def _gpt96(batch: int):
 
 def run_simulated(args, emit) -> None:
     from meshpar.cluster import Cluster
-    from meshpar.passes.planner_meshpar import Hardware, NoPlanFits, predict
+    from meshpar.passes.planning.planner_meshpar import Hardware, NoPlanFits, predict
     from meshpar.planning import PLANNERS
 
     clusters = [("dgx_h100", Cluster.dgx_h100(n // 8), Hardware(4e14), 80e9) for n in (16, 128, 1024)]
@@ -262,7 +262,7 @@ def run_atp(emit) -> None:
     """ATP's choice of a 2D tensor-parallel mesh for one layer of the 96-layer GPT (batch 8),
     against Megatron's 1D ``(N, 1)``, on the simulated clusters."""
     from meshpar.cluster import Cluster
-    from meshpar.passes.planner_atp import choose_mesh
+    from meshpar.passes.planning.planner_atp import choose_mesh
 
     for cluster_name, make, per_host in (("dgx_h100", Cluster.dgx_h100, 8), ("aws_p3_8xlarge", Cluster.aws_p3_8xlarge, 4)):
         for n in (8, 16, 32, 64):

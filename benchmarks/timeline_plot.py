@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshpar.passes.pipeline_tasks import TaskKind
-from meshpar.passes.timeline import Timeline
+from meshpar.passes.pipeline.pipeline_tasks import TaskKind
+from meshpar.passes.simulation.timeline import Timeline
 
 __all__ = ["KIND_COLORS", "plot_timelines"]
 

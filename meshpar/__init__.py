@@ -5,7 +5,8 @@ from meshpar.mesh import DeviceMesh
 from meshpar.sharding_spec import ShardingSpec
 from meshpar.tiles import Tile, tiles
 from meshpar.autodiff import AuxReduction, grad, value_and_grad
-from meshpar.parallelize import ParallelizedStep, PipeshardParallel, parallelize
+from meshpar.pipeshard_parallel import PipeshardParallel
+from meshpar.parallelize import ParallelizedStep, parallelize
 from meshpar import checkpoint, distributed, planning
 from meshpar.planning import plan_parallelism
 from meshpar.reshard import plan_between, plan_for, reshard

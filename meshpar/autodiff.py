@@ -40,8 +40,8 @@ from jax._src import core
 from jax._src import linear_util as lu
 
 from meshpar.nnx_state import has_variables
-from meshpar.passes.micro_batching import REDUCTIONS, AuxReduction
-from meshpar.passes.step_primitives import pipeline_grad_p
+from meshpar.passes.pipeline.micro_batching import REDUCTIONS, AuxReduction
+from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
 __all__ = ["AuxReduction", "grad", "value_and_grad", "tracing_pipeline"]
 

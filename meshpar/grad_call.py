@@ -7,8 +7,8 @@ import os
 
 from jax._src import core
 
-from meshpar.passes.stage_graph import first_user_frame, user_location
-from meshpar.passes.step_primitives import pipeline_grad_p
+from meshpar.passes.pipeline.stage_graph import first_user_frame, user_location
+from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
 __all__ = ["find_grad_call"]
 

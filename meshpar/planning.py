@@ -22,17 +22,18 @@ from meshpar.cluster import Cluster
 from meshpar.batch_arguments import batch_size
 from meshpar.grad_call import find_grad_call
 from meshpar.nnx_state import has_variables, partition_specs
-from meshpar.parallelize import ParallelizedStep, PipeshardParallel, _dtype
-from meshpar.passes.cost_model import DEVICE_FLOPS
-from meshpar.passes.hlo_collectives import all_reduce_equivalent_bytes
-from meshpar.passes.layer_profile import ModelProfile
-from meshpar.passes.planner_alpa import search as alpa_search
-from meshpar.passes.planner_amp import MEGATRON_PLACEMENT, search as amp_search
-from meshpar.passes.planner_galvatron import search as galvatron_search
-from meshpar.passes.planner_meshpar import Hardware, NoPlanFits, PipelinePlan, StagePlan, predict, search, stage_meshes
-from meshpar.passes.profile_layers import profile_layers
-from meshpar.passes.layer_clustering import insert_layer_markers, max_layers
-from meshpar.passes.stage_graph import count_markers, split_stages
+from meshpar.passes.simulation.cost_model import DEVICE_FLOPS
+from meshpar.passes.planning.hlo_collectives import all_reduce_equivalent_bytes
+from meshpar.passes.planning.layer_profile import ModelProfile
+from meshpar.passes.planning.planner_alpa import search as alpa_search
+from meshpar.passes.planning.planner_amp import MEGATRON_PLACEMENT, search as amp_search
+from meshpar.passes.planning.planner_galvatron import search as galvatron_search
+from meshpar.passes.planning.planner_meshpar import Hardware, NoPlanFits, PipelinePlan, StagePlan, predict, search, stage_meshes
+from meshpar.passes.planning.profile_layers import profile_layers
+from meshpar.passes.pipeline.layer_clustering import insert_layer_markers, max_layers
+from meshpar.passes.pipeline.stage_graph import count_markers, split_stages
+from meshpar.pipeshard_parallel import PipeshardParallel
+from meshpar.step_compiler import compile_step, leaf_dtype
 
 # Layers a loss without stage markers is cut into for planning.
 AUTO_LAYERS = 8
@@ -122,17 +123,23 @@ class ParallelismPlan:
         """A ``PipeshardParallel`` that runs this plan under ``meshpar.parallelize``."""
         return self.method_with()
 
-    def method_with(self, **options: Any) -> PipeshardParallel:
-        """``method`` with other ``PipeshardParallel`` options (executor, schedule options, ...);
-        what planning fixed (devices, cluster, batch_argnums) is kept unless overridden."""
+    def method_with(self, base: PipeshardParallel = PipeshardParallel(), **options: Any) -> PipeshardParallel:
+        """``base`` running this plan: what planning chose (stage meshes, named by ``base``'s
+        axes, cut points, micro-batches, schedule) and fixed (devices, cluster, batch_argnums)
+        replace ``base``'s, every other option of ``base`` is kept, and ``options`` (any
+        ``PipeshardParallel`` field) override both. An ``"auto"`` ``base`` comes out planned."""
         meshes = stage_meshes(self.cluster, [s.shape for s in self.best.stages])
         by_id = {d.id: d for d in self.devices}
-        jax_meshes = [jax.sharding.Mesh(np.vectorize(by_id.get, otypes=[object])(m.device_ids), ("data", "model"))
+        axes = (base.data_axis, base.model_axis)
+        jax_meshes = [jax.sharding.Mesh(np.vectorize(by_id.get, otypes=[object])(m.device_ids), axes)
                       for m in meshes]
-        planned = dict(num_micro_batches=self.best.num_micro_batches, stage_meshes=jax_meshes,
-                       schedule=self.best.schedule, cut_points=self.best.cut_points, cluster=self.cluster,
-                       devices=self.devices, auto_layers=self.profile.auto_layers, batch_argnums=self.batch_argnums)
-        return PipeshardParallel(**{**planned, **options})
+        # The stage count, mesh shape and stages per mesh (one) are the meshes' now: base's
+        # "auto" would be planned again, its counts checked against a plan that replaced them.
+        planned = dict(num_micro_batches=self.best.num_micro_batches, stage_meshes=jax_meshes, num_stages=None,
+                       stage_mesh_shape=None, stages_per_mesh=None, schedule=self.best.schedule,
+                       cut_points=self.best.cut_points, cluster=self.cluster, devices=self.devices,
+                       auto_layers=self.profile.auto_layers, batch_argnums=self.batch_argnums)
+        return dataclasses.replace(base, **{**planned, **options})
 
     def describe(self) -> str:
         """The chosen plan, its stages' layers and meshes, and the runners-up."""
@@ -212,8 +219,6 @@ def compiled_tensor_parallel(profile: ModelProfile, fun: Callable, args: Sequenc
       The profile and the scale; unchanged (scale 1) on one device or when no parameter is
       split over ``model`` (no layer has ``tp_bytes``).
     """
-    from meshpar.parallelize import parallelize
-
     if not isinstance(profile, ModelProfile):
         raise TypeError(f"profile: expected a ModelProfile, got {type(profile).__name__}")
     devices = tuple(devices)
@@ -225,7 +230,8 @@ def compiled_tensor_parallel(profile: ModelProfile, fun: Callable, args: Sequenc
     mesh = jax.sharding.Mesh(np.array(devices).reshape(1, len(devices)), ("data", "model"))
     method = PipeshardParallel(num_micro_batches=1, stage_meshes=[mesh], cut_points=(), devices=tuple(devices),
                                batch_argnums=tuple(batch_argnums), single_program=True)
-    program = parallelize(fun, method=method).get_executable(*args)
+    leaves, in_tree = jax.tree.flatten(tuple(args))
+    program = compile_step(fun, method, tuple(args), leaves, in_tree).executable
     hlo = program.lower(jax.tree.leaves(tuple(args))).compile().as_text()
     scale = all_reduce_equivalent_bytes(hlo, len(devices)) / profile.batch_size / rule
     layers = tuple(dataclasses.replace(layer, tp_bytes=layer.tp_bytes * scale) for layer in profile.layers)
@@ -256,7 +262,7 @@ def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     (``passes.layer_clustering``; fewer if the loss has fewer equations with FLOPs)."""
     leaves, in_tree = jax.tree.flatten(tuple(args))
     size = batch_size(args, tuple(batch_argnums))
-    abstract = [jax.ShapeDtypeStruct(np.shape(x), _dtype(x)) for x in leaves]
+    abstract = [jax.ShapeDtypeStruct(np.shape(x), leaf_dtype(x)) for x in leaves]
     with tracing_pipeline():
         outer = jax.make_jaxpr(lambda *ls: fun(*jax.tree.unflatten(in_tree, ls)))(*abstract)
     grad = find_grad_call(getattr(fun, "__name__", "step"), outer, has_variables(tuple(args)))
@@ -274,7 +280,7 @@ def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int
 
 
 def plan_parallelism(
-    step: Callable | ParallelizedStep,
+    step: Callable,
     *example_args: Any,
     devices: Sequence[Any] | None = None,
     cluster: Cluster | None = None,
@@ -311,9 +317,12 @@ def plan_parallelism(
         raise ValueError(f"planner: expected one of {sorted(PLANNERS)}, got {planner!r}")
     if memory_budget_bytes is not None and not memory_budget_bytes > 0:
         raise ValueError(f"memory_budget_bytes: expected a positive number of bytes or None, got {memory_budget_bytes!r}")
-    fun = step.fun if isinstance(step, ParallelizedStep) else step
+    # A meshpar.parallelize step carries its function and method (parallelize plans through this
+    # module, so it is recognised by them rather than imported).
+    parallelized = isinstance(getattr(step, "method", None), PipeshardParallel)
+    fun = step.fun if parallelized else step
     if batch_argnums is None:
-        batch_argnums = step.method.batch_argnums if isinstance(step, ParallelizedStep) else (1,)
+        batch_argnums = step.method.batch_argnums if parallelized else (1,)
     devices = tuple(devices) if devices is not None else tuple(jax.devices())
     cluster = cluster if cluster is not None else Cluster.from_devices(list(devices))
     profile = profile_step(fun, example_args, tuple(batch_argnums), getattr(fun, "__name__", "step"))

@@ -12,14 +12,14 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from meshpar.cluster import Cluster
 from meshpar.mesh import DeviceMesh
-from meshpar.passes.balancers import get_balancer
-from meshpar.passes.plan_resharding import plan_resharding
-from meshpar.passes.resharding_task import ReshardingTask
-from meshpar.passes.strategies import get_strategy
-from meshpar.passes.edge_transfer import EXECUTORS
-from meshpar.passes.hop_program import lower_to_hops, replicate_scalar, verify_hop_program
-from meshpar.passes.round_gates import round_gates, verify_round_gates
-from meshpar.passes.transfer_program import lower_plan, verify_program
+from meshpar.passes.resharding.balancers import get_balancer
+from meshpar.passes.resharding.plan_resharding import plan_resharding
+from meshpar.passes.resharding.resharding_task import ReshardingTask
+from meshpar.passes.resharding.strategies import get_strategy
+from meshpar.passes.pipeline.edge_transfer import EXECUTORS
+from meshpar.passes.resharding.hop_program import lower_to_hops, replicate_scalar, verify_hop_program
+from meshpar.passes.resharding.round_gates import round_gates, verify_round_gates
+from meshpar.passes.resharding.transfer_program import lower_plan, verify_program
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.p2p_executor import ORDERS, P2PReshardExecutable
 from meshpar.runtime.remote import absent

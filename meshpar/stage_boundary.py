@@ -8,7 +8,7 @@ differentiates as plain JAX.
 
 from __future__ import annotations
 
-from meshpar.passes.step_primitives import stage_boundary_p
+from meshpar.passes.pipeline.step_primitives import stage_boundary_p
 
 __all__ = ["mark_stage_boundary"]
 

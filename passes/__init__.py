@@ -1,11 +1,21 @@
-"""meshpar's compiler: small passes over typed IRs, testable without devices."""
+"""meshpar's compiler: small passes over typed IRs, testable without devices.
 
-from .balancers import BALANCERS, BalancerOptions
-from .plan_resharding import ALPA_BASELINE, plan_resharding
-from .resharding_plan import ReshardingPlan, ScheduledTask
-from .resharding_task import ReshardingTask
-from .strategies import STRATEGIES
-from .unit_tasks import PlanVerificationError, UnitTask
+Four compilers, one sub-package each, over shared model types:
+
+- ``model``: device meshes, sharding specs, tiles and clusters (the types every compiler reads);
+- ``resharding``: one tensor's cross-mesh move, from unit tasks to a lowered program;
+- ``pipeline``: a traced train step, from stage markers to a per-mesh program;
+- ``planning``: stage cuts, mesh shapes and micro-batches chosen automatically, by five planners;
+- ``simulation``: a schedule's step time, bubbles and memory from a cost model.
+"""
+
+from .resharding.balancers import BALANCERS, BalancerOptions
+from .resharding.plan_resharding import ALPA_BASELINE, plan_resharding
+from .resharding.resharding_plan import ReshardingPlan, ScheduledTask
+from .resharding.resharding_task import ReshardingTask
+from .resharding.strategies import STRATEGIES
+from .resharding.unit_tasks import UnitTask
+from .verification import PlanVerificationError
 
 __all__ = [
     "ALPA_BASELINE",

@@ -42,8 +42,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.hop_program import HopProgram
-from meshpar.passes.round_gates import Gate
+from meshpar.passes.resharding.hop_program import HopProgram
+from meshpar.passes.resharding.round_gates import Gate
 from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.remote import absent
 

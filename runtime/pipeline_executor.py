@@ -19,14 +19,14 @@ import numpy as np
 from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.edge_transfer import Direction, TransferKind
-from meshpar.passes.micro_batching import AuxReduction, MicroBatching
-from meshpar.passes.pipeline_program import BufferId, BufferKind, PipelineProgram
-from meshpar.passes.stage_graph import RefKind, StageGraph
-from meshpar.passes.stage_parts import StageParts
-from meshpar.passes.step_layout import StepLayout, ValueMove
-from meshpar.passes.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, OuterStep, StepSplit
-from meshpar.passes.wire_format import from_wire
+from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind
+from meshpar.passes.pipeline.micro_batching import AuxReduction, MicroBatching
+from meshpar.passes.pipeline.pipeline_program import BufferId, BufferKind, PipelineProgram
+from meshpar.passes.pipeline.stage_graph import RefKind, StageGraph
+from meshpar.passes.pipeline.stage_parts import StageParts
+from meshpar.passes.pipeline.step_layout import StepLayout, ValueMove
+from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, OuterStep, StepSplit
+from meshpar.passes.pipeline.wire_format import from_wire
 from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals
 from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, StageInputs
@@ -54,7 +54,7 @@ class PipelineExecutable:
       layout: where every value lives and the moves after the program.
       program: the per-mesh program and its transfers.
       parts: per stage, its forward and backward parts.
-      meshes: one mesh per stage.
+      meshes: the pipeline's meshes (``program.schedule.stage_mesh`` places each stage on one).
       micro_batch_size: examples per micro-batch.
       prepare_move: builds each move once, at construction.
       out_tree, out_avals: the step's output treedef, shapes and dtypes.
@@ -81,13 +81,18 @@ class PipelineExecutable:
         self.graph, self.split, self.layout, self.program = graph, split, layout, program
         self.schedule = program.schedule
         self.meshes = tuple(meshes)
+        self.home = program.schedule.stage_mesh
+        self.stage_meshes = tuple(self.meshes[m] for m in self.home)
         self.num_micro_batches = program.schedule.num_micro_batches
         self.micro_batch_size = micro_batch_size
         self.out_tree, self.out_avals = out_tree, tuple(out_avals)
         self.timeout_s = timeout_s
         self.micro_batching = micro_batching
         me = jax.process_index()
-        self.local = [any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
+        # Per mesh (a mesh may host several stages), and per stage: whether a device of it is
+        # this process's.
+        self.mesh_local = [any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
+        self.local = [self.mesh_local[m] for m in self.home]
         self._prepare_move = prepare_move
         self._prepared: dict[tuple, Callable[[jax.Array], jax.Array]] = {}
         in_ct = {t.edge: t.src for t in program.transfers if t.direction is Direction.COTANGENT}
@@ -95,10 +100,10 @@ class PipelineExecutable:
         self.executables = [
             compile_stage(
                 stage, parts[stage.index], program.stages[stage.index], layout.stage_operands[stage.index],
-                [out_sh.get((stage.index, k), NamedSharding(self.meshes[stage.index], P()))
+                [out_sh.get((stage.index, k), NamedSharding(self.stage_meshes[stage.index], P()))
                  for k in range(len(stage.outputs))],
                 [in_ct[e] for e in program.stages[stage.index].cotangent_in_edges],
-                self.meshes[stage.index], micro_batching.loss_seed,
+                self.stage_meshes[stage.index], micro_batching.loss_seed,
             )
             for stage in graph.stages
         ]
@@ -107,7 +112,7 @@ class PipelineExecutable:
         self.transfer_moves = tuple(self._move(t.kind, t.shape, t.dtype, t.src, t.dst) for t in program.transfers)
         several = jax.process_count() > 1
         self._interpreter = ProgramInterpreter(
-            program, self.executables, self.transfer_moves, self.local, watch=several,
+            program, self.executables, self.transfer_moves, self.mesh_local, watch=several,
             launch_window=LAUNCH_WINDOW if several else None, timeout_s=timeout_s)
         self._fetches = {(s, op.position): self._prepare(op.fetch)
                          for s, ops in enumerate(layout.stage_operands) for op in ops if op.fetch}
@@ -161,7 +166,7 @@ class PipelineExecutable:
 
     def __call__(self, leaves: Sequence[Any], recorder: StepRecorder | None = None) -> list[Any]:
         """One step on the flattened arguments; ``recorder`` (made for ``self.program`` and
-        ``self.local``) times the program's instructions.
+        ``self.mesh_local``) times the program's instructions.
 
         Raises:
           PeerLostError: a value another process was sending here failed in transit (that
@@ -220,21 +225,21 @@ class PipelineExecutable:
                     self._note_arrival(step, moved, arrivals)
                     continue
                 vm = self.layout.outer_moves[step]
-                if self.local[step.src]:
+                if self.mesh_local[step.src]:
                     vector = self._packs[step](*[self._value(r, step.src, placed, values) for r in step.values])
                 else:
                     vector = absent(vm.shape, vm.dtype, vm.src)
                 moved = move(vector)
                 self._note_arrival(step, moved, arrivals)
-                if self.local[step.dst]:
+                if self.mesh_local[step.dst]:
                     values.update({(r, step.dst): v for r, v in zip(step.values, self._unpacks[step](moved))})
-            elif self.local[step.mesh]:
+            elif self.mesh_local[step.mesh]:
                 outs = self._compute_fns[id(step)](*[self._value(r, step.mesh, placed, values) for r in step.inputs])
                 values.update({(ref, step.mesh): o for ref, o in zip(step.outputs, outs)})
 
     def _note_arrival(self, step: OuterMove, moved: jax.Array, arrivals: list[Arrival]) -> None:
         """Adds ``moved`` to ``arrivals`` when other processes send it here."""
-        if self.local[step.dst] and self._outer_senders[step]:
+        if self.mesh_local[step.dst] and self._outer_senders[step]:
             names = ", ".join(map(str, step.values))
             arrivals.append(Arrival(moved, f"{names} moved from mesh {step.src} to mesh {step.dst}",
                                     self._outer_senders[step]))
@@ -265,7 +270,7 @@ class PipelineExecutable:
                 elif op.source.kind is OuterKind.CONST:
                     fixed.append(self._consts[(s, op.position)])
                 else:
-                    fixed.append(self._value(op.source, s, placed, values))
+                    fixed.append(self._value(op.source, self.home[s], placed, values))
             if not self.local[s]:
                 out.append(None)
                 continue
@@ -273,12 +278,12 @@ class PipelineExecutable:
             columns = []
             for op in per_mb:
                 if op.fold_key:
-                    columns.append(self._folds[s](self._value(op.source, s, placed, values), M))
+                    columns.append(self._folds[s](self._value(op.source, self.home[s], placed, values), M))
                 elif op.source.kind is OuterKind.IN and op.source.index in batches:
                     leaf = batches[op.source.index]
                     columns.append([put(leaf[m * size:(m + 1) * size], op.sharding) for m in range(M)])
                 else:
-                    whole = self._value(op.source, s, placed, values)
+                    whole = self._value(op.source, self.home[s], placed, values)
                     columns.append([jax.device_put(whole[m * size:(m + 1) * size], op.sharding) for m in range(M)])
             batch = tuple(tuple(c[m] for c in columns) for m in range(M)) if per_mb else ()
             out.append(StageInputs(tuple(fixed), batch))
@@ -297,10 +302,10 @@ class PipelineExecutable:
         """The step's loss and aux values, combined over micro-batches on the meshes computing
         them, and each parameter's gradient on its owner's mesh, into ``values``."""
         graph, mb = self.graph, self.micro_batching
-        loss_home = graph.loss.index
-        if self.local[loss_home]:
-            values[(OuterRef(OuterKind.LOSS), loss_home)] = _combine(
-                [run.results[BufferId(BufferKind.RESULT, loss_home, m, graph.loss.slot)]
+        loss_stage = graph.loss.index
+        if self.local[loss_stage]:
+            values[(OuterRef(OuterKind.LOSS), self.home[loss_stage])] = _combine(
+                [run.results[BufferId(BufferKind.RESULT, loss_stage, m, graph.loss.slot)]
                  for m in range(self.num_micro_batches)],
                 AuxReduction.MEAN if mb.reduction == "mean" else AuxReduction.SUM)
         for k, (ref, how) in enumerate(zip(graph.aux, mb.aux)):
@@ -309,17 +314,17 @@ class PipelineExecutable:
                          for m in range(self.num_micro_batches)]
                 aux = OuterRef(OuterKind.AUX, k)
                 combined = from_wire(_combine(parts, how), self.split.avals[aux])
-                target = self.layout.value_shardings.get((aux, ref.index))
-                values[(aux, ref.index)] = combined if target is None else jax.device_put(combined, target)
+                target = self.layout.value_shardings.get((aux, self.home[ref.index]))
+                values[(aux, self.home[ref.index])] = combined if target is None else jax.device_put(combined, target)
         for stage, gs, shardings, moves, avals in zip(
                 graph.stages, run.grads, self.layout.grad_shardings, self._gradient_moves, self._param_avals):
             for n, k in enumerate(stage.param_inputs):
                 g = gs[n] if gs is not None else absent(avals[n].shape, avals[n].dtype, shardings[n])
                 if moves[n] is not None:
                     g = moves[n](g)
-                owner = graph.param_owner(k)
+                owner = self.home[graph.param_owner(k)]
                 key = (OuterRef(OuterKind.GRAD, k), owner)
-                values[key] = g if key not in values or not self.local[owner] else values[key] + g
+                values[key] = g if key not in values or not self.mesh_local[owner] else values[key] + g
 
     def _output_shardings(self, j: int, meshes: Sequence[int]) -> list[NamedSharding]:
         placement = self.layout.out_placements[j]

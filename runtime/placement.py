@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.step_layout import Placement
+from meshpar.passes.pipeline.step_layout import Placement
 
 __all__ = ["put", "place", "join", "union_sharding"]
 

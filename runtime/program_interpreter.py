@@ -20,8 +20,8 @@ from typing import Any
 
 import jax
 
-from meshpar.passes.edge_transfer import Direction
-from meshpar.passes.pipeline_program import (
+from meshpar.passes.pipeline.edge_transfer import Direction
+from meshpar.passes.pipeline.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, RunBackward, RunBackwardInput,
     RunBackwardWeight, RunForward, Send,
 )

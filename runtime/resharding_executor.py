@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.transfer_program import TransferProgram
+from meshpar.passes.resharding.transfer_program import TransferProgram
 from meshpar.runtime.coordination import wait_ready
 
 __all__ = ["ReshardingExecutable"]

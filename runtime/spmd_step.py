@@ -22,9 +22,9 @@ import jax
 from jax._src import core
 from jax.sharding import Mesh, NamedSharding
 
-from meshpar.passes.step_primitives import pipeline_grad_p
-from meshpar.passes.micro_batching import MicroBatching
-from meshpar.passes.step_layout import StepLayout
+from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
+from meshpar.passes.pipeline.micro_batching import MicroBatching
+from meshpar.passes.pipeline.step_layout import StepLayout
 from meshpar.runtime.placement import put
 
 __all__ = ["SpmdStep"]

@@ -31,11 +31,11 @@ import jax.numpy as jnp
 from jax._src import core
 from jax.sharding import Mesh, NamedSharding
 
-from meshpar.passes.pipeline_program import StageIO
-from meshpar.passes.stage_graph import RefKind, Stage
-from meshpar.passes.stage_parts import StageParts
-from meshpar.passes.step_layout import StageOperand
-from meshpar.passes.wire_format import from_wire, to_wire
+from meshpar.passes.pipeline.pipeline_program import StageIO
+from meshpar.passes.pipeline.stage_graph import RefKind, Stage
+from meshpar.passes.pipeline.stage_parts import StageParts
+from meshpar.passes.pipeline.step_layout import StageOperand
+from meshpar.passes.pipeline.wire_format import from_wire, to_wire
 
 __all__ = ["StageExecutables", "compile_stage", "on_mesh"]
 

@@ -47,12 +47,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshpar.passes.edge_transfer import Direction
-from meshpar.passes.pipeline_program import (
+from meshpar.passes.pipeline.edge_transfer import Direction
+from meshpar.passes.pipeline.pipeline_program import (
     Instruction, PipelineProgram, RunBackward, RunBackwardInput, RunBackwardWeight, RunForward, Send,
 )
-from meshpar.passes.pipeline_tasks import Task, TaskKind, task_dependencies
-from meshpar.passes.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
+from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
+from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 
 __all__ = ["StepRecorder", "SWITCH_INTERVAL_S"]
 
@@ -191,11 +191,12 @@ class StepRecorder:
         """The task ``instruction`` runs and its lane, or ``None`` when this process cannot see it."""
         if isinstance(instruction, Send):
             transfer = self.program.transfers[instruction.transfer]
-            if not self.local[transfer.dst_stage]:
+            home = self.program.schedule.stage_mesh
+            if not self.local[home[transfer.dst_stage]]:
                 return None
             kind = TaskKind.SEND_ACT if transfer.direction is Direction.ACTIVATION else TaskKind.SEND_GRAD
             return (Task(kind, transfer.edge, instruction.micro_batch),
-                    Lane(LaneKind.LINK, transfer.src_stage, transfer.dst_stage))
+                    Lane(LaneKind.LINK, home[transfer.src_stage], home[transfer.dst_stage]))
         kind = _COMPUTE_KINDS[type(instruction)]
         return Task(kind, instruction.stage, instruction.micro_batch), Lane(LaneKind.COMPUTE, mesh)
 

@@ -31,7 +31,7 @@ import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.mlp import MLP  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
-from meshpar.passes.timeline import LaneKind, read_chrome_trace  # noqa: E402
+from meshpar.passes.simulation.timeline import LaneKind, read_chrome_trace  # noqa: E402
 from meshpar.runtime.coordination import CoordinationError, kv_client  # noqa: E402
 from pipeline_models import make_state, mse  # noqa: E402
 

@@ -6,9 +6,9 @@ import random
 import pytest
 
 from meshpar.passes import BALANCERS, BalancerOptions, plan_resharding
-from meshpar.passes.balancing_problem import BalancingProblem, TaskOrder, simulate
-from meshpar.passes.dfs_search import dfs_search
-from meshpar.passes.strategies import recv_resource, send_resource
+from meshpar.passes.resharding.balancing_problem import BalancingProblem, TaskOrder, simulate
+from meshpar.passes.resharding.dfs_search import dfs_search
+from meshpar.passes.resharding.strategies import recv_resource, send_resource
 from random_tasks import random_task
 
 
@@ -57,7 +57,7 @@ def test_dfs_is_optimal_on_small_instances(seed):
 
 def _small_random_tasks(count: int, max_units: int = 6):
     """The first ``count`` random tasks with at most ``max_units`` unit tasks."""
-    from meshpar.passes.unit_tasks import decompose
+    from meshpar.passes.resharding.unit_tasks import decompose
 
     seed = 0
     while count:
@@ -70,9 +70,9 @@ def _small_random_tasks(count: int, max_units: int = 6):
 
 @pytest.mark.parametrize("strategy", ["broadcast", "local_allgather"])
 def test_exhaustive_dfs_matches_brute_force_on_real_resharding(strategy):
-    from meshpar.passes.balancing_problem import build_problem
-    from meshpar.passes.strategies import get_strategy
-    from meshpar.passes.unit_tasks import decompose
+    from meshpar.passes.resharding.balancing_problem import build_problem
+    from meshpar.passes.resharding.strategies import get_strategy
+    from meshpar.passes.resharding.unit_tasks import decompose
 
     for task, cluster in _small_random_tasks(6):
         problem = build_problem(decompose(task), get_strategy(strategy), cluster, task.host_of, itemsize=task.itemsize)
@@ -103,9 +103,9 @@ def test_greedy_random_never_worse_than_naive(seed):
 
 
 def test_lower_bound_never_above_the_optimum():
-    from meshpar.passes.balancing_problem import build_problem
-    from meshpar.passes.strategies import STRATEGIES
-    from meshpar.passes.unit_tasks import decompose
+    from meshpar.passes.resharding.balancing_problem import build_problem
+    from meshpar.passes.resharding.strategies import STRATEGIES
+    from meshpar.passes.resharding.unit_tasks import decompose
 
     for task, cluster in _small_random_tasks(8):
         for strategy in STRATEGIES.values():
@@ -122,7 +122,7 @@ def test_dfs_budget_returns_incumbent_when_exhausted():
 
 
 def test_unknown_balancer_and_bad_options():
-    from meshpar.passes.balancers import get_balancer
+    from meshpar.passes.resharding.balancers import get_balancer
 
     with pytest.raises(ValueError, match=r"balancer: unknown 'fastest'"):
         get_balancer("fastest")

@@ -12,7 +12,7 @@ from flax import linen as nn
 import meshpar
 from examples.mlp import MLP
 from meshpar.batch_arguments import batch_size, describe_arguments
-from meshpar.passes.planner_meshpar import Hardware
+from meshpar.passes.planning.planner_meshpar import Hardware
 from pipeline_models import assert_trees_close, make_state, mse
 
 BATCH = {"x": np.ones((16, 6), np.float32), "y": np.ones((16, 4), np.float32)}

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
-from meshpar.passes.hlo_collectives import Collective, CollectiveKind, all_reduce_equivalent_bytes, collectives
+from meshpar.passes.planning.hlo_collectives import Collective, CollectiveKind, all_reduce_equivalent_bytes, collectives
 from meshpar.planning import compiled_tensor_parallel, profile_step
 from pipeline_models import make_state
 

@@ -9,7 +9,7 @@ from flax import linen as nn
 
 import meshpar
 from examples.train_step import supervised_step
-from meshpar.passes.stage_graph import StageMarkerError
+from meshpar.passes.pipeline.stage_graph import StageMarkerError
 from pipeline_models import make_state, mse
 
 BATCH = {"x": np.ones((8, 6), np.float32), "y": np.ones((8, 6), np.float32)}

@@ -85,6 +85,14 @@ def test_pipeline_across_two_processes():
 
 
 @pytest.mark.multiprocess
+def test_interleaved_1f1b_across_two_processes():
+    """Virtual stages with p2p moves between processes: GPT on 2 meshes, U-Transformer on 4."""
+    results, output = run_all_ok("mp_interleaved_worker.py", timeout_s=600)
+    for name, meshes in (("gpt", 2), ("ut", 4)):
+        assert all(f"{name} interleaved on {meshes} meshes matches" in r.stdout for r in results), output
+
+
+@pytest.mark.multiprocess
 def test_p2p_moves_overlap_with_the_senders_compute_and_collective_ones_do_not():
     results, output = run_all_ok("mp_overlap_worker.py", timeout_s=300)
     assert "p2p: sender compute finished while the receiver was busy" in results[0].stdout, output

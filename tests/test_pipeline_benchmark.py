@@ -12,10 +12,10 @@ import pytest
 
 from benchmarks import pipeline
 from benchmarks.pipeline_cases import CASES, METHODS, SINGLE_PROCESS_METHODS
-from meshpar.passes.pipeline_schedule import make_schedule
-from meshpar.passes.pipeline_tasks import Task, TaskKind
-from meshpar.passes.schedule_simulator import StageSeconds, TaskDurations, simulate
-from meshpar.passes.timeline import Lane, LaneKind, TimelineEvent, timeline_of, write_chrome_trace
+from meshpar.passes.pipeline.pipeline_schedule import make_schedule
+from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind
+from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
+from meshpar.passes.simulation.timeline import Lane, LaneKind, TimelineEvent, timeline_of, write_chrome_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F, B = TaskKind.FORWARD, TaskKind.BACKWARD

@@ -6,13 +6,13 @@ import re
 import numpy as np
 import pytest
 
-from meshpar.passes.edge_transfer import Direction, EdgeTransfer, TransferKind
-from meshpar.passes.pipeline_program import (BufferKind, Free, Recv, RunBackward, RunBackwardInput, RunBackwardWeight,
+from meshpar.passes.pipeline.edge_transfer import Direction, EdgeTransfer, TransferKind
+from meshpar.passes.pipeline.pipeline_program import (BufferKind, Free, Recv, RunBackward, RunBackwardInput, RunBackwardWeight,
                                              RunForward, Send, lower_to_program, stage_io,
                                              verify_pipeline_program as verify)
-from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline_tasks import TaskKind
-from meshpar.passes.unit_tasks import PlanVerificationError
+from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.pipeline.pipeline_tasks import TaskKind
+from meshpar.passes.verification import PlanVerificationError
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 KIND = {RunForward: F, RunBackward: B, RunBackwardInput: I, RunBackwardWeight: W}
@@ -26,7 +26,7 @@ def _u_shape(S):  # as in test_pipeline_schedule: adjacent stages plus skips i -
     return _chain(S) + [(i, S - 1 - i) for i in range(S // 2) if S - 1 - i > i + 1]
 
 
-def _build(name, S, M, edges, delays=None, slots="distinct"):
+def _build(name, S, M, edges, delays=None, slots="distinct", num_meshes=None):
     """slots: "distinct" (one output slot per out-edge), "shared" (all out-edges from slot 0),
     "extra" (like distinct, but the last stage has an unread slot 0 and the loss in slot 1)."""
     quads, num_out = [], [1] * S
@@ -42,22 +42,23 @@ def _build(name, S, M, edges, delays=None, slots="distinct"):
                  for e, (p, c, slot, _) in enumerate(quads)
                  for d, (a, b) in ((Direction.ACTIVATION, (p, c)), (Direction.COTANGENT, (c, p)))]
     stages = stage_io(S, quads, (S - 1, loss_slot), num_out)
-    return lower_to_program(make_schedule(name, S, M, edges, delays), stages, transfers), quads
+    return lower_to_program(make_schedule(name, S, M, edges, delays, num_meshes), stages, transfers), quads
 
 
 def _interpret(program, quads):
     """Runs the launch sequence symbolically; returns per-stage peaks of live RESIDUALS / WEIGHT_STATE."""
-    S = len(program.instructions)
+    S, P = len(program.stages), len(program.instructions)
+    home = program.schedule.stage_mesh
     tr = {(t.edge, t.direction): k for k, t in enumerate(program.transfers)}
     in_edges = [[e for e, q in sorted(enumerate(quads), key=lambda x: x[1][3]) if q[1] == s] for s in range(S)]
-    live = [set() for _ in range(S)]
+    live = [set() for _ in range(P)]
     channel, got, outputs, input_cts = {}, {}, {}, {}
     peak = {BufferKind.RESIDUALS: [0] * S, BufferKind.WEIGHT_STATE: [0] * S}
-    computes = [[] for _ in range(S)]
+    computes = [[] for _ in range(P)]
     for mesh, ins in program.launch_sequence():
         if isinstance(ins, Send):
             t = program.transfers[ins.transfer]
-            assert mesh == t.src_stage and ins.buffer in live[mesh]
+            assert mesh == home[t.src_stage] and ins.buffer in live[mesh]
             m = ins.micro_batch
             if t.direction is Direction.ACTIVATION:  # the producer's output of the edge's slot
                 assert ins.buffer == outputs[t.src_stage, m][quads[t.edge][2]]
@@ -66,7 +67,7 @@ def _interpret(program, quads):
             assert (ins.transfer, m) not in channel, "a second send"
             channel[ins.transfer, m] = ins.buffer
         elif isinstance(ins, Recv):
-            assert mesh == program.transfers[ins.transfer].dst_stage
+            assert mesh == home[program.transfers[ins.transfer].dst_stage]
             assert channel.pop((ins.transfer, ins.micro_batch), None) is not None, "receive before send"
             got[ins.transfer, ins.micro_batch] = ins.buffer
             live[mesh].add(ins.buffer)
@@ -74,8 +75,8 @@ def _interpret(program, quads):
             live[mesh].remove(ins.buffer)
         else:
             s, m = ins.stage, ins.micro_batch
-            assert s == mesh, "compute on another stage's mesh"
-            computes[mesh].append((KIND[type(ins)], m))
+            assert home[s] == mesh, "compute on a mesh the schedule does not place its stage on"
+            computes[mesh].append((KIND[type(ins)], s, m))
             if isinstance(ins, RunForward):
                 assert ins.inputs == tuple(got[tr[e, Direction.ACTIVATION], m] for e in in_edges[s])
                 assert set(ins.inputs) <= live[mesh]
@@ -94,12 +95,13 @@ def _interpret(program, quads):
                 if isinstance(ins, RunBackwardInput):
                     live[mesh].add(ins.weight_state)
         for kind, per_stage in peak.items():
-            per_stage[mesh] = max(per_stage[mesh], sum(b.kind is kind for b in live[mesh]))
+            for s in program.schedule.stages_on(mesh):
+                per_stage[s] = max(per_stage[s], sum(b.kind is kind and b.index == s for b in live[mesh]))
     assert not channel, "sends never received"
-    for s in range(S):
-        assert computes[s] == [(t.kind, t.micro_batch) for t in program.schedule.sequences[s]]
-        assert all(b.kind is BufferKind.RESULT and b.index == S - 1 for b in live[s])
-        assert len(live[s]) == (program.schedule.num_micro_batches if s == S - 1 else 0)
+    for mesh in range(P):
+        assert computes[mesh] == [(t.kind, t.where, t.micro_batch) for t in program.schedule.sequences[mesh]]
+        assert all(b.kind is BufferKind.RESULT and b.index == S - 1 for b in live[mesh])
+        assert len(live[mesh]) == (program.schedule.num_micro_batches if mesh == home[S - 1] else 0)
     return peak
 
 
@@ -115,7 +117,8 @@ def test_program_runs_and_holds_the_schedules_memory(name, delay, S, M, edges_of
     program, quads = _build(name, S, M, edges_of(S), None if delay is None else [delay] * S, slots)
     peak = _interpret(program, quads)
     for s in range(S):
-        res = {"gpipe": M, "1f1b": min(M, S - s), "zb_h1": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1)}[name]
+        res = {"gpipe": M, "1f1b": min(M, S - s), "zb_h1": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1),
+               "interleaved_1f1b": M if M == S else min(M, 2 * (S - s) - 1)}[name]
         assert peak[BufferKind.RESIDUALS][s] == res
         held = best = 0
         for t in program.schedule.sequences[s]:
@@ -181,3 +184,27 @@ def test_verifier_rejects_miswired_cotangents_and_sends():
     other = dataclasses.replace(seq[k][1].buffer, slot=1 - seq[k][1].buffer.slot)
     with pytest.raises(PlanVerificationError, match="but transfer .* carries"):
         verify(_rebuild(program, seq[:k] + [(seq[k][0], dataclasses.replace(seq[k][1], buffer=other))] + seq[k + 1:]))
+
+
+@pytest.mark.parametrize("edges_of,slots", SHAPES)
+@pytest.mark.parametrize("P,v,rounds", [(2, 2, 1), (2, 2, 2), (2, 2, 4), (4, 2, 1), (4, 2, 2), (3, 3, 2), (2, 4, 3)])
+@pytest.mark.parametrize("delay", [None, 1])
+def test_interleaved_program_runs_with_several_stages_per_mesh(P, v, rounds, edges_of, slots, delay):
+    """Stage k runs on mesh k mod P; each mesh's compute follows its sequence, and each stage holds
+    the residuals its mesh's sequence says (forwards minus backwards so far, at most)."""
+    S, M = P * v, P * rounds
+    program, quads = _build("interleaved_1f1b", S, M, edges_of(S), None if delay is None else [delay] * P, slots,
+                            num_meshes=P)
+    assert program.schedule.stage_mesh == tuple(s % P for s in range(S))
+    assert len(program.instructions) == P
+    peak = _interpret(program, quads)
+    for mesh, seq in enumerate(program.schedule.sequences):
+        for s in program.schedule.stages_on(mesh):
+            live = held = 0
+            for t in seq:
+                if t.where == s and t.kind is F:
+                    live += 1
+                elif t.where == s and t.kind in (B, I):
+                    live -= 1
+                held = max(held, live)
+            assert peak[BufferKind.RESIDUALS][s] == held

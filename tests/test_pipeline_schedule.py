@@ -2,10 +2,10 @@
 
 import pytest
 
-from meshpar.passes.dependency_graph import dependency_graph, verify_acyclic
-from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline_tasks import Task, TaskKind
-from meshpar.passes.unit_tasks import PlanVerificationError
+from meshpar.passes.pipeline.dependency_graph import dependency_graph, verify_acyclic
+from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind
+from meshpar.passes.verification import PlanVerificationError
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
@@ -44,7 +44,10 @@ def test_warm_up_depth_and_in_flight_bound(name, S, M, edges_of):
     schedule = make_schedule(name, S, M, edges_of(S))  # runs verify_schedule
     for s in range(S):
         seq = _per_stage(schedule, s)
-        ahead = {"gpipe": M, "1f1b": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1), "zb_h1": min(M, S - s)}[name]
+        # Interleaved 1F1B with one stage per mesh is Megatron's order for v = 1: eager-1F1B's
+        # warm-up, or every forward first when the micro-batches make one round.
+        ahead = {"gpipe": M, "1f1b": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1), "zb_h1": min(M, S - s),
+                 "interleaved_1f1b": M if M == S else min(M, 2 * (S - s) - 1)}[name]
         assert _forwards_before_first_backward(seq) == ahead
         assert _peak_in_flight(seq) == ahead
         # Paper Table 1: eager-1F1B keeps at most S more micro-batches alive than 1F1B.
@@ -128,3 +131,29 @@ def test_weight_delay_with_zb_h1_or_bad_delays_is_rejected():
         make_schedule("zb_h1", 2, 4, [(0, 1)], [1, 1])
     with pytest.raises(ValueError, match="weight_delay: expected 2 non-negative"):
         make_schedule("1f1b", 2, 4, [(0, 1)], [1, -1])
+
+
+def test_interleaved_places_stage_k_on_mesh_k_mod_P_and_visits_chunks_in_rounds():
+    schedule = make_schedule("interleaved_1f1b", 4, 4, _chain(4), num_meshes=2)
+    assert schedule.stage_mesh == (0, 1, 0, 1)
+    assert schedule.stages_on(0) == (0, 2)
+    # Megatron's order on mesh 0 (P=2, v=2, M=4): 2(P-1) + (v-1)P = 4 warm-up forwards, chunk by
+    # chunk in rounds of P micro-batches, then one forward and one backward (chunks reversed).
+    assert " ".join(map(str, schedule.sequences[0])) == (
+        "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3")
+
+
+@pytest.mark.parametrize("args,match", [
+    (("1f1b", 4, 4, 2), r"schedule: '1f1b' runs one stage per mesh.*interleaved_1f1b"),
+    (("interleaved_1f1b", 5, 4, 2), r"num_stages: 5 stages do not divide over 2 meshes"),
+    (("interleaved_1f1b", 4, 3, 2), r"num_micro_batches: interleaved_1f1b with virtual stages needs a multiple of 2"),
+    (("nope", 4, 4, 2), r"schedule: unknown 'nope'"),
+])
+def test_stage_placement_errors_name_the_argument(args, match):
+    from meshpar.passes.pipeline.pipeline_schedule import check_stage_placement
+
+    name, S, M, P = args
+    with pytest.raises(ValueError, match=match):
+        check_stage_placement(name, S, P, M)
+    with pytest.raises(ValueError, match=match):
+        make_schedule(name, S, M, _chain(S), num_meshes=P)

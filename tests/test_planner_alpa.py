@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from meshpar.cluster import Cluster
-from meshpar.passes.layer_profile import LayerProfile, ModelProfile
-from meshpar.passes.planner_alpa import cluster_layers, search, stage_dp, submesh_shapes
-from meshpar.passes.planner_meshpar import Hardware, NoPlanFits
+from meshpar.passes.planning.layer_profile import LayerProfile, ModelProfile
+from meshpar.passes.planning.planner_alpa import cluster_layers, search, stage_dp, submesh_shapes
+from meshpar.passes.planning.planner_meshpar import Hardware, NoPlanFits
 
 
 def test_submesh_shapes_are_alpas():

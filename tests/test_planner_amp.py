@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from meshpar.cluster import Cluster
-from meshpar.passes.layer_profile import LayerProfile, ModelProfile
-from meshpar.passes.planner_amp import (MEGATRON_PLACEMENT, PLACEMENTS, estimate, megatron_uniform_partition,
+from meshpar.passes.planning.layer_profile import LayerProfile, ModelProfile
+from meshpar.passes.planning.planner_amp import (MEGATRON_PLACEMENT, PLACEMENTS, estimate, megatron_uniform_partition,
                                         partition_layers, pipeline_cost, search)
 
 # 2 hosts of 2 devices: every number below is easy to follow by hand

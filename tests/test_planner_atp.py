@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from meshpar.cluster import Cluster
-from meshpar.passes.layer_profile import LayerProfile
-from meshpar.passes.planner_atp import (DataModelShape, LayerComm, MeshBandwidths, all_reduce_bandwidth,
+from meshpar.passes.planning.layer_profile import LayerProfile
+from meshpar.passes.planning.planner_atp import (DataModelShape, LayerComm, MeshBandwidths, all_reduce_bandwidth,
                                         atp_layer_comm, atp_pass_seconds, atp_profile_comm, best_data_model_shape,
                                         choose_mesh, gemm_all_reduce, megatron_layer_comm, megatron_profile_comm,
                                         mesh_bandwidths, mesh_shapes)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from meshpar.cluster import Cluster
-from meshpar.passes.layer_profile import LayerProfile, ModelProfile
-from meshpar.passes.planner_galvatron import (GalvatronPlan, PartitionLoads, Strategy, bi_objective_partition,
+from meshpar.passes.planning.layer_profile import LayerProfile, ModelProfile
+from meshpar.passes.planning.planner_galvatron import (GalvatronPlan, PartitionLoads, Strategy, bi_objective_partition,
                                               layer_cost, layer_dp, memory_balanced_partition, pipeline_cost, search,
                                               stage_memories, stage_memory, stage_times, strategy_space,
                                               time_balanced_partition, transformation_cost)

@@ -13,11 +13,11 @@ import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
 from meshpar.cluster import Cluster
-from meshpar.passes.layer_profile import CrossingValue, LayerProfile, ModelProfile
-from meshpar.passes.planner_meshpar import (Hardware, NoPlanFits, StagePlan, _axis_bandwidth, _live, _memory,
+from meshpar.passes.planning.layer_profile import CrossingValue, LayerProfile, ModelProfile
+from meshpar.passes.planning.planner_meshpar import (Hardware, NoPlanFits, StagePlan, _axis_bandwidth, _live, _memory,
                                             _partition, _Prefix, _shapes, _stage_seconds, _step_lower_bound, predict,
                                             search, stage_meshes)
-from meshpar.passes.stage_graph import count_markers, split_stages
+from meshpar.passes.pipeline.stage_graph import count_markers, split_stages
 from meshpar.planning import plan_parallelism
 from pipeline_models import assert_trees_close, make_state, mse
 

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import meshpar
-from meshpar.passes.hop_program import lower_to_hops
-from meshpar.passes.round_gates import Gate, round_gates, verify_round_gates
-from meshpar.passes.unit_tasks import PlanVerificationError
+from meshpar.passes.resharding.hop_program import lower_to_hops
+from meshpar.passes.resharding.round_gates import Gate, round_gates, verify_round_gates
+from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.p2p_executor import P2PReshardExecutable
 
 DEVICES = jax.devices()

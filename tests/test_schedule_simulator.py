@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from meshpar.passes.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline_tasks import Task, TaskKind, task_dependencies
-from meshpar.passes.schedule_simulator import StageSeconds, TaskDurations, simulate, stage_seconds_from
-from meshpar.passes.timeline import Lane, LaneKind, Timeline, TimelineEvent
-from meshpar.passes.weight_delay import max_delay, weight_delays
+from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
+from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate, stage_seconds_from
+from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent
+from meshpar.passes.pipeline.weight_delay import max_delay, weight_delays
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 A, G = TaskKind.SEND_ACT, TaskKind.SEND_GRAD
@@ -383,3 +383,30 @@ def test_auto_weight_delays_are_never_slower_than_uniform_delays_or_no_split():
     no_transfers = _uniform(2, 1, 1.0, 1.0, 1.0)
     assert weight_delays("auto", "1f1b", 2, [(0, 1)], no_transfers, True) == (0, 2)
     assert [_step("1f1b", 2, 2, [(0, 1)], no_transfers, d) for d in ((0, 2), (0, 0))] == [7, 8]
+
+
+@pytest.mark.parametrize("P,v,M", [(2, 2, 2), (2, 2, 4), (2, 2, 8), (4, 2, 4), (4, 2, 8), (4, 2, 16), (2, 3, 4),
+                                   (3, 2, 6), (4, 4, 8)])
+def test_interleaved_bubble_is_the_papers(P, v, M):
+    """Narayanan et al. (SC'21) §2.2: with equal stage times and free transfers, interleaved 1F1B's
+    bubble is (P - 1) / (v·M) of the ideal step, v times smaller than 1F1B's (P - 1) / M on
+    meshes running the same model as one stage each."""
+    S, f, b = P * v, 1.0, 2.0
+    interleaved = simulate(make_schedule("interleaved_1f1b", S, M, _chain(S), num_meshes=P),
+                           _uniform(S, S - 1, f, b / 2, b / 2))
+    ideal = M * v * (f + b)
+    assert interleaved.step_seconds == pytest.approx(ideal * (1 + (P - 1) / (v * M)))
+    assert interleaved.bubble_fraction == pytest.approx(1 - ideal / interleaved.step_seconds)
+    one_f_one_b = simulate(make_schedule("1f1b", P, M, _chain(P)), _uniform(P, P - 1, v * f, v * b / 2, v * b / 2))
+    assert one_f_one_b.step_seconds == pytest.approx(ideal * (1 + (P - 1) / M))
+
+
+def test_stages_sharing_a_mesh_share_its_lane():
+    # Two stages on one mesh never compute at once: the step is at least their summed work.
+    schedule = make_schedule("interleaved_1f1b", 4, 2, _chain(4), num_meshes=2)
+    step = simulate(schedule, _uniform(4, 3, 1.0, 1.0, 1.0))
+    for mesh in range(2):
+        events = sorted((e.start, e.end) for e in step.timeline.events
+                        if e.task.kind.is_compute and schedule.stage_mesh[e.task.where] == mesh)
+        assert len(events) == 2 * 2 * 2
+        assert all(a_end <= b_start + 1e-12 for (_, a_end), (b_start, _) in zip(events, events[1:]))

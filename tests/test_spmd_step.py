@@ -12,7 +12,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import meshpar
-from meshpar.passes.hlo_collectives import CollectiveKind, collectives
+from meshpar.passes.planning.hlo_collectives import CollectiveKind, collectives
 from meshpar.runtime.spmd_step import SpmdStep
 from pipeline_models import assert_trees_close
 

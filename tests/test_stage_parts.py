@@ -9,9 +9,9 @@ import pytest
 from jax._src import core
 
 import meshpar
-from meshpar.passes.stage_graph import Ref, RefKind, Stage, split_stages
-from meshpar.passes.stage_parts import StageParts, stage_parts, verify_stage_parts
-from meshpar.passes.unit_tasks import PlanVerificationError
+from meshpar.passes.pipeline.stage_graph import Ref, RefKind, Stage, split_stages
+from meshpar.passes.pipeline.stage_parts import StageParts, stage_parts, verify_stage_parts
+from meshpar.passes.verification import PlanVerificationError
 
 F32 = jnp.float32
 act, param, inp = (lambda k=0, slot=0: Ref(RefKind.ACT, k, slot)), (lambda k=0: Ref(RefKind.PARAM, k)), (lambda k=0: Ref(RefKind.INPUT, k))

@@ -14,10 +14,10 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
-from meshpar.passes.edge_transfer import Direction
-from meshpar.passes.pipeline_program import RunForward
-from meshpar.passes.pipeline_tasks import TaskKind, task_dependencies
-from meshpar.passes.timeline import Lane, LaneKind, Timeline, read_chrome_trace
+from meshpar.passes.pipeline.edge_transfer import Direction
+from meshpar.passes.pipeline.pipeline_program import RunForward
+from meshpar.passes.pipeline.pipeline_tasks import TaskKind, task_dependencies
+from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, read_chrome_trace
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.step_trace import StepRecorder
 from pipeline_models import assert_trees_close, make_state, mse
@@ -141,9 +141,9 @@ def test_a_launch_that_never_finishes_times_out_naming_it(traced):
     forward = next(ins for ins in traced.executable.program.instructions[0] if isinstance(ins, RunForward))
     program = traced.executable.program
     try:
-        with StepRecorder(program, [True] * len(program.stages), serialize=False, timeout_s=0.2) as recorder:
+        with StepRecorder(program, [True] * len(program.instructions), serialize=False, timeout_s=0.2) as recorder:
             recorder.launched(0, forward, [Stuck()], time.perf_counter())
-            with pytest.raises(TimeoutError, match=rf"stage 0 mesh did not finish F0\.{forward.micro_batch} within 0\.2 s"):
+            with pytest.raises(TimeoutError, match=rf"mesh 0 did not finish F0\.{forward.micro_batch} within 0\.2 s"):
                 recorder.timeline()
     finally:
         release.set()

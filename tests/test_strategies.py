@@ -5,7 +5,7 @@ import math
 import pytest
 
 from meshpar import Cluster
-from meshpar.passes.strategies import Multicast, get_strategy, recv_resource, send_resource
+from meshpar.passes.resharding.strategies import Multicast, get_strategy, recv_resource, send_resource
 
 BW = 1e9
 S = 3e9  # bytes: t = 3 s

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from meshpar.passes.pipeline_tasks import Task, TaskKind
-from meshpar.passes.timeline import (
+from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind
+from meshpar.passes.simulation.timeline import (
     Lane, LaneKind, Timeline, TimelineEvent, chrome_trace, clip_to_dependencies, merge_timelines, read_chrome_trace, timeline_of,
     write_chrome_trace,
 )
@@ -41,7 +41,7 @@ def test_chrome_trace_round_trip(tmp_path):
     assert [(e["name"], e["ts"], e["dur"], e["pid"]) for e in complete] == [
         ("F0.1", 0.0, 250000.0, 3), ("A0.1", 250000.0, 750000.0, 3), ("F1.1", 1e6, 1e6, 3)]
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-    assert sorted(names.values()) == ["link 0 -> 1", "stage 0 mesh", "stage 1 mesh"]
+    assert sorted(names.values()) == ["link 0 -> 1", "mesh 0", "mesh 1"]
     path = tmp_path / "t.json"
     write_chrome_trace(str(path), t)
     assert json.loads(path.read_text())["otherData"] == {"source": "measured", "origin_s": 1.0}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from meshpar.passes import STRATEGIES, plan_resharding
-from meshpar.passes.transfer_program import lower_plan, split_box, verify_program
+from meshpar.passes.resharding.transfer_program import lower_plan, split_box, verify_program
 from random_tasks import random_task
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from meshpar.passes import PlanVerificationError, STRATEGIES, plan_resharding
-from meshpar.passes.unit_tasks import decompose, verify_decomposition
+from meshpar.passes.resharding.unit_tasks import decompose, verify_decomposition
 from random_tasks import random_task
 
 

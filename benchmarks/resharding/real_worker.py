@@ -203,9 +203,9 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     from jax.sharding import Mesh, NamedSharding
 
     import meshpar
-    from meshpar.passes.hop_program import lower_to_hops
-    from meshpar.passes.transfer_program import lower_plan
-    from meshpar.passes.unit_tasks import decompose
+    from meshpar.passes.resharding.hop_program import lower_to_hops
+    from meshpar.passes.resharding.transfer_program import lower_plan
+    from meshpar.passes.resharding.unit_tasks import decompose
 
     me = jax.process_index()
     nproc = jax.process_count()

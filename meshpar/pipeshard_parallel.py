@@ -1,0 +1,345 @@
+"""``meshpar.PipeshardParallel``: the user's pipeline options, each checked when given.
+
+The options are flat keywords (``PipeshardParallel(num_stages=4, schedule="1f1b")``);
+``pipeline_options`` groups them as the compiler reads them
+(``passes.pipeline.pipeline_options``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from meshpar.cluster import Cluster
+from meshpar.passes.pipeline.edge_transfer import EXECUTORS, SIGNAL
+from meshpar.passes.pipeline.mesh_assignment import check_stage_split, mesh_shapes
+from meshpar.passes.pipeline.pipeline_options import (PipelineOptions, PlacementOptions, ScheduleOptions,
+                                                      TransferOptions)
+from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, check_stage_placement
+from meshpar.passes.pipeline.weight_delay import check_weight_delay
+from meshpar.passes.resharding.balancers import get_balancer
+from meshpar.passes.resharding.strategies import get_strategy
+
+__all__ = ["AUTO", "PipeshardParallel"]
+
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeshardParallel:
+    """Inter-op (pipeline) plus intra-op (sharded) parallelism.
+
+    Every argument is checked when this is made, and the ones the devices decide (when
+    ``devices`` is not given) when the step first compiles, before it is traced; the errors
+    name the argument and a fix.
+
+    Attributes:
+      num_micro_batches: micro-batches per step; must divide the batch. ``"auto"``: planned.
+      stage_meshes: the ``jax.sharding.Mesh``es the stages run on, disjoint, each with the
+        axis ``data_axis`` or ``model_axis`` (or both): one per stage, or fewer, each then
+        running ``stages_per_mesh`` stages; by default the devices are cut evenly, host-major.
+      num_stages: expected number of stages (stage markers + 1); checked.
+        ``"auto"``: ``meshpar.plan_parallelism`` chooses which markers cut, each stage's
+        mesh (their shapes may differ) and, unless given, the micro-batches, on the first
+        call, and prints its choice (``ParallelizedStep.plan``); the schedule stays this one.
+      stage_mesh_shape: ``(data, model)`` shape of each cut mesh, two positive
+        integers whose product is the devices per mesh; default all devices
+        of a mesh on ``data``. Not with ``stage_meshes``. ``"auto"``: planned, as above.
+      stages_per_mesh: stages each mesh runs (virtual pipeline stages, placed on the meshes as
+        the schedule places them). ``None``: ``num_stages / len(stage_meshes)`` with
+        ``stage_meshes``, else 1. Above 1 the schedule must run virtual stages and the
+        micro-batches fit it (``passes.pipeline.pipeline_schedule.check_stage_placement``).
+        The devices are cut into ``num_stages / stages_per_mesh`` meshes. Not with ``"auto"``
+        (the planner places one stage per mesh).
+      schedule: ``gpipe``, ``1f1b``, ``eager_1f1b``, ``zb_h1`` or ``interleaved_1f1b`` (the
+        one running virtual stages; ``passes.pipeline.pipeline_schedule.SCHEDULES``).
+      weight_delay: split each backward into an activation-gradient and a
+        weight-gradient pass and run the latter later: ``False`` (whole
+        backwards), ``True`` (after the stage's next compute task) or
+        ``"auto"`` (the least delay whose compute covers the stage's
+        transfer round trip, by the cost model). With ``gpipe`` the weight
+        passes then trail the next micro-batch's activation pass. ``zb_h1``
+        always splits and places weight passes itself.
+      resharding, balancer: strategy and balancer of cross-mesh transfers.
+        ``resharding="signal"`` sends one byte per transfer instead, with the
+        same dependencies, and delivers zeros: the schedule's communication
+        upper bound, for benchmarks only (the step's numbers are not kept).
+      executor: how values cross meshes: ``"auto"`` (``jax.device_put``
+        when one process owns both meshes, else asynchronous p2p moves that
+        overlap with compute), ``"p2p"``, or ``"collective"`` (one
+        ``ppermute`` program over both meshes: the no-overlap baseline).
+      cluster: hosts and bandwidths for planning transfers; default one host
+        per process.
+      timeout_s: how long a process waits for its peers (agreeing on the
+        compiled pipeline, values other processes send it) before raising;
+        ``ParallelizedStep.trace`` waits as long for the traced step's work.
+      batch_argnums: positions of the arguments holding the batch (cut into
+        micro-batches along dimension 0), a tuple of non-negative integers.
+      devices: the distinct ``jax.Device``s to use; default ``jax.devices()``.
+      data_axis, model_axis: the stage mesh axes the batch and the parameters
+        shard over. Cut meshes are named ``(data_axis, model_axis)``, and a
+        flax partitioning name ``"data"`` or ``"model"`` means that axis: for
+        meshes with axes ``("dp", "tp")`` pass ``data_axis="dp", model_axis="tp"``.
+        When all stage meshes have one shape the step is traced under them,
+        and flax constrains parameters by their own names there: then name
+        the mesh's axes (``(None, "tp")``).
+      cut_points: which ``mark_stage_boundary()`` calls cut the model, numbered from 0 in
+        program order; the others are ignored (their layers join a stage). ``None``: every
+        marker cuts. ``meshpar.plan_parallelism`` chooses them.
+    """
+
+    num_micro_batches: int = 1
+    stage_meshes: Sequence[Mesh] | None = None
+    num_stages: int | None = None
+    stage_mesh_shape: tuple[int, int] | None = None
+    schedule: str = "1f1b"
+    resharding: str = "broadcast"
+    balancer: str = "ensemble"
+    cluster: Cluster | None = None
+    batch_argnums: tuple[int, ...] = (1,)
+    devices: Sequence[Any] | None = None
+    executor: str = "auto"
+    timeout_s: float = 120.0
+    weight_delay: bool | str = False
+    data_axis: str = "data"
+    model_axis: str = "model"
+    cut_points: tuple[int, ...] | None = None
+    single_program: bool = True
+    auto_layers: int | None = None
+    stages_per_mesh: int | None = None
+
+    @property
+    def planned(self) -> bool:
+        """Whether some of the layout is left to the planner (an ``"auto"`` argument)."""
+        return AUTO in (self.num_stages, self.stage_mesh_shape, self.num_micro_batches)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.single_program, bool):
+            raise ValueError(f"single_program: expected a bool, got {self.single_program!r}")
+        if self.auto_layers is not None and not self._is_count(self.auto_layers):
+            raise ValueError(f"auto_layers: expected a positive number of layers or None, got {self.auto_layers!r}")
+        if self.stages_per_mesh is not None:
+            if not self._is_count(self.stages_per_mesh):
+                raise ValueError(f"stages_per_mesh: expected a positive integer (stages each mesh runs) or None, "
+                                 f"got {self.stages_per_mesh!r}")
+            object.__setattr__(self, "stages_per_mesh", int(self.stages_per_mesh))
+        if self.planned:
+            if self.stages_per_mesh is not None:
+                raise ValueError("stages_per_mesh: 'auto' (num_stages, stage_mesh_shape or num_micro_batches) plans "
+                                 "one stage per mesh; do not pass stages_per_mesh with it")
+            if self.stage_meshes is not None or self.cut_points is not None:
+                raise ValueError("num_stages, stage_mesh_shape, num_micro_batches: 'auto' plans the stage meshes "
+                                 "and cut points; do not pass stage_meshes or cut_points with it")
+            for name in ("num_stages", "num_micro_batches"):
+                value = getattr(self, name)
+                if value != AUTO and value is not None and not self._is_count(value):
+                    raise ValueError(f"{name}: expected a positive integer or 'auto', got {value!r}")
+            if self.stage_mesh_shape not in (AUTO, None):
+                raise ValueError(f"stage_mesh_shape: with 'auto' elsewhere the planner chooses each stage's "
+                                 f"shape; pass stage_mesh_shape='auto' or None, got {self.stage_mesh_shape!r}")
+            return
+        if self.cut_points is not None:
+            cuts = self.cut_points
+            if (not isinstance(cuts, tuple) or not all(isinstance(c, int) and c >= 0 for c in cuts)
+                    or list(cuts) != sorted(set(cuts))):
+                raise ValueError(f"cut_points: expected a tuple of increasing marker numbers (0-based), got {cuts!r}")
+            if self.num_stages is not None and self.num_stages != len(cuts) + 1:
+                raise ValueError(f"num_stages: {self.num_stages}, but cut_points={cuts!r} make {len(cuts) + 1} stages")
+        if not self._is_count(self.num_micro_batches):
+            raise ValueError(f"num_micro_batches: expected a positive integer, got {self.num_micro_batches!r}")
+        if self.num_stages is not None and not self._is_count(self.num_stages):
+            raise ValueError(f"num_stages: expected a positive integer (stage markers + 1) or None, "
+                             f"got {self.num_stages!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule: unknown {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
+        check_weight_delay(self.weight_delay, self.schedule)
+        if self.resharding != SIGNAL:
+            get_strategy(self.resharding)
+        get_balancer(self.balancer)
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor: expected one of {EXECUTORS}, got {self.executor!r}")
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
+        if self.cluster is not None and not isinstance(self.cluster, Cluster):
+            raise ValueError(f"cluster: expected a meshpar.Cluster (e.g. meshpar.Cluster.aws_p3_8xlarge(2)) "
+                             f"or None, got {type(self.cluster).__name__}")
+        argnums = self.batch_argnums
+        if (not isinstance(argnums, tuple) or not argnums
+                or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 0 for a in argnums)):
+            example = f"({argnums},)" if isinstance(argnums, int) and argnums >= 0 else "(1,)"
+            raise ValueError(f"batch_argnums: expected a non-empty tuple of non-negative integers (the positions "
+                             f"of the batch arguments), got {argnums!r}; e.g. batch_argnums={example}")
+        for name in ("data_axis", "model_axis"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name}: expected a mesh axis name (a non-empty str), got {getattr(self, name)!r}")
+        if self.data_axis == self.model_axis:
+            raise ValueError(f"data_axis, model_axis: both are {self.data_axis!r}; pass two different mesh axis "
+                             f"names, e.g. data_axis='data', model_axis='model'")
+        self._check_stage_mesh_shape()
+        self._check_stage_meshes()
+        if self.num_stages is not None:
+            self.check_placement(self.num_stages, f"num_stages={self.num_stages}")
+        if self.devices is not None:
+            devices = self.devices
+            if isinstance(devices, np.ndarray):
+                devices = list(devices.flat)
+            if (isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence) or not devices
+                    or not all(isinstance(d, jax.Device) for d in devices)):
+                raise ValueError(f"devices: expected a non-empty list of jax devices (e.g. jax.devices()[:4]) "
+                                 f"or None for all of them, got {self.devices!r}")
+            if len({d.id for d in devices}) != len(devices):
+                raise ValueError(f"devices: device ids {[d.id for d in devices]} repeat; pass each device once")
+            # Frozen: a normalised copy keeps the dataclass hashable and its devices flat.
+            object.__setattr__(self, "devices", tuple(devices))
+            # The devices are known without starting JAX's backend: check them now too.
+            self.check_devices()
+
+    @staticmethod
+    def _is_count(x: Any) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+
+    def _check_stage_mesh_shape(self) -> None:
+        shape = self.stage_mesh_shape
+        if shape is None:
+            return
+        if (isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or len(shape) != 2
+                or not all(self._is_count(n) for n in shape)):
+            raise ValueError(f"stage_mesh_shape: expected (data, model), two positive integers, got {shape!r}; "
+                             f"e.g. stage_mesh_shape=(2, 2) for 4 devices per stage")
+        if self.stage_meshes is not None:
+            raise ValueError("stage_mesh_shape: shapes the meshes cut from devices, but stage_meshes are given; "
+                             "pass one of stage_meshes or stage_mesh_shape")
+        object.__setattr__(self, "stage_mesh_shape", (int(shape[0]), int(shape[1])))
+
+    def _check_stage_meshes(self) -> None:
+        meshes = self.stage_meshes
+        if meshes is None:
+            return
+        if (isinstance(meshes, (str, bytes)) or not isinstance(meshes, Sequence) or not meshes
+                or not all(isinstance(m, Mesh) for m in meshes)):
+            raise ValueError(f"stage_meshes: expected a non-empty list of jax.sharding.Mesh, one per stage "
+                             f"(e.g. stage_meshes=[mesh0, mesh1]), got {meshes!r}")
+        if self.num_stages is not None and self.num_stages % len(meshes):
+            raise ValueError(f"stage_meshes: {len(meshes)} meshes, but num_stages={self.num_stages}; pass one "
+                             f"mesh per stage, or a number of meshes dividing num_stages (each mesh then runs "
+                             f"num_stages / meshes stages)")
+        seen: dict[int, int] = {}
+        for i, mesh in enumerate(meshes):
+            for d in mesh.devices.flat:
+                if d.id in seen:
+                    raise ValueError(f"stage_meshes: meshes {seen[d.id]} and {i} overlap on device {d.id}; pass "
+                                     f"disjoint meshes (each device in one stage)")
+                seen[d.id] = i
+            names = tuple(mesh.axis_names)
+            missing = [arg for arg in ("data_axis", "model_axis") if getattr(self, arg) not in names]
+            # An axis of neither role gets neither the batch nor the parameters: its devices
+            # would repeat each other's work, which a misnamed axis does silently.
+            idle = [a for a in names if a not in (self.data_axis, self.model_axis) and mesh.shape[a] > 1]
+            if missing and idle:
+                fix = ", ".join(f"{arg}={a!r}" for arg, a in zip(missing, idle))
+                raise ValueError(
+                    f"stage_meshes: mesh {i} has axes {names} (shape {dict(mesh.shape)}) but no "
+                    f"{' or '.join(f'{arg}={getattr(self, arg)!r}' for arg in missing)}; the batch shards over "
+                    f"data_axis and parameters over model_axis, so axis {idle[0]!r} would only repeat work; "
+                    f"pass {fix}"
+                )
+        object.__setattr__(self, "stage_meshes", tuple(meshes))
+
+    def num_meshes(self, num_stages: int) -> int:
+        """The meshes ``num_stages`` stages run on: the ``stage_meshes``, else as many cut meshes as
+        ``stages_per_mesh`` (default 1) leaves; ``check_placement`` says whether they fit."""
+        if self.stage_meshes is not None:
+            return len(self.stage_meshes)
+        return num_stages // (self.stages_per_mesh or 1)
+
+    def check_placement(self, num_stages: int, counted: str) -> None:
+        """Checks that ``num_stages`` stages (``counted`` says where the count comes from, for the
+        message) fit ``stages_per_mesh``, and with several stages per mesh that the schedule runs
+        virtual stages over ``num_micro_batches`` (``check_stage_placement``). Stage meshes that
+        do not divide the stages are not this check's: ``stage_meshes`` is checked against
+        ``num_stages`` when made, and against the model's stages by the compiler's mesh
+        assignment.
+
+        Raises:
+          ValueError: naming ``stages_per_mesh``, ``schedule`` or ``num_micro_batches``, with a fix.
+        """
+        per_mesh = self.stages_per_mesh
+        if self.stage_meshes is None:
+            if per_mesh is not None and num_stages % per_mesh:
+                raise ValueError(f"stages_per_mesh: {per_mesh} does not divide the {num_stages} stages ({counted}); "
+                                 f"pass a divisor of {num_stages}")
+        elif num_stages % len(self.stage_meshes):
+            return
+        elif per_mesh is not None and per_mesh * len(self.stage_meshes) != num_stages:
+            n = len(self.stage_meshes)
+            raise ValueError(f"stages_per_mesh: {per_mesh}, but {num_stages} stages ({counted}) on {n} "
+                             f"stage_meshes are {num_stages // n} per mesh; pass stages_per_mesh={num_stages // n} "
+                             f"or None")
+        meshes = self.num_meshes(num_stages)
+        if meshes != num_stages:
+            check_stage_placement(self.schedule, num_stages, meshes, self.num_micro_batches)
+
+    def pipeline_options(self, micro_batch_size: int) -> PipelineOptions:
+        """These options grouped for the compiler, for micro-batches of ``micro_batch_size``.
+
+        Each group field reads the field of the same name here, except the schedule's ``name``
+        (``schedule``) and the bandwidths (``cluster``'s): a field added to a group and here
+        reaches the compiler without another list to update.
+        """
+        cluster = self.cluster
+        # Without a cluster the cost model prices transfers at Cluster.from_devices' defaults,
+        # as the default cluster of one host per process would.
+        renamed = {"name": self.schedule,
+                   "inter_host_bandwidth": cluster.inter_host_bandwidth if cluster else 1.25e9,
+                   "intra_host_bandwidth": cluster.intra_host_bandwidth if cluster else 100e9}
+
+        def group(cls: type) -> Any:
+            return cls(**{f.name: renamed[f.name] if f.name in renamed else getattr(self, f.name)
+                          for f in dataclasses.fields(cls)})
+
+        return PipelineOptions(group(ScheduleOptions), group(PlacementOptions), group(TransferOptions),
+                               micro_batch_size)
+
+    def check_devices(self) -> None:
+        """Checks the arguments the devices decide, against ``devices`` or else ``jax.devices()``
+        (which starts JAX's backend: run when the step first compiles, before tracing, so an
+        argument error is not reported as a tracing error).
+
+        Raises:
+          ValueError: a stage mesh using a device not in ``devices``; ``num_stages`` (over
+            ``stages_per_mesh``: the meshes to cut) that do not divide the devices; a
+            ``stage_mesh_shape`` that does not fit them.
+        """
+        if self.planned:
+            return
+        devices = list(self.devices) if self.devices is not None else jax.devices()
+        if self.stage_meshes is not None:
+            pool = {d.id for d in devices}
+            for i, mesh in enumerate(self.stage_meshes):
+                outside = [d.id for d in mesh.devices.flat if d.id not in pool]
+                if outside:
+                    raise ValueError(f"stage_meshes: mesh {i} uses device {outside[0]}, which is not among the "
+                                     f"devices {sorted(pool)}; build the meshes from those, or pass devices= "
+                                     f"including it")
+        elif self.num_stages is not None:
+            meshes = self.num_meshes(self.num_stages)
+            counted = f"num_stages={self.num_stages}" + (
+                f" over stages_per_mesh={self.stages_per_mesh}: {meshes} meshes" if meshes != self.num_stages else "")
+            check_stage_split(len(devices), meshes, self.stage_mesh_shape, counted)
+        elif self.stage_mesh_shape is not None:
+            per_stage = self.stage_mesh_shape[0] * self.stage_mesh_shape[1]
+            if len(devices) % per_stage:
+                stages = 2 if len(devices) % 2 == 0 else 1
+                raise ValueError(
+                    f"stage_mesh_shape: {self.stage_mesh_shape} holds {per_stage} devices per stage, but "
+                    f"{len(devices)} devices do not split into stages of {per_stage}; pass a shape holding "
+                    f"{len(devices)} / (number of stages) devices (for {stages} stage{'s' * (stages > 1)}: "
+                    f"{mesh_shapes(len(devices) // stages)}), or stage_meshes=[...] (one jax.sharding.Mesh per "
+                    f"stage) for an uneven split"
+                )
+

@@ -1,0 +1,340 @@
+"""Tracing and compiling one step of ``meshpar.parallelize`` for one input structure.
+
+``compile_step`` traces the step (abstract evaluation only) at micro-batch and whole-batch
+shapes, hands the traced step to the pass pipeline (``passes.pipeline.pipeline_passes``) and
+wraps the compiled pipeline in its executable. Nothing here plans: a planned
+``PipeshardParallel`` arrives with its ``"auto"`` arguments already chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from meshpar.autodiff import tracing_pipeline
+from meshpar.batch_arguments import batch_size as check_batch, describe_arguments
+from meshpar.grad_call import find_grad_call
+from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_variables, has_variables,
+                               partition_specs, returning_updates)
+from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind, choose_transfer
+from meshpar.passes.pipeline.micro_batching import resolve_micro_batching
+from meshpar.passes.pipeline.pipeline_passes import compile_pipeline, state_counterparts
+from meshpar.passes.pipeline.stage_graph import RefKind, StageGraph, StageMarkerError, user_location
+from meshpar.passes.pipeline.step_split import GradCallError, OuterCompute, OuterKind, OuterMove
+from meshpar.pipeshard_parallel import PipeshardParallel
+from meshpar.reshard import plan_between, prepare_reshard
+from meshpar.runtime.coordination import agree
+from meshpar.runtime.p2p_executor import device_sharding
+from meshpar.runtime.pipeline_executor import PipelineExecutable
+from meshpar.runtime.remote import absent
+from meshpar.runtime.signal_move import SignalMove
+from meshpar.runtime.spmd_step import SpmdStep
+
+__all__ = ["CompiledStep", "compile_step", "leaf_dtype"]
+
+
+def leaf_dtype(x: Any) -> Any:
+    """The dtype JAX gives ``x`` (Python scalars and int64 numpy data canonicalised; typed PRNG
+    keys keep their key dtype)."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
+
+
+class CompiledStep(NamedTuple):
+    """A compiled step: its executable, and for a step over NNX objects which argument leaves
+    its trailing outputs update (``None`` otherwise)."""
+
+    executable: PipelineExecutable | SpmdStep
+    updates: StateUpdates | None
+
+
+def _trace_mesh(method: PipeshardParallel) -> Any:
+    """A mesh context for tracing, so ``with_sharding_constraint(x, PartitionSpec(...))`` in the
+    step means "on my stage's mesh": every stage mesh has the same shape, and the constraint is
+    recorded against that abstract shape, then lowered on each stage's own mesh."""
+    if method.stage_meshes:
+        shapes = {(tuple(m.axis_names), tuple(m.devices.shape)) for m in method.stage_meshes}
+        if len(shapes) == 1:
+            return jax.set_mesh(method.stage_meshes[0])
+    elif method.stage_mesh_shape is not None:
+        devices = list(method.devices) if method.devices is not None else jax.devices()
+        n = int(np.prod(method.stage_mesh_shape))
+        return jax.set_mesh(Mesh(np.array(devices[:n]).reshape(method.stage_mesh_shape),
+                                 (method.data_axis, method.model_axis)))
+    return contextlib.nullcontext()
+
+
+def _trace(fun: Callable, method: PipeshardParallel, traced: Callable[..., Any], abstract: list,
+           args: tuple) -> tuple[Any, Any]:
+    """The jaxpr and output shapes of ``traced`` (the step ``fun`` as a function of its argument
+    leaves) for leaves shaped ``abstract``; ``args`` are the step's arguments (for messages)."""
+    try:
+        with tracing_pipeline(), _trace_mesh(method):
+            return jax.make_jaxpr(traced, return_shape=True)(*abstract)
+    except (StageMarkerError, GradCallError, NnxStateError):
+        raise
+    except Exception as e:
+        # A step that fails on micro-batch shapes often has its batch elsewhere: say which
+        # arguments were cut.
+        raise TypeError(f"{getattr(fun, '__name__', 'step')}: cannot be traced by meshpar.parallelize: {e}\n"
+                        f"(batch_argnums={method.batch_argnums} cut arguments {list(method.batch_argnums)} "
+                        f"into micro-batches; the step's arguments: {describe_arguments(args)})") from e
+
+
+def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: list, in_tree: Any) -> CompiledStep:
+    """``fun`` compiled under ``method`` for arguments ``args`` (flattened: ``leaves`` with
+    structure ``in_tree``): a ``PipelineExecutable``, or one ``SpmdStep`` for a single stage and
+    micro-batch (``PipeshardParallel.single_program``). ``method`` has no ``"auto"`` left and
+    its devices are checked (``PipeshardParallel.check_devices``).
+
+    Raises:
+      ValueError, StageMarkerError: an argument that does not fit the traced step, naming it.
+      TypeError: the step cannot be traced at micro-batch shapes.
+    """
+    # 1. Trace to a jaxpr (abstract evaluation only) at micro-batch shapes,
+    # so every stage computes on one micro-batch.
+    arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+    batch_leaves = {i for i, a in enumerate(arg_of_leaf) if a in method.batch_argnums}
+    batch_size = check_batch(args, method.batch_argnums)
+    M = method.num_micro_batches
+    if batch_size % M:
+        raise ValueError(f"num_micro_batches: {M} does not divide the batch size {batch_size}")
+    micro_batch_size = batch_size // M
+    # Traced twice: per micro-batch for the stages, and at the whole batch's shapes for what
+    # runs once per step around the pipeline (a count over the whole batch, the update).
+    name = getattr(fun, '__name__', 'step')
+    nnx_arguments = has_variables(args)
+    updates: list[StateUpdates] = []
+    if nnx_arguments:
+        check_distinct_variables(args, name)
+        traced = returning_updates(fun, in_tree, name, updates)
+    else:
+        def traced(*ls: Any) -> Any:
+            return fun(*jax.tree.unflatten(in_tree, ls))
+    micro, _ = _trace(fun, method, traced, [
+        jax.ShapeDtypeStruct((micro_batch_size, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), leaf_dtype(x))
+        for i, x in enumerate(leaves)], args)
+    outer, out_shapes = _trace(fun, method, traced, [jax.ShapeDtypeStruct(np.shape(x), leaf_dtype(x)) for x in leaves],
+                               args)
+    # 2. Everything else is the pass pipeline's: stages, meshes, layout,
+    # stage parts, transfers, schedule and program, each verified.
+    grad_micro, grad_whole = (find_grad_call(name, jaxpr, nnx_arguments) for jaxpr in (micro, outer))
+    params = grad_micro.params
+    num_diff, num_aux = params["num_diff"], params["num_aux"]
+    if len(grad_micro.invars) != len(grad_whole.invars) or num_aux != grad_whole.params["num_aux"]:
+        raise ValueError(f"{name}: traced per micro-batch and for the whole batch, the loss function reads "
+                         f"different values; its structure must not depend on the batch size")
+    # Which loss operands follow the batch shows in how their shapes change with it. One
+    # micro-batch changes nothing, so a third trace at a smaller batch tells (without it a
+    # batch would be read whole, replicated over the data axis: every device computing it).
+    probe = M if M > 1 or batch_size == 1 else _smallest_factor(batch_size)
+    if probe != M:
+        probed, _ = _trace(fun, method, traced, [
+            jax.ShapeDtypeStruct((batch_size // probe, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x),
+                                 leaf_dtype(x)) for i, x in enumerate(leaves)], args)
+        grad_probe = find_grad_call(name, probed, nnx_arguments)
+    else:
+        grad_probe = grad_micro
+    micro_batching = resolve_micro_batching(
+        grad_probe.params, [v.aval for v in grad_probe.invars[num_diff:]],
+        [v.aval for v in grad_whole.invars[num_diff:]], [v.aval for v in grad_whole.outvars[1:1 + num_aux]],
+        probe, user_location(grad_whole))
+    micro_batching = dataclasses.replace(micro_batching, num_micro_batches=M)
+    devices = list(method.devices) if method.devices is not None else jax.devices()
+    out_tree = jax.tree.structure(out_shapes)
+    if nnx_arguments:
+        if len(set(updates)) != 1:
+            raise ValueError(f"{name}: traced per micro-batch and for the whole batch, the step updates "
+                             f"different NNX Variables; which it updates must not depend on the batch size")
+        state_updates = updates[-1]
+        own_tree = out_tree.children()[0]
+        replaced = [*state_counterparts(in_tree, own_tree), *state_updates.leaves]
+    else:
+        state_updates = None
+        replaced = state_counterparts(in_tree, out_tree)
+    compiled = compile_pipeline(
+        outer, params, micro_batching, leaves, partition_specs(args), frozenset(batch_leaves), replaced,
+        devices, method.pipeline_options(micro_batch_size), functools.partial(_check_num_stages, method),
+    )
+    if method.single_program and compiled.graph.num_stages == 1 and M == 1:
+        return CompiledStep(_single_program(compiled, outer, out_tree, method), state_updates)
+    # Each resharding program's fingerprint, as the executable prepares its moves: what the
+    # processes agree on below.
+    fingerprints: list[str] = []
+    executable = PipelineExecutable(
+        compiled.graph, compiled.split, compiled.layout, compiled.program, compiled.parts, compiled.meshes,
+        micro_batch_size, functools.partial(_prepare_move, method, fingerprints), out_tree, jax.tree.leaves(out_shapes),
+        compiled.micro_batching, timeout_s=method.timeout_s,
+    )
+    if jax.process_count() > 1:
+        # One agreement for the whole pipeline: every process compiled the
+        # same stages, schedule and moves, or all of them fail here.
+        agree(
+            f"pipeline/{getattr(fun, '__name__', 'step')}",
+            {"schedule": [str(t) for t in compiled.schedule.order], "moves": fingerprints},
+            list(range(jax.process_count())),
+            timeout_s=method.timeout_s,
+            what=f"meshpar.parallelize({getattr(fun, '__name__', 'step')})",
+        )
+    executable.describe = functools.partial(_describe, executable, method)  # type: ignore[attr-defined]
+    return CompiledStep(executable, state_updates)
+
+
+def _prepare_move(method: PipeshardParallel, fingerprints: list[str], kind: TransferKind, shape: tuple,
+                  dtype: Any, src: NamedSharding, dst: NamedSharding) -> Callable[[Any], Any]:
+    """The move of one ``shape``/``dtype`` value from ``src`` to ``dst`` the way ``kind`` says,
+    appending its resharding program's fingerprint (if it has one) to ``fingerprints``."""
+    if kind in (TransferKind.LOCAL, TransferKind.DEVICE_PUT) and not any(
+            d.process_index == jax.process_index() for d in dst.mesh.devices.flat):
+        # Both meshes are another process's: it moves the value, this one only names it.
+        nothing = absent(shape, dtype, dst)
+        return lambda x: nothing
+    if kind is TransferKind.LOCAL:
+        # Two stages on one mesh: the value stays on its devices, relaid out there if need be.
+        return (lambda x: x) if src == dst else jax.jit(lambda x: x, out_shardings=dst)
+    if kind is TransferKind.DEVICE_PUT:
+        return functools.partial(jax.device_put, device=dst)
+    if kind is TransferKind.SIGNAL:
+        # The byte leaves from one source device (no collective over the source mesh) and
+        # moves as any 0-d value to every device of the destination mesh.
+        one = (device_sharding(src.mesh.devices.flat[0]), NamedSharding(dst.mesh, P()))
+        processes = [d.process_index for s in one for d in s.mesh.devices.flat]
+        carry = (functools.partial(jax.device_put, device=one[1])
+                 if choose_transfer("auto", processes, 0) is TransferKind.DEVICE_PUT
+                 else prepare_reshard((), np.uint8, *one, executor="p2p")[0])
+        return SignalMove(shape, dtype, src, dst, carry)
+    executable, _ = prepare_reshard(
+        shape, dtype, src, dst, strategy=method.resharding, balancer=method.balancer,
+        cluster=method.cluster, executor=kind.value)
+    fingerprints.append(executable.program.fingerprint)
+    if kind is TransferKind.COLLECTIVE and not executable.participates:
+        nothing = absent(shape, dtype, dst)
+        return lambda x: nothing
+    if kind is TransferKind.COLLECTIVE:
+        # Collectives in flight at once could start in different orders on different
+        # devices (processes, or a process's device threads) and deadlock: each
+        # completes before the next launch.
+        return functools.partial(executable, complete_within=method.timeout_s)
+    return executable
+
+
+def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardParallel) -> SpmdStep:
+    """The one-stage, one-micro-batch step as one program, its leaves placed as the pipeline
+    would place them (a batch leaf as its stage reads it: the micro-batch is the batch)."""
+    layout, mesh = compiled.layout, compiled.meshes[0]
+    read_as = {op.source.index: op.sharding for op in layout.stage_operands[0] if op.source.kind is OuterKind.IN}
+    ins = [p.on(0) if p.meshes else read_as.get(i, NamedSharding(mesh, P(method.data_axis)))
+           for i, p in enumerate(layout.in_placements)]
+    outs = [p.on(0) if p is not None and p.meshes else None for p in layout.out_placements]
+    step = SpmdStep(outer, compiled.micro_batching, ins, outs, out_tree, layout, compiled.meshes)
+    step.describe = lambda: (f"one stage, one micro-batch on mesh {dict(mesh.shape)}: one SPMD program "
+                             f"(PipeshardParallel.single_program)")
+    return step
+
+
+def _smallest_factor(n: int) -> int:
+    """The smallest divisor of ``n > 1`` above 1."""
+    return next(k for k in range(2, n + 1) if n % k == 0)
+
+
+def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
+    """Checks the model's stages against ``num_stages`` and the stage placement, which
+    ``PipeshardParallel`` could check only for a stage count it was given."""
+    S = graph.num_stages
+    if method.num_stages is not None and method.num_stages != S:
+        if S == 1:
+            raise StageMarkerError(
+                f"num_stages: {method.num_stages} stages asked for, but the model calls "
+                f"meshpar.mark_stage_boundary() nowhere; mark where each stage ends, pass "
+                f"auto_layers={method.num_stages} to cut it automatically, num_stages='auto' to plan it, "
+                f"or num_stages=1"
+            )
+        if method.auto_layers is not None and method.cut_points is None:
+            raise StageMarkerError(
+                f"num_stages: {method.num_stages} stages asked for, but auto_layers={method.auto_layers} cut the "
+                f"loss into {S} layers with {S - 1} automatic markers, one stage each; pass "
+                f"auto_layers={method.num_stages}, or cut_points naming which {method.num_stages - 1} of the "
+                f"{S - 1} automatic markers (numbered from 0) cut"
+            )
+        raise StageMarkerError(
+            f"num_stages: {method.num_stages} stages asked for, but the model's "
+            f"{S - 1} stage markers make {S} stages; pass num_stages={S} (or None), or move the markers"
+        )
+    if method.num_stages is None:
+        method.check_placement(S, "stage markers + 1")
+
+
+def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
+    """Stages, meshes, shardings, each cross-mesh transfer's plan, and the schedule."""
+    schedule = executable.schedule
+    split = ("whole backwards" if not schedule.split_backward else
+             "backwards split into input (I) and weight (W) passes, "
+             + (f"weight passes delayed by {list(schedule.weight_delays)} compute tasks per stage"
+                if schedule.weight_delays is not None else "stage s holding back s weight passes"))
+    lines = [f"pipeline: {executable.graph.num_stages} stages, {executable.num_micro_batches} micro-batches "
+             f"of {executable.micro_batch_size}, schedule {schedule.name}, {split}"]
+    for stage in executable.graph.stages:
+        mesh = executable.stage_meshes[stage.index]
+        specs = [sh.spec for sh in executable.layout.grad_shardings[stage.index]]
+        # A spec naming a size-1 axis leaves its dimension whole on every device: not sharded.
+        split_over = [{a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)
+                       if mesh.shape[a] > 1} for spec in specs]
+        sharded = sum(1 for axes in split_over if axes)
+        placed = (f"{sharded} sharded over {', '.join(map(repr, sorted(set().union(*split_over))))}, the rest replicated"
+               if sharded else "all replicated")
+        others = [str(r) for r in stage.inputs if r.kind is not RefKind.PARAM]
+        lines.append(
+            f"  stage {stage.index}: mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}; "
+            f"{len(specs)} parameter leaves ({placed}); also reads {', '.join(others) or 'nothing else'}"
+        )
+    for t in executable.program.transfers:
+        if t.kind is TransferKind.LOCAL:
+            how = "local: both stages on one mesh, no move"
+        elif t.kind is TransferKind.DEVICE_PUT:
+            # The plan still says what the move costs on the cluster, and how it runs across processes.
+            plan = plan_between(t.shape, t.dtype, t.src, t.dst, strategy=method.resharding,
+                                balancer=method.balancer, cluster=method.cluster)
+            how = (f"jax.device_put, since one process owns both meshes; across processes the plan is "
+                   f"{plan.summary()}")
+        elif t.kind is TransferKind.SIGNAL:
+            how = "signal: one byte with the same dependencies, zeros delivered (upper-bound run)"
+        elif not t.shape:
+            how = f"{t.kind.value}: a scalar, replicated to every device"
+        else:
+            plan = plan_between(t.shape, t.dtype, t.src, t.dst, strategy=method.resharding,
+                                balancer=method.balancer, cluster=method.cluster)
+            how = f"{t.kind.value}: {plan.summary()}"
+        what = "activation" if t.direction is Direction.ACTIVATION else "gradient"
+        value = jax.core.ShapedArray(t.shape, t.dtype).str_short()
+        lines.append(f"  {what} {executable.edges[t.edge][2]} {value} stage {t.src_stage} -> {t.dst_stage}: {how}")
+    lines.append("  launch order: " + " ".join(map(str, schedule.order)))
+    mb = executable.micro_batching
+    aux = ", ".join(f"aux{k} {r.value}" for k, r in enumerate(mb.aux))
+    lines.append(f"  micro-batches combine: loss and gradients by {mb.reduction}" + (f"; {aux}" if aux else "")
+                 + (f"; {len(mb.fold_keys)} PRNG key(s) folded with the micro-batch index" if mb.fold_keys else ""))
+    for phase, steps in (("before the pipeline", executable.split.before), ("after it", executable.split.after)):
+        computes = [st for st in steps if isinstance(st, OuterCompute)]
+        moves = [st for st in steps if isinstance(st, OuterMove)]
+        if not steps:
+            continue
+        lines.append(f"  {phase}: {len(computes)} computations on meshes {sorted({c.mesh for c in computes})}"
+                     + "".join(f"; {_values_str(executable.split, mv.values)} move{'s' * (len(mv.values) == 1)} "
+                               f"mesh {mv.src} -> {mv.dst}" + (" packed into one transfer" if len(mv.values) > 1 else "")
+                               for mv in moves))
+    return "\n".join(lines)
+
+
+def _values_str(split: Any, values: Sequence[Any]) -> str:
+    """``values`` for a description: each one, or a count when there are many."""
+    if len(values) <= 3:
+        return ", ".join(f"{v} {split.avals[v].str_short()}" for v in values)
+    return f"{len(values)} values ({split.avals[values[0]].str_short()}, ...)"

@@ -1,0 +1,80 @@
+"""The cross-mesh dependency graph of a schedule, and its launch order.
+
+Nodes are ``Task``s. An edge ``a -> b`` means ``b`` cannot start before
+``a``: ``kind="data"`` when ``b`` reads ``a``'s result (a forward reads the
+activation transfer into it, a transfer reads what its producer computed),
+``kind="sequence"`` when both run on one stage and the schedule puts ``a``
+first. The stage sequences cannot deadlock exactly when this graph is
+acyclic. The simulator walks the same graph with durations on its nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+
+from .pipeline_tasks import Task, TaskKind, task_dependencies
+
+__all__ = ["dependency_graph", "verify_acyclic", "launch_order"]
+
+_TRANSFER_RANK = {TaskKind.SEND_ACT: 0, TaskKind.SEND_GRAD: 1}
+
+
+def dependency_graph(
+    sequences: Sequence[Sequence[Task]], edges: Sequence[tuple[int, int]], split_backward: bool, num_micro_batches: int
+) -> nx.DiGraph:
+    """Every compute task of ``sequences`` and every transfer over ``edges``, with both kinds of edge."""
+    graph = nx.DiGraph()
+    for s, seq in enumerate(sequences):
+        graph.add_nodes_from(seq, stage=s)
+        graph.add_edges_from(zip(seq, seq[1:]), kind="sequence")
+    graph.add_nodes_from(
+        Task(kind, e, m) for m in range(num_micro_batches) for e in range(len(edges)) for kind in _TRANSFER_RANK
+    )
+    for task in list(graph.nodes):
+        for dep in task_dependencies(task, edges, split_backward):
+            if dep not in graph:
+                raise ValueError(f"{task} reads {dep}, which no stage sequence runs")
+            graph.add_edge(dep, task, kind="data")
+    return graph
+
+
+def verify_acyclic(graph: nx.DiGraph, name: str) -> None:
+    """Raises ``PlanVerificationError`` naming a cycle (a deadlock) of schedule ``name``."""
+    from ..verification import PlanVerificationError
+
+    if not nx.is_directed_acyclic_graph(graph):
+        cycle = nx.find_cycle(graph)
+        raise PlanVerificationError(
+            f"schedule {name!r} deadlocks: " + " -> ".join(f"{a} ({graph.edges[a, b]['kind']})" for a, b in cycle)
+        )
+
+
+def launch_order(graph: nx.DiGraph, sequences: Sequence[Sequence[Task]]) -> tuple[Task, ...]:
+    """One order for every process: stages take turns launching their next ready task, and each
+    transfer launches right after the task that computes its value, so the next stage can start
+    as early as the schedule allows. ``graph`` must be acyclic."""
+    done: set[Task] = set()
+    order: list[Task] = []
+    position = [0] * len(sequences)
+
+    def launch(task: Task) -> None:
+        order.append(task)
+        done.add(task)
+
+    while any(p < len(seq) for p, seq in zip(position, sequences)):
+        progressed = False
+        for s, seq in enumerate(sequences):
+            if position[s] < len(seq) and all(d in done for d in graph.predecessors(seq[position[s]])):
+                task = seq[position[s]]
+                launch(task)
+                position[s] += 1
+                progressed = True
+                transfers = [t for t in graph.successors(task) if not t.kind.is_compute]
+                for t in sorted(transfers, key=lambda t: (t.micro_batch, t.where, _TRANSFER_RANK[t.kind])):
+                    if all(d in done for d in graph.predecessors(t)):
+                        launch(t)
+        if not progressed:
+            raise AssertionError("launch_order: no stage can start; verify_acyclic should have caught this")
+    return tuple(order)

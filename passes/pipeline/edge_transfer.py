@@ -1,0 +1,141 @@
+"""Pass: choose how each value crossing two stages moves.
+
+Decided once, when the pipeline compiles, from the two stages' meshes and
+which processes own their devices:
+
+- ``LOCAL``: both stages run on one mesh (virtual stages): not a move; the
+  value stays on its devices, relaid out there if the shardings differ;
+- ``DEVICE_PUT``: one process addresses every device of both meshes, so
+  ``jax.device_put`` moves (and relays out) the value inside that process;
+- ``P2P``: otherwise, the resharding plan run as asynchronous point-to-point
+  moves (``meshpar.runtime.p2p_executor``), which overlap with compute;
+- ``COLLECTIVE``: on request, the plan run as one ``ppermute`` program over
+  both meshes (the baseline; it cannot overlap with compute). A 0-d value
+  has no plan and always goes ``P2P`` unless one process owns everything.
+- ``SIGNAL``: with ``resharding="signal"``, one byte crosses instead of the
+  value, with the same dependencies (the receiver's value exists only after
+  the sender's did), and the receiver gets zeros of the value's shape: the
+  communication upper bound of a schedule, for benchmarks only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from .mesh_assignment import batch_sharding
+from .stage_graph import is_differentiable
+
+__all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "TransferKind", "choose_transfer", "plan_edge_transfers"]
+
+EXECUTORS = ("auto", "p2p", "collective")
+
+
+class TransferKind(enum.Enum):
+    LOCAL = "local"
+    DEVICE_PUT = "device_put"
+    P2P = "p2p"
+    COLLECTIVE = "collective"
+    SIGNAL = "signal"
+
+
+SIGNAL = "signal"  # the resharding strategy name that selects TransferKind.SIGNAL
+
+
+def choose_transfer(executor: str, processes: Iterable[int], ndim: int, strategy: str = "broadcast",
+                    same_mesh: bool = False) -> TransferKind:
+    """How a value of rank ``ndim`` moves between meshes whose devices live in ``processes``.
+
+    Args:
+      same_mesh: both ends are one mesh: ``LOCAL``, whatever the rest says.
+      executor: ``"auto"`` (``jax.device_put`` inside one process, p2p across),
+        ``"p2p"`` or ``"collective"`` (forced, for comparisons and tests).
+      processes: process index of every device of both meshes.
+      ndim: the value's rank.
+      strategy: the resharding strategy; ``"signal"`` selects ``SIGNAL``.
+
+    Raises:
+      ValueError: unknown ``executor``.
+    """
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
+    if same_mesh:
+        return TransferKind.LOCAL
+    if strategy == SIGNAL:
+        return TransferKind.SIGNAL
+    if executor == "auto":
+        return TransferKind.DEVICE_PUT if len(set(processes)) == 1 else TransferKind.P2P
+    if executor == "collective" and ndim > 0:
+        return TransferKind.COLLECTIVE
+    return TransferKind.P2P
+
+
+class Direction(enum.Enum):
+    ACTIVATION = "activation"  # producer stage -> consumer stage, in the forward
+    COTANGENT = "cotangent"  # consumer stage -> producer stage, in the backward
+
+
+@dataclasses.dataclass(frozen=True)
+class EdgeTransfer:
+    """One way a boundary value crosses: the move every micro-batch of it makes.
+
+    Attributes:
+      edge: the stage-graph edge.
+      direction: activation (forward) or its cotangent (backward).
+      src_stage, dst_stage: the stages it leaves and reaches (on the meshes the schedule
+        places them on).
+      slot: the producer's output slot the edge carries.
+      shape, dtype: the value (a micro-batch's).
+      src, dst: its sharding on each mesh.
+      kind: how it moves.
+    """
+
+    edge: int
+    direction: Direction
+    src_stage: int
+    dst_stage: int
+    slot: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    src: NamedSharding
+    dst: NamedSharding
+    kind: TransferKind
+
+    def __str__(self) -> str:
+        return (f"{self.direction.value} of edge {self.edge} (stage {self.src_stage} -> {self.dst_stage}, "
+                f"{self.dtype.name}{list(self.shape)}, {self.kind.value})")
+
+
+def plan_edge_transfers(
+    edges: Sequence[tuple[int, int, int]],
+    avals: Sequence[Any],
+    meshes: Sequence[Mesh],
+    micro_batch_size: int,
+    executor: str,
+    strategy: str,
+    data_axis: str,
+) -> tuple[EdgeTransfer, ...]:
+    """Both moves of every edge ``(producer, consumer, producer slot)`` whose value travels as
+    ``avals[e]`` (``wire_format``); only the activation's for values without a cotangent.
+
+    A boundary value is sharded over its mesh's ``data_axis`` along the batch
+    dimension (``mesh_assignment.batch_sharding``), the same way in both
+    directions, so the cotangent moves exactly as its activation did, reversed.
+    """
+    out = []
+    for e, ((p, c, slot), aval) in enumerate(zip(edges, avals)):
+        shape = tuple(aval.shape)
+        for direction, (a, b) in ((Direction.ACTIVATION, (p, c)), (Direction.COTANGENT, (c, p))):
+            if direction is Direction.COTANGENT and not is_differentiable(aval):
+                continue  # an integer, bool or key value: its cotangent is float0, never moved
+            src = batch_sharding(meshes[a], shape, micro_batch_size, data_axis)
+            dst = batch_sharding(meshes[b], shape, micro_batch_size, data_axis)
+            processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]
+            kind = choose_transfer(executor, processes, len(shape), strategy, same_mesh=meshes[a] == meshes[b])
+            out.append(EdgeTransfer(e, direction, a, b, slot, shape, np.dtype(aval.dtype), src, dst, kind))
+    return tuple(out)

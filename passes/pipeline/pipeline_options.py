@@ -1,0 +1,87 @@
+"""What the user chose (``meshpar.PipeshardParallel``), grouped as the passes read it.
+
+Each group is what one concern of ``compile_pipeline`` needs: the schedule, where stages
+run, and how values cross meshes. Every value here has been checked by
+``PipeshardParallel`` (which builds these, ``PipeshardParallel.pipeline_options``); the
+passes check only what the model decides (its stage count, its shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.sharding import Mesh
+
+__all__ = ["PipelineOptions", "PlacementOptions", "ScheduleOptions", "TransferOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleOptions:
+    """The order tasks run in.
+
+    Attributes:
+      name: a key of ``pipeline_schedule.SCHEDULES``.
+      num_micro_batches: micro-batches per step, at least 1.
+      weight_delay: ``False``, ``True`` or ``"auto"`` (``weight_delay.check_weight_delay``).
+    """
+
+    name: str
+    num_micro_batches: int
+    weight_delay: bool | str
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementOptions:
+    """Where the stages run, and how the model is cut into them.
+
+    Attributes:
+      stage_meshes: the user's meshes, disjoint; ``None``: cut from the devices.
+      stage_mesh_shape: ``(data, model)`` shape of each cut mesh; ``None`` with
+        ``stage_meshes``, or for all of a mesh's devices on ``data``.
+      stages_per_mesh: stages each mesh runs (virtual stages when above 1); ``None``: inferred
+        from the model's stage count, ``S / len(stage_meshes)`` with ``stage_meshes`` and 1 for
+        cut meshes. When given with ``stage_meshes`` and a stage count, they agree.
+      data_axis, model_axis: the mesh axes the batch and the parameters shard over; distinct.
+      cut_points: which stage markers cut (increasing, 0-based); ``None``: every marker.
+      auto_layers: layers to cut a marker-less loss into; ``None``: the model's markers.
+    """
+
+    stage_meshes: Sequence[Mesh] | None
+    stage_mesh_shape: tuple[int, int] | None
+    stages_per_mesh: int | None
+    data_axis: str
+    model_axis: str
+    cut_points: tuple[int, ...] | None
+    auto_layers: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferOptions:
+    """How values cross meshes, and what the cost model prices them at.
+
+    Attributes:
+      executor: ``edge_transfer.EXECUTORS``: how a cross-mesh value moves.
+      resharding: a resharding strategy, or ``edge_transfer.SIGNAL``.
+      balancer: the resharding balancer.
+      inter_host_bandwidth, intra_host_bandwidth: bytes/s, positive.
+      timeout_s: seconds a process waits for its peers, positive.
+    """
+
+    executor: str
+    resharding: str
+    balancer: str
+    inter_host_bandwidth: float
+    intra_host_bandwidth: float
+    timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """Every option ``compile_pipeline`` reads, by concern; ``micro_batch_size`` is the batch
+    over ``schedule.num_micro_batches`` (the traced step decides it, not the user)."""
+
+    schedule: ScheduleOptions
+    placement: PlacementOptions
+    transfers: TransferOptions
+    micro_batch_size: int

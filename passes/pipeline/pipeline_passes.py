@@ -1,0 +1,185 @@
+"""The pipeline compiler: one visible list of passes, each followed by its IR's verifier.
+
+``compile_pipeline`` runs, in order:
+
+1. ``split_stages``: the loss jaxpr cut at stage markers -> ``StageGraph``;
+2. ``split_step``: the rest of the step (values the loss reads, the update) per
+   mesh, with the moves between meshes -> ``StepSplit``;
+3. ``place_stages``: the device meshes, and each stage placed on one (a mesh
+   may host several: virtual stages) -> ``StageMeshMap``;
+4. ``layout_step``: where every value lives -> ``StepLayout``;
+5. ``stage_parts``: each stage's forward, backward and split backward jaxprs;
+6. ``plan_edge_transfers``: how each boundary value moves, both ways;
+7. ``estimate_durations`` and ``weight_delays``: task durations from the cost
+   model, and each stage's weight-pass delay chosen by simulating the
+   schedule with them (``schedule_simulator``);
+8. ``make_schedule``: the typed tasks and the networkx dependency graph
+   (checked acyclic) -> ``PipelineSchedule``;
+9. ``lower_to_program``: per-mesh instructions over typed buffers ->
+   ``PipelineProgram``.
+
+Like XLA's ``HloPassPipeline``, a verifier failure names the pass whose
+output broke the invariant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from jax._src import core
+from jax.sharding import Mesh, PartitionSpec as P
+
+from ..simulation.cost_model import estimate_durations
+from .edge_transfer import TransferKind, plan_edge_transfers
+from .mesh_assignment import place_stages
+from .pipeline_options import PipelineOptions
+from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
+from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
+from ..simulation.schedule_simulator import TaskDurations
+from .layer_clustering import insert_layer_markers
+from .stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
+from .micro_batching import MicroBatching
+from .stage_parts import StageParts, stage_parts, verify_stage_parts
+from .step_layout import StepLayout, layout_step
+from .step_primitives import pipeline_grad_p
+from .step_split import StepSplit, split_step, verify_step_split
+from .wire_format import wire_aval
+from ..verification import PlanVerificationError
+from .weight_delay import weight_delays
+
+__all__ = ["PipelineOptions", "CompiledPipeline", "compile_pipeline", "state_counterparts"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPipeline:
+    """Every IR the passes made, for the runtime and for ``describe()``; ``meshes`` are the
+    pipeline's meshes (``schedule.stage_mesh`` places each stage on one); ``durations`` are the
+    cost model's task estimates the weight delays were chosen with (``simulate`` the schedule
+    with them, or with measured ones, to predict a step)."""
+
+    graph: StageGraph
+    split: StepSplit
+    meshes: tuple[Mesh, ...]
+    layout: StepLayout
+    parts: tuple[StageParts, ...]
+    schedule: PipelineSchedule
+    program: PipelineProgram
+    durations: TaskDurations
+    micro_batching: MicroBatching
+
+    @property
+    def stage_meshes(self) -> tuple[Mesh, ...]:
+        """Per stage, the mesh running it."""
+        return tuple(self.meshes[m] for m in self.schedule.stage_mesh)
+
+
+def _run(name: str, make: Callable[[], T], verify: Callable[[T], None]) -> T:
+    result = make()
+    try:
+        verify(result)
+    except PlanVerificationError as e:
+        raise PlanVerificationError(f"after pass {name}: {e}") from e
+    return result
+
+
+def compile_pipeline(
+    outer: core.ClosedJaxpr,
+    grad_params: dict[str, Any],
+    micro_batching: MicroBatching,
+    leaves: Sequence[Any],
+    specs: Sequence[P | None],
+    batch_leaves: frozenset[int],
+    counterparts: Sequence[int | None],
+    devices: Sequence[Any],
+    options: PipelineOptions,
+    check_stages: Callable[[StageGraph], None] = lambda graph: None,
+) -> CompiledPipeline:
+    """Runs the passes (module doc) on a traced step ``outer`` (at the whole batch's shapes) whose
+    gradient equation, traced per micro-batch, has ``grad_params``, combining micro-batches as
+    ``micro_batching`` says; ``counterparts`` gives per step output leaf the input leaf it replaces
+    in the state (``state_counterparts``), placed where that input lives; ``check_stages``
+    validates the stage graph against the user's options."""
+    loss = grad_params["loss_jaxpr"]
+    if options.placement.auto_layers is not None:
+        loss = insert_layer_markers(loss, options.placement.auto_layers)
+    graph = _run("split_stages", lambda: split_stages(loss, grad_params["num_diff"], options.placement.cut_points), verify_stage_graph)
+    check_stages(graph)
+    S = graph.num_stages
+    axis_names = (options.placement.data_axis, options.placement.model_axis)
+    placed = place_stages(list(devices), S, options.schedule.name, options.schedule.num_micro_batches,
+                          options.placement.stage_meshes, options.placement.stage_mesh_shape,
+                          options.placement.stages_per_mesh, axis_names)
+    meshes, home, P = placed.meshes, placed.stage_mesh, len(placed.meshes)
+    for mesh in meshes:
+        data = mesh.shape.get(options.placement.data_axis, 1)
+        if options.micro_batch_size % data:
+            raise ValueError(
+                f"num_micro_batches: micro-batches of {options.micro_batch_size} examples do not split over "
+                f"the {data}-way {options.placement.data_axis!r} axis (data_axis) of the stage meshes; pass "
+                f"num_micro_batches so that batch / num_micro_batches is a multiple of {data}"
+            )
+    # Around the pipeline values live on meshes: the stages' indices mapped through the map.
+    readers = [sorted({home[s] for s in graph.consumers(Ref(RefKind.INPUT, k))}) for k in range(graph.num_inputs)]
+    split = _run("split_step", lambda: split_step(
+        outer, lambda k: home[graph.param_owner(k)], home[graph.loss.index], [home[r.index] for r in graph.aux], P,
+        [() if per_mb and _is_batch_leaf(outer, k, graph, batch_leaves) else r
+         for k, (r, per_mb) in enumerate(zip(readers, micro_batching.per_micro_batch))],
+        counterparts), lambda sp: verify_step_split(sp, P))
+    layout = layout_step(graph, split, meshes, home, leaves, specs, batch_leaves, options.micro_batch_size,
+                         counterparts, options.transfers.executor, options.transfers.resharding,
+                         micro_batching.per_micro_batch, micro_batching.fold_keys, axis_names=axis_names)
+    parts = tuple(
+        _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s, graph.differentiated_slots(s.index)), lambda p, s=s: verify_stage_parts(s, p))
+        for s in graph.stages
+    )
+    edges = graph.edges()
+    transfers = plan_edge_transfers(
+        [(p, c, ref.slot) for p, c, ref in edges],
+        [wire_aval(graph.stages[p].jaxpr.out_avals[ref.slot]) for p, _, ref in edges],
+        placed.stage_meshes, options.micro_batch_size, options.transfers.executor, options.transfers.resharding, options.placement.data_axis,
+    )
+    schedule_edges = [(p, c) for p, c, _ in edges]
+    durations = estimate_durations(parts, placed.stage_meshes, transfers, len(edges), options.transfers.inter_host_bandwidth,
+                                   options.transfers.intra_host_bandwidth)
+    # A collective program holds both meshes; any other move runs beside their compute.
+    overlap = not all(t.kind is TransferKind.COLLECTIVE for t in transfers)
+    delays = weight_delays(options.schedule.weight_delay, options.schedule.name, options.schedule.num_micro_batches,
+                           schedule_edges, durations, overlap, P)
+    schedule = _run("make_schedule", lambda: make_schedule(
+        options.schedule.name, S, options.schedule.num_micro_batches, schedule_edges, delays, P), verify_schedule)
+    if schedule.stage_mesh != placed.stage_mesh:
+        raise PlanVerificationError(f"after pass make_schedule: the schedule places stages on meshes "
+                                    f"{schedule.stage_mesh}, the mesh map on {placed.stage_mesh}")
+    ios = stage_io(
+        S,
+        [(p, c, ref.slot, [r for r in graph.stages[c].inputs if r.kind is RefKind.ACT].index(ref)) for p, c, ref in edges],
+        (graph.loss.index, graph.loss.slot),
+        [len(s.outputs) for s in graph.stages],
+        [(r.index, r.slot) for r in graph.aux],
+        frozenset(e for e, (p, _, ref) in enumerate(edges)
+                  if ref.slot not in graph.differentiated_slots(p)),
+    )
+    program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers), verify_pipeline_program)
+    return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching)
+
+
+def _is_batch_leaf(outer: core.ClosedJaxpr, k: int, graph: StageGraph, batch_leaves: frozenset[int]) -> bool:
+    """Whether non-differentiated loss operand ``k`` is a batch input leaf itself (sliced on the
+    host per micro-batch, never placed whole)."""
+    (grad_eqn,) = [e for e in outer.jaxpr.eqns if e.primitive is pipeline_grad_p]
+    v = grad_eqn.invars[graph.num_params + k]
+    return v in outer.jaxpr.invars and outer.jaxpr.invars.index(v) in batch_leaves
+
+
+def state_counterparts(in_tree: Any, out_tree: Any) -> list[int | None]:
+    """Per step output leaf, the input leaf it replaces: the leaf at the same position of the
+    state when the step's first argument and first output share a structure, else ``None``."""
+    outs: list[int | None] = [None] * out_tree.num_leaves
+    in_children, out_children = in_tree.children(), out_tree.children()
+    if in_children and out_children and in_children[0] == out_children[0]:
+        outs[:in_children[0].num_leaves] = range(in_children[0].num_leaves)
+    return outs

@@ -1,0 +1,403 @@
+"""Pass: a pipeline schedule as typed tasks, per mesh and in one launch order.
+
+Tasks are the compute of (stage, micro-batch): ``FORWARD``, a whole
+``BACKWARD``, or a backward split into ``BACKWARD_INPUT`` (the activation
+cotangents the previous stage waits for) and ``BACKWARD_WEIGHT`` (the
+parameter cotangents nobody waits for); and the transfers of an activation
+(``SEND_ACT``) or its cotangent (``SEND_GRAD``) along a stage-graph edge.
+Each mesh runs its own task sequence (the schedule); a mesh may host several
+stages (virtual stages), placed by the schedule's ``StagePlacement``
+(``stage_mesh``). The launch order merges the sequences into one list that
+every process follows, so transfers start in the same order everywhere and
+cannot deadlock.
+
+- ``gpipe``: all forwards, then all backwards.
+- ``1f1b``: stage ``s`` runs ``min(S - s - 1, M)`` forwards to warm up, then
+  alternates one forward and one backward, then drains the backwards
+  (Narayanan et al.), so at most ``S - s`` micro-batches are in flight.
+- ``eager_1f1b``: the same with ``min(2(S - s) - 1, M)`` forwards before the
+  first backward (the paper's 2(#stages - i) + 1 with 1-indexed ``i``; Alpa's
+  ``1f1b_overlap_friendly``): the extra forwards give the next stage work
+  while a boundary transfer is in flight, for at most ``S - s - 1`` more
+  live micro-batches than 1F1B.
+- ``zb_h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's
+  forwards and activation-gradient passes, with stage ``s`` holding back its
+  first ``s`` weight-gradient passes, which then run one per step and drain
+  at the end, filling the cool-down bubbles; forward residuals are released
+  as in 1F1B.
+- ``interleaved_1f1b`` (Narayanan et al., SC'21): ``v`` stages per mesh, stage
+  ``k`` on mesh ``k mod P``; 1F1B over chunks of ``P`` micro-batches, which
+  shrinks the bubble to ``(P - 1) / (v·M)`` of the ideal step. ``M`` must be
+  a multiple of ``P``, as in Megatron-LM.
+
+A new schedule is one function ``(num_meshes, stages_per_mesh, M) -> per-mesh
+compute tasks`` and one ``ScheduleKind`` in ``SCHEDULES``.
+
+Weight delaying (the paper's backward weight delaying) applies to the first
+schedules with whole backwards: each ``BACKWARD`` becomes ``BACKWARD_INPUT``
+followed, ``delay`` of the mesh's compute tasks later, by its ``BACKWARD_WEIGHT``. With ``gpipe`` this
+means that in the backward phase each weight pass runs after the next
+micro-batch's activation pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from collections.abc import Callable, Sequence
+
+from .dependency_graph import dependency_graph, launch_order, verify_acyclic
+from .pipeline_tasks import Task, TaskKind, task_dependencies
+
+F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
+
+__all__ = ["PipelineSchedule", "SCHEDULES", "ScheduleKind", "StagePlacement", "check_stage_placement", "make_schedule",
+           "mesh_sequences", "schedule_kind", "stage_sequence",
+           "verify_schedule"]
+
+
+class StagePlacement(enum.Enum):
+    """Which mesh hosts each stage, for ``num_stages = num_meshes * stages_per_mesh``."""
+
+    LOOP = "loop"  # stage k on mesh k mod P: a micro-batch loops over the meshes stages_per_mesh times
+
+    def mesh_of(self, stage: int, num_meshes: int) -> int:
+        return stage % num_meshes
+
+
+# (num_meshes, stages_per_mesh, num_micro_batches) -> per mesh, its compute tasks in order.
+MeshActions = Callable[[int, int, int], list[list[Task]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """One entry of ``SCHEDULES``: the compute tasks each mesh runs, in order.
+
+    Attributes:
+      name: the user's name for it (``PipeshardParallel(schedule=...)``).
+      actions: ``(num_meshes, stages_per_mesh, num_micro_batches) ->`` per mesh, its
+        compute tasks (``Task.where`` is the stage), with every backward whole unless
+        ``places_weight_passes``.
+      placement: which mesh hosts each stage.
+      virtual_stages: whether ``actions`` takes ``stages_per_mesh > 1``.
+      places_weight_passes: whether ``actions`` splits backwards and places the weight passes
+        itself (then weight delaying does not apply).
+      micro_batches_per_round: ``num_meshes -> `` what ``num_micro_batches`` must be a multiple
+        of with virtual stages (``None``: any number).
+      forwards_ahead: ``(stage, num_stages) ->`` the forwards stage ``s`` runs before its first
+        backward, for schedules of one stage per mesh built from it (``None``: GPipe or a
+        schedule with its own ``actions``).
+    """
+
+    name: str
+    actions: MeshActions
+    placement: StagePlacement = StagePlacement.LOOP
+    virtual_stages: bool = False
+    places_weight_passes: bool = False
+    micro_batches_per_round: Callable[[int], int] | None = None
+    forwards_ahead: Callable[[int, int], int] | None = None
+
+    def peak_live(self, stage: int, num_stages: int, num_micro_batches: int, num_meshes: int | None = None) -> int:
+        """Micro-batches whose forward residuals stage ``stage`` holds at its peak (counted
+        along its mesh's actions: a forward opens one, a backward or input pass closes one)."""
+        P = num_stages if num_meshes is None else num_meshes
+        return _peak_live(self, num_stages // P, P, num_micro_batches)[stage]
+
+
+@functools.lru_cache(maxsize=256)
+def _peak_live(kind: ScheduleKind, stages_per_mesh: int, num_meshes: int, num_micro_batches: int) -> tuple[int, ...]:
+    live = [0] * (num_meshes * stages_per_mesh)
+    peak = list(live)
+    for seq in kind.actions(num_meshes, stages_per_mesh, num_micro_batches):
+        for t in seq:
+            if t.kind is F:
+                live[t.where] += 1
+                peak[t.where] = max(peak[t.where], live[t.where])
+            elif t.kind in (B, I):
+                live[t.where] -= 1
+    return tuple(peak)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSchedule:
+    """A schedule for a stage graph whose stages are placed on meshes.
+
+    Attributes:
+      name: a key of ``SCHEDULES``.
+      num_stages, num_micro_batches: its size.
+      stage_mesh: per stage, the mesh that runs it (several stages may share one).
+      edges: ``(producer, consumer)`` stage pairs, indexed by transfer tasks.
+      split_backward: whether backwards are split into input and weight passes.
+      weight_delays: per mesh, how many compute tasks each weight pass waits
+        after its input pass (``None`` for ``zb_h1`` and unsplit schedules).
+      sequences: per mesh, its compute tasks in the order it runs them.
+      order: every task once, in launch order.
+    """
+
+    name: str
+    num_stages: int
+    num_micro_batches: int
+    edges: tuple[tuple[int, int], ...]
+    split_backward: bool
+    weight_delays: tuple[int, ...] | None
+    sequences: tuple[tuple[Task, ...], ...]
+    order: tuple[Task, ...]
+    stage_mesh: tuple[int, ...]
+
+    @property
+    def num_meshes(self) -> int:
+        return len(self.sequences)
+
+    def stages_on(self, mesh: int) -> tuple[int, ...]:
+        """The stages mesh ``mesh`` runs, in stage order."""
+        return tuple(s for s, m in enumerate(self.stage_mesh) if m == mesh)
+
+
+def _one_stage_per_mesh(forwards_ahead: Callable[[int, int], int] | None,
+                        weight_passes: Callable[[list[Task], int], list[Task]] | None = None) -> MeshActions:
+    """The actions of a schedule with one stage per mesh: stage ``s`` runs ``forwards_ahead(s, S)``
+    forwards before its first backward, then alternates (all forwards first when ``None``);
+    ``weight_passes(sequence, s)`` splits its backwards and places the weight passes."""
+
+    def actions(num_meshes: int, stages_per_mesh: int, m: int) -> list[list[Task]]:
+        out = []
+        for s in range(num_meshes):
+            fwd = [Task(F, s, i) for i in range(m)]
+            bwd = [Task(B, s, i) for i in range(m)]
+            if forwards_ahead is None:
+                seq = fwd + bwd
+            else:
+                warmup = min(forwards_ahead(s, num_meshes) - 1, m)
+                seq = fwd[:warmup]
+                for i in range(m - warmup):
+                    seq += [fwd[warmup + i], bwd[i]]
+                seq += bwd[m - warmup:]
+            out.append(seq if weight_passes is None else weight_passes(seq, s))
+        return out
+
+    return actions
+
+
+def _interleaved_1f1b(num_meshes: int, stages_per_mesh: int, m: int) -> list[list[Task]]:
+    """Interleaved 1F1B (Narayanan et al., SC'21; Megatron-LM's order). Mesh ``r`` holds the
+    ``v`` stages ``c·P + r`` (chunks ``c``). Its forwards visit chunks in groups of ``P``
+    micro-batches: the ``k``-th forward is chunk ``(k mod P·v) // P`` on micro-batch
+    ``(k // P·v)·P + k mod P``; backwards go the same way with the chunks reversed. It runs
+    ``2(P - r - 1) + (v - 1)·P`` forwards first (every forward when ``M = P``), then alternates
+    one forward and one backward, then drains the backwards."""
+    P, v = num_meshes, stages_per_mesh
+    total = m * v
+
+    def task(kind: TaskKind, k: int, r: int) -> Task:
+        chunk = (k % (P * v)) // P
+        if kind is not F:
+            chunk = v - 1 - chunk
+        return Task(kind, chunk * P + r, (k // (P * v)) * P + k % P)
+
+    out = []
+    for r in range(P):
+        warmup = total if m == P else min(2 * (P - r - 1) + (v - 1) * P, total)
+        seq = [task(F, k, r) for k in range(warmup)]
+        for k in range(total - warmup):
+            seq += [task(F, warmup + k, r), task(B, k, r)]
+        seq += [task(B, k, r) for k in range(total - warmup, total)]
+        out.append(seq)
+    return out
+
+
+def _delay_weights(seq: list[Task], delay: int) -> list[Task]:
+    """Each backward split, its weight pass after ``delay`` more of the mesh's compute tasks."""
+    out: list[Task] = []
+    waiting: list[tuple[int, Task]] = []  # (compute tasks still to pass, weight task)
+    for t in seq:
+        out.append(Task(I, t.where, t.micro_batch) if t.kind is B else t)
+        waiting = [(left - 1, w) for left, w in waiting]
+        if t.kind is B:
+            waiting.append((delay, Task(W, t.where, t.micro_batch)))
+        while waiting and waiting[0][0] <= 0:
+            out.append(waiting.pop(0)[1])
+    return out + [w for _, w in waiting]
+
+
+def _zb_h1(seq: list[Task], s: int) -> list[Task]:
+    """ZB-H1: after each input pass, the oldest weight pass runs once ``s`` are held back."""
+    out: list[Task] = []
+    held: list[Task] = []
+    for t in seq:
+        if t.kind is B:
+            out.append(Task(I, t.where, t.micro_batch))
+            held.append(Task(W, t.where, t.micro_batch))
+            if len(held) > s:
+                out.append(held.pop(0))
+        else:
+            out.append(t)
+    return out + held
+
+
+def mesh_sequences(name: str, num_stages: int, num_micro_batches: int, num_meshes: int | None = None,
+                   delays: Sequence[int] | None = None) -> list[list[Task]]:
+    """Per mesh, its compute tasks under schedule ``name``; ``delays`` (per mesh) split backwards
+    (see module doc). ``num_meshes`` defaults to one stage per mesh."""
+    kind = schedule_kind(name)
+    P = num_stages if num_meshes is None else num_meshes
+    seqs = kind.actions(P, num_stages // P, num_micro_batches)
+    if delays is None or kind.places_weight_passes:
+        return seqs
+    return [_delay_weights(seq, d) for seq, d in zip(seqs, delays)]
+
+
+def stage_sequence(name: str, s: int, num_stages: int, num_micro_batches: int, delay: int | None = None) -> list[Task]:
+    """Stage ``s``'s compute tasks under schedule ``name`` with one stage per mesh; ``delay`` splits
+    backwards (see module doc)."""
+    return mesh_sequences(name, num_stages, num_micro_batches, None,
+                          None if delay is None else [delay] * num_stages)[s]
+
+
+def schedule_kind(name: str) -> ScheduleKind:
+    """The registered schedule ``name``.
+
+    Raises:
+      ValueError: naming ``schedule`` and the registered names.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule: unknown {name!r}; expected one of {sorted(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+def check_stage_placement(schedule: str, num_stages: int, num_meshes: int, num_micro_batches: int) -> None:
+    """Checks that ``schedule`` can place ``num_stages`` stages on ``num_meshes`` meshes with
+    ``num_micro_batches`` micro-batches.
+
+    Raises:
+      ValueError: naming ``schedule`` (unknown, or one stage per mesh only), ``num_stages``
+        (not a multiple of the meshes) or ``num_micro_batches`` (not a multiple of what the
+        schedule needs).
+    """
+    kind = schedule_kind(schedule)
+    if num_meshes < 1 or num_stages < 1 or num_micro_batches < 1:
+        raise ValueError(f"num_stages, num_micro_batches: expected positive counts, got {num_stages} stages on "
+                         f"{num_meshes} meshes, {num_micro_batches} micro-batches")
+    if num_stages % num_meshes:
+        raise ValueError(f"num_stages: {num_stages} stages do not divide over {num_meshes} meshes; pass a multiple "
+                         f"of {num_meshes} stages (stages_per_mesh = num_stages / meshes)")
+    if num_stages == num_meshes:
+        return
+    if not kind.virtual_stages:
+        virtual = sorted(n for n, k in SCHEDULES.items() if k.virtual_stages)
+        raise ValueError(f"schedule: {schedule!r} runs one stage per mesh, but {num_stages} stages share "
+                         f"{num_meshes} meshes ({num_stages // num_meshes} per mesh); pass one of {virtual}, or one "
+                         f"mesh per stage")
+    if kind.micro_batches_per_round is not None:
+        step = kind.micro_batches_per_round(num_meshes)
+        if num_micro_batches % step:
+            raise ValueError(f"num_micro_batches: {schedule} with virtual stages needs a multiple of {step} "
+                             f"micro-batches ({num_meshes} meshes), got {num_micro_batches}")
+
+
+def make_schedule(
+    name: str,
+    num_stages: int,
+    num_micro_batches: int,
+    edges: Sequence[tuple[int, int]],
+    weight_delays: Sequence[int] | None = None,
+    num_meshes: int | None = None,
+) -> PipelineSchedule:
+    """The ``name`` schedule for ``num_stages`` stages joined by ``edges``, placed on
+    ``num_meshes`` meshes (default: one stage per mesh) as the schedule places them.
+
+    Args:
+      weight_delays: per mesh, split each backward and delay its weight pass
+        by this many compute tasks; ``None`` keeps backwards whole (``zb_h1``
+        always splits and places weight passes itself).
+
+    Raises:
+      ValueError: unknown ``name``, sizes below 1, a placement the schedule cannot make
+        (``check_stage_placement``), or delays that do not fit.
+    """
+    kind = schedule_kind(name)
+    if num_stages < 1 or num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches: expected >= 1, got {num_micro_batches}")
+    P = num_stages if num_meshes is None else num_meshes
+    check_stage_placement(name, num_stages, P, num_micro_batches)
+    if weight_delays is not None:
+        if kind.places_weight_passes:
+            raise ValueError(f"weight_delay: {name} places its weight passes itself; leave weight_delay=False")
+        if len(weight_delays) != P or any(not isinstance(d, int) or d < 0 for d in weight_delays):
+            raise ValueError(f"weight_delay: expected {P} non-negative delays (one per mesh), got {weight_delays!r}")
+    edges = tuple(edges)
+    split = kind.places_weight_passes or weight_delays is not None
+    sequences = tuple(map(tuple, mesh_sequences(name, num_stages, num_micro_batches, P, weight_delays)))
+    stage_mesh = tuple(kind.placement.mesh_of(s, P) for s in range(num_stages))
+    graph = dependency_graph(sequences, edges, split, num_micro_batches)
+    verify_acyclic(graph, name)
+    order = launch_order(graph, sequences)
+    schedule = PipelineSchedule(name, num_stages, num_micro_batches, edges, split,
+                                None if weight_delays is None else tuple(weight_delays), sequences, order, stage_mesh)
+    verify_schedule(schedule)
+    return schedule
+
+
+def verify_schedule(schedule: PipelineSchedule) -> None:
+    """Each task once, after its dependencies, each mesh's tasks in its sequence's order, each
+    stage's compute on the mesh the map gives it.
+
+    Raises:
+      PlanVerificationError: naming the first broken invariant.
+    """
+    from ..verification import PlanVerificationError
+
+    S, M, edges = schedule.num_stages, schedule.num_micro_batches, schedule.edges
+    if len(schedule.stage_mesh) != S or not all(0 <= m < schedule.num_meshes for m in schedule.stage_mesh):
+        raise PlanVerificationError(f"stage_mesh {schedule.stage_mesh} does not place {S} stages on "
+                                    f"{schedule.num_meshes} meshes")
+    backward = (I, W) if schedule.split_backward else (B,)
+    expected = {Task(k, s, m) for k in (F, *backward) for s in range(S) for m in range(M)}
+    expected |= {Task(k, e, m) for k in (TaskKind.SEND_ACT, TaskKind.SEND_GRAD) for e in range(len(edges)) for m in range(M)}
+    if len(schedule.order) != len(expected) or set(schedule.order) != expected:
+        raise PlanVerificationError("the launch order does not run every task exactly once")
+    for mesh, seq in enumerate(schedule.sequences):
+        elsewhere = [t for t in seq if schedule.stage_mesh[t.where] != mesh]
+        if elsewhere:
+            raise PlanVerificationError(f"mesh {mesh} runs {elsewhere[0]}, whose stage the map puts on mesh "
+                                        f"{schedule.stage_mesh[elsewhere[0].where]}")
+    seen: set[Task] = set()
+    for t in schedule.order:
+        missing = [d for d in task_dependencies(t, edges, schedule.split_backward) if d not in seen]
+        if missing:
+            raise PlanVerificationError(f"{t} launches before {missing[0]}, which it reads")
+        seen.add(t)
+    launched_on: list[list[Task]] = [[] for _ in schedule.sequences]
+    for t in schedule.order:
+        if t.kind.is_compute:
+            launched_on[schedule.stage_mesh[t.where]].append(t)
+    for mesh, (seq, launched) in enumerate(zip(schedule.sequences, launched_on)):
+        if launched != list(seq):
+            raise PlanVerificationError(f"mesh {mesh}: launch order {launched} breaks its sequence {list(seq)}")
+
+
+def _one_f_one_b(s: int, num_stages: int) -> int:
+    return num_stages - s
+
+
+def _eager_one_f_one_b(s: int, num_stages: int) -> int:
+    return 2 * (num_stages - s) - 1
+
+
+def _one_round(num_meshes: int) -> int:
+    return num_meshes
+
+
+# Name -> schedule; a new schedule is one actions function and one ScheduleKind here (its name
+# is resolved only here).
+SCHEDULES: dict[str, ScheduleKind] = {
+    kind.name: kind for kind in (
+        ScheduleKind("gpipe", _one_stage_per_mesh(None)),
+        ScheduleKind("1f1b", _one_stage_per_mesh(_one_f_one_b), forwards_ahead=_one_f_one_b),
+        ScheduleKind("eager_1f1b", _one_stage_per_mesh(_eager_one_f_one_b), forwards_ahead=_eager_one_f_one_b),
+        ScheduleKind("zb_h1", _one_stage_per_mesh(_one_f_one_b, _zb_h1), places_weight_passes=True,
+                     forwards_ahead=_one_f_one_b),
+        # Megatron-LM requires the micro-batches to fill whole rounds of the meshes.
+        ScheduleKind("interleaved_1f1b", _interleaved_1f1b, virtual_stages=True, micro_batches_per_round=_one_round),
+    )
+}

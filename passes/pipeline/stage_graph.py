@@ -1,0 +1,306 @@
+"""Pass: cut the loss function's jaxpr at stage markers into forward stages.
+
+Input: the ``loss_jaxpr`` carried by ``meshpar.value_and_grad`` (operands:
+the differentiated parameter leaves, then every other input). Output: a
+``StageGraph``: one forward ``Stage`` per segment between markers, each a
+closed jaxpr from the values it reads to the values later stages (or the
+loss) read. Backward stages are the VJPs of these forward stages, so they
+read exactly the cotangents of a stage's outputs and produce those of its
+inputs: the transposed markers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib.util
+import os
+from collections.abc import Iterable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src import linear_util as lu
+from jax._src.ad_checkpoint import remat_p
+from jax._src.lax.control_flow.conditionals import cond_p
+from jax._src.lax.control_flow.loops import scan_p, while_p
+
+from .step_primitives import stage_boundary_p
+
+__all__ = ["Ref", "RefKind", "Stage", "StageGraph", "count_markers", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "first_user_frame", "is_differentiable", "user_location"]
+
+
+
+class StageMarkerError(ValueError):
+    """A stage marker where the compiler cannot cut, or too few of them."""
+
+
+class RefKind(enum.Enum):
+    """What a ``Ref`` names: a differentiated leaf, another operand, or a stage's output."""
+
+    PARAM = "param"
+    INPUT = "input"
+    ACT = "act"
+
+    def __lt__(self, other: RefKind) -> bool:
+        return self.value < other.value
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Ref:
+    """Names a value of the loss function.
+
+    ``kind`` is ``PARAM`` (differentiated leaf ``index``), ``INPUT`` (other operand
+    ``index``) or ``ACT`` (a value computed by stage ``index`` and numbered ``slot`` among
+    that stage's outputs).
+    """
+
+    kind: RefKind
+    index: int
+    slot: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}{self.index}" + (f".{self.slot}" if self.kind is RefKind.ACT else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A forward stage: ``jaxpr(*inputs) -> outputs``.
+
+    Attributes:
+      index: position in the pipeline.
+      jaxpr: closed jaxpr with ``len(inputs)`` inputs and ``len(outputs)`` outputs.
+      inputs: what each jaxpr input is.
+      outputs: ``Ref(RefKind.ACT, index, k)`` for output ``k``.
+    """
+
+    index: int
+    jaxpr: core.ClosedJaxpr
+    inputs: tuple[Ref, ...]
+    outputs: tuple[Ref, ...]
+
+    @property
+    def param_inputs(self) -> tuple[int, ...]:
+        return tuple(r.index for r in self.inputs if r.kind is RefKind.PARAM)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageGraph:
+    """Forward stages of a loss and where its value comes from.
+
+    Attributes:
+      stages: in pipeline order.
+      num_params, num_inputs: operand counts of the loss function.
+      loss: the ``act`` value that is the loss.
+      aux: the ``act`` value of each aux leaf the loss function returns (per micro-batch).
+    """
+
+    stages: tuple[Stage, ...]
+    num_params: int
+    num_inputs: int
+    loss: Ref
+    aux: tuple[Ref, ...] = ()
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def consumers(self, ref: Ref) -> tuple[int, ...]:
+        return tuple(s.index for s in self.stages if ref in s.inputs)
+
+    def param_owner(self, k: int) -> int:
+        """The first stage that reads parameter leaf ``k`` (its home mesh)."""
+        users = self.consumers(Ref(RefKind.PARAM, k))
+        return users[0] if users else self.num_stages - 1
+
+    def differentiated_slots(self, s: int) -> tuple[int, ...]:
+        """Stage ``s``'s output slots that have a cotangent: floating values that are the loss
+        or that later stages read (aux-only outputs and integer, bool or key values have none)."""
+        stage = self.stages[s]
+        return tuple(
+            k for k, (r, aval) in enumerate(zip(stage.outputs, stage.jaxpr.out_avals))
+            if is_differentiable(aval) and (r == self.loss or self.consumers(r))
+        )
+
+    def edges(self) -> tuple[tuple[int, int, Ref], ...]:
+        """(producer, consumer, value) for every activation crossing stages."""
+        return tuple(
+            (r.index, s.index, r) for s in self.stages for r in s.inputs if r.kind is RefKind.ACT
+        )
+
+
+def is_differentiable(aval: core.AbstractValue) -> bool:
+    """Whether a value of ``aval`` has a (non-``float0``) cotangent: floating dtypes only."""
+    return not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) and jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def subjaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
+    """The jaxprs nested in ``eqn``'s parameters (scan, cond, while and call bodies)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, core.Jaxpr):
+                yield v
+
+
+def _find_nested_marker(jaxpr: core.Jaxpr) -> bool:
+    return any(
+        e.primitive is stage_boundary_p or any(_find_nested_marker(j) for j in subjaxprs(e)) for e in jaxpr.eqns
+    )
+
+
+# Per primitive holding a marker in its body, how to move the marker out.
+_NESTED_MARKER_FIX = {
+    scan_p: "mark between scanned groups instead (two nn.scan / lax.scan stacks with a marker between them "
+            "cut there), or unroll that loop",
+    remat_p: "call it between rematerialized blocks (nn.remat / jax.checkpoint), not inside one",
+    cond_p: "move the marker out of the cond (lax.cond / nn.cond)",
+    while_p: "move the marker out of the while loop (lax.while_loop / fori_loop), or unroll it",
+}
+_NESTED_MARKER_DEFAULT_FIX = "move the marker out of the nested function (e.g. a jax.jit), or call it unjitted"
+
+_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, lu.__file__))
+
+
+def first_user_frame(frames: Iterable[tuple[str, int, str]]) -> str:
+    """``file:line (function)`` of the first of ``frames`` (``(file, line, function)``, innermost
+    first) outside JAX, flax and meshpar: flax's own frames, e.g. ``nn.scan``'s, say nothing
+    about the user's model."""
+    import flax
+
+    # The API package's directory, found without importing it (the compiler sits below it).
+    api = importlib.util.find_spec("meshpar").origin
+    own = (*_OWN_DIRS, *(os.path.dirname(os.path.abspath(f)) + os.sep for f in (api, flax.__file__, jax.__file__)))
+    for file_name, line, function in frames:
+        if not os.path.abspath(file_name).startswith(own):
+            return f"{file_name}:{line} ({function})"
+    return "unknown location"
+
+
+def user_location(eqn: core.JaxprEqn) -> str:
+    """Where in the user's code ``eqn`` was traced (``first_user_frame``)."""
+    from jax._src import source_info_util
+
+    return first_user_frame((f.file_name, f.start_line, f.function_name)
+                            for f in source_info_util.user_frames(eqn.source_info.traceback))
+
+
+def count_markers(loss_jaxpr: core.ClosedJaxpr) -> int:
+    """How many top-level stage markers ``loss_jaxpr`` has (candidate cut points)."""
+    return sum(e.primitive is stage_boundary_p for e in loss_jaxpr.jaxpr.eqns)
+
+
+def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[int] | None = None) -> StageGraph:
+    """Cuts ``loss_jaxpr`` at its top-level stage markers: all of them, or only the markers
+    numbered ``cuts`` (0-based, in program order; the others then join their neighbours).
+
+    Raises:
+      StageMarkerError: a marker inside a control-flow or call body (scan,
+        cond, while, a nested jit), naming where in the user's code.
+    """
+    jaxpr = loss_jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is not stage_boundary_p and any(_find_nested_marker(j) for j in subjaxprs(eqn)):
+            raise StageMarkerError(
+                f"mark_stage_boundary() is called inside a `{eqn.primitive.name}` body at {user_location(eqn)}; "
+                f"meshpar can only cut straight-line code between stages: "
+                f"{_NESTED_MARKER_FIX.get(eqn.primitive, _NESTED_MARKER_DEFAULT_FIX)}"
+            )
+    num_markers = count_markers(loss_jaxpr)
+    if cuts is not None and (len(set(cuts)) != len(cuts) or not all(0 <= c < num_markers for c in cuts)):
+        raise StageMarkerError(f"cut_points: expected distinct marker numbers in [0, {num_markers}), got {list(cuts)}")
+    cutting = set(range(num_markers)) if cuts is None else set(cuts)
+    segments: list[list[core.JaxprEqn]] = [[]]
+    marker = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is stage_boundary_p:
+            if marker in cutting:
+                segments.append([])
+            marker += 1
+        else:
+            segments[-1].append(eqn)
+
+    ref_of: dict[core.Var, Ref] = {}
+    for k, v in enumerate(jaxpr.invars):
+        ref_of[v] = Ref(RefKind.PARAM, k) if k < num_params else Ref(RefKind.INPUT, k - num_params)
+    stage_of: dict[core.Var, int] = {}
+    for s, eqns in enumerate(segments):
+        for e in eqns:
+            for v in e.outvars:
+                stage_of[v] = s
+
+    # Which values each segment reads from outside itself.
+    reads: list[list[core.Var]] = []
+    for s, eqns in enumerate(segments):
+        seen: dict[core.Var, None] = {}
+        for e in eqns:
+            for v in e.invars:
+                if isinstance(v, core.Var) and stage_of.get(v) != s:
+                    seen.setdefault(v)
+        reads.append(list(seen))
+    loss_var, aux_vars = jaxpr.outvars[0], jaxpr.outvars[1:]
+    if not isinstance(loss_var, core.Var) or loss_var not in stage_of:
+        raise StageMarkerError("the loss is a constant or an input; there is nothing to pipeline")
+    if not all(isinstance(v, core.Var) and v in stage_of for v in aux_vars):
+        raise StageMarkerError("an aux output of the loss function is not computed by it "
+                               "(meshpar.value_and_grad copies such leaves; was the jaxpr built elsewhere?)")
+
+    exported: list[list[core.Var]] = [[] for _ in segments]
+    for s in range(len(segments)):
+        wanted = {v for t in range(s + 1, len(segments)) for v in reads[t] if stage_of.get(v) == s}
+        wanted.update(v for v in (loss_var, *aux_vars) if stage_of[v] == s)
+        exported[s] = [v for e in segments[s] for v in e.outvars if v in wanted]
+        for k, v in enumerate(exported[s]):
+            ref_of[v] = Ref(RefKind.ACT, s, k)
+
+    stages = []
+    for s, eqns in enumerate(segments):
+        invars = reads[s]
+        inner = core.Jaxpr(
+            constvars=(),
+            invars=invars,
+            outvars=exported[s],
+            eqns=eqns,
+            effects=core.join_effects(*(e.effects for e in eqns)),
+            debug_info=lu.DebugInfo(
+                "meshpar stage", f"forward stage {s}",
+                tuple(str(ref_of[v]) for v in invars), tuple(str(ref_of[v]) for v in exported[s]),
+            ),
+        )
+        stages.append(
+            Stage(
+                index=s,
+                jaxpr=core.ClosedJaxpr(inner, ()),
+                inputs=tuple(ref_of[v] for v in invars),
+                outputs=tuple(ref_of[v] for v in exported[s]),
+            )
+        )
+    graph = StageGraph(tuple(stages), num_params, len(jaxpr.invars) - num_params, ref_of[loss_var],
+                       tuple(ref_of[v] for v in aux_vars))
+    verify_stage_graph(graph)
+    return graph
+
+
+def verify_stage_graph(graph: StageGraph) -> None:
+    """Every stage's jaxpr type-checks; activations flow forward only; the loss is a scalar.
+
+    Raises:
+      AssertionError subclass ``PlanVerificationError`` on a broken invariant.
+    """
+    from ..verification import PlanVerificationError
+
+    for stage in graph.stages:
+        try:
+            core.check_jaxpr(stage.jaxpr.jaxpr)
+        except Exception as e:
+            raise PlanVerificationError(f"stage {stage.index} does not type-check: {e}") from e
+        for r in stage.inputs:
+            if r.kind is RefKind.ACT and not r.index < stage.index:
+                raise PlanVerificationError(f"stage {stage.index} reads {r} from a later stage")
+        if len(stage.inputs) != len(stage.jaxpr.in_avals) or len(stage.outputs) != len(stage.jaxpr.out_avals):
+            raise PlanVerificationError(f"stage {stage.index}: refs do not match its jaxpr's signature")
+    loss_stage = graph.stages[graph.loss.index]
+    aval = loss_stage.jaxpr.out_avals[graph.loss.slot]
+    if aval.shape != ():
+        raise PlanVerificationError(f"the loss must be a scalar, got {aval}")

@@ -1,0 +1,247 @@
+"""Pass: derive one forward ``Stage``'s compute parts, with its backward split in two.
+
+Output: a ``StageParts`` of closed jaxprs, each runnable as
+``jax.jit(core.jaxpr_as_fun(part))``:
+
+- ``forward``: the stage, also returning the residuals its backward reads
+  (the leaves of its ``jax.vjp`` function);
+- ``backward``: the whole VJP, from residuals and output cotangents to the
+  cotangents of the differentiated inputs (``param`` and ``act`` refs);
+- ``backward_input`` ("B") and ``backward_weight`` ("W"): the same backward
+  cut for zero-bubble schedules (Qi et al., ICLR 2024), which run B as soon
+  as the next stage's cotangents arrive (the previous stage waits on it) and
+  delay W into pipeline bubbles. B computes only what the activation
+  cotangents need and hands W, as ``weight_state``, every value W reads that
+  B computed or received, so W recomputes nothing and needs no residual of
+  its own: running B then W does exactly the equations of ``backward``,
+  each once, in the same order (bit-identical results).
+
+Equations of the backward's top level are the unit of the cut: a nested
+``jit`` or the transposed ``scan`` is wholly in B (it yields act and param
+cotangents at once) or wholly in W.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+from jax._src import core
+from jax._src import linear_util as lu
+
+from .stage_graph import RefKind, Stage, is_differentiable
+from ..verification import PlanVerificationError
+
+__all__ = ["StageParts", "stage_parts", "verify_stage_parts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParts:
+    """Compute parts of forward stage ``stage``; R residuals, S weight-state values.
+
+    Attributes:
+      forward: ``(*diff_inputs, *other_inputs) -> (*outputs, *residuals)``.
+      backward: ``(*residuals, *output_cotangents) -> (*act_cotangents, *param_cotangents)``;
+        output cotangents are those of the ``diff_outputs`` slots, in order.
+      backward_input: B, ``(*residuals, *output_cotangents) -> (*act_cotangents, *weight_state)``.
+      backward_weight: W, ``(*weight_state) -> (*param_cotangents)``.
+      diff_inputs: positions in ``stage.inputs`` of the ``param`` refs and the floating
+        ``act`` refs, in order.
+      other_inputs: positions of the rest (integer, bool and key activations included), in order.
+      act_inputs, param_inputs: positions of the differentiated ``act`` resp. ``param`` refs;
+        the cotangents come in this order, activations first.
+      diff_outputs: output slots with a cotangent (``StageGraph.differentiated_slots``);
+        the others (aux-only values, integer, bool and key values) have none, so no
+        ``float0`` value is ever built, let alone moved.
+    """
+
+    stage: int
+    forward: core.ClosedJaxpr
+    backward: core.ClosedJaxpr
+    backward_input: core.ClosedJaxpr
+    backward_weight: core.ClosedJaxpr
+    diff_inputs: tuple[int, ...]
+    other_inputs: tuple[int, ...]
+    act_inputs: tuple[int, ...]
+    param_inputs: tuple[int, ...]
+    diff_outputs: tuple[int, ...]
+    num_outputs: int
+    num_residuals: int
+    num_weight_state: int
+
+    @property
+    def num_act_cotangents(self) -> int:
+        return len(self.act_inputs)
+
+    @property
+    def num_param_cotangents(self) -> int:
+        return len(self.param_inputs)
+
+    @property
+    def forwarded_state(self) -> tuple[int | None, ...]:
+        """Per weight-state value, the B input it merely forwards, else None.
+
+        A jitted B copies an input it returns (JAX 0.10 does not alias them),
+        so a runtime may hand W those inputs itself and skip the copy.
+        """
+        jaxpr = self.backward_input.jaxpr
+        where = {v: k for k, v in enumerate(jaxpr.invars)}
+        return tuple(where.get(v) for v in jaxpr.outvars[self.num_act_cotangents:])
+
+
+def _positions(stage: Stage) -> tuple[tuple[int, ...], ...]:
+    """(diff_inputs, other_inputs, act_inputs, param_inputs) of ``stage``."""
+    # An activation without a cotangent (an integer, a key) is read, not differentiated.
+    diff = tuple(i for i, (r, a) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals))
+                 if r.kind is RefKind.PARAM or (r.kind is RefKind.ACT and is_differentiable(a)))
+    return (diff, tuple(i for i in range(len(stage.inputs)) if i not in diff),
+            tuple(i for i in diff if stage.inputs[i].kind is RefKind.ACT),
+            tuple(i for i in diff if stage.inputs[i].kind is RefKind.PARAM))
+
+
+def _spec(aval: core.AbstractValue) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _part(whole: core.ClosedJaxpr, name: str, invars: Sequence[core.Var],
+          eqns: Sequence[core.JaxprEqn], outvars: Sequence[core.Atom]) -> core.ClosedJaxpr:
+    """A jaxpr made of some of ``whole``'s equations; it shares ``whole``'s constants (if any)."""
+    jaxpr = core.Jaxpr(
+        constvars=whole.jaxpr.constvars, invars=list(invars), outvars=list(outvars), eqns=list(eqns),
+        debug_info=lu.DebugInfo("meshpar stage part", name, tuple(f"in{k}" for k in range(len(invars))),
+                                tuple(f"out{k}" for k in range(len(outvars)))),
+    )
+    return core.ClosedJaxpr(jaxpr, whole.consts)
+
+
+def _needs(eqns: Sequence[core.JaxprEqn], roots: Sequence[core.Atom], stop: set[int]) -> tuple[list[core.JaxprEqn], set[core.Var]]:
+    """The equations ``roots`` need, in order, but none in ``stop`` (eqn ids); and what they read from outside."""
+    live = {v for v in roots if isinstance(v, core.Var)}
+    kept: list[core.JaxprEqn] = []
+    for e in reversed(eqns):
+        if id(e) in stop or not any(v in live for v in e.outvars):
+            continue
+        kept.append(e)
+        live.difference_update(e.outvars)
+        live.update(v for v in e.invars if isinstance(v, core.Var))
+    return kept[::-1], live
+
+
+def stage_parts(stage: Stage, diff_outputs: Sequence[int] | None = None) -> StageParts:
+    """Builds the forward, backward, B and W jaxprs of ``stage`` (see the module docstring);
+    ``diff_outputs`` are the output slots that receive cotangents (default: every floating one).
+
+    Raises:
+      ValueError: the stage's backward has side effects (dead-code elimination
+        would drop or duplicate them).
+    """
+    diff, other, acts, params = _positions(stage)
+    if diff_outputs is None:
+        diff_outputs = tuple(k for k, a in enumerate(stage.jaxpr.out_avals) if is_differentiable(a))
+    fun = core.jaxpr_as_fun(stage.jaxpr)
+    in_avals = stage.jaxpr.in_avals
+    treedef = None
+
+    def forward(diff_args, other_args):
+        nonlocal treedef
+        order = (*diff, *other)
+
+        def f(*diff_args):
+            args = dict(zip(order, (*diff_args, *other_args)))
+            outs = tuple(fun(*(args[i] for i in range(len(order)))))
+            return tuple(outs[k] for k in diff_outputs), outs
+
+        # The residuals are the leaves of the VJP function (a Partial of the
+        # linearized jaxpr); its treedef rebuilds that function in the backward.
+        _, vjp, outs = jax.vjp(f, *diff_args, has_aux=True)
+        residuals, treedef = jax.tree.flatten(vjp)
+        return (*outs, *residuals)
+
+    fwd = jax.make_jaxpr(forward)([_spec(in_avals[i]) for i in diff], [_spec(in_avals[i]) for i in other])
+    n_out = len(stage.outputs)
+    position = {i: k for k, i in enumerate(diff)}
+
+    def backward(residuals, cotangents):
+        grads = jax.tree.unflatten(treedef, residuals)(tuple(cotangents))
+        return [grads[position[i]] for i in (*acts, *params)]
+
+    bwd = jax.make_jaxpr(backward)([_spec(a) for a in fwd.out_avals[n_out:]],
+                                   [_spec(fwd.out_avals[k].to_tangent_aval()) for k in diff_outputs])
+    if bwd.effects:
+        raise ValueError(f"stage {stage.index}: its backward has side effects {bwd.effects}; meshpar cannot split it")
+    jaxpr = bwd.jaxpr
+    act_cts, param_cts = jaxpr.outvars[:len(acts)], jaxpr.outvars[len(acts):]
+    b_eqns, _ = _needs(jaxpr.eqns, act_cts, set())
+    w_eqns, w_reads = _needs(jaxpr.eqns, param_cts, {id(e) for e in b_eqns})
+    # Whatever W reads and does not compute was computed or received by B;
+    # constants are available to both.
+    defined_by_b = [v for e in b_eqns for v in e.outvars]
+    weight_state = [v for v in (*jaxpr.invars, *defined_by_b) if v in w_reads]
+    return StageParts(
+        stage=stage.index,
+        forward=fwd,
+        backward=bwd,
+        backward_input=_part(bwd, f"B of stage {stage.index}", jaxpr.invars, b_eqns, [*act_cts, *weight_state]),
+        backward_weight=_part(bwd, f"W of stage {stage.index}", weight_state, w_eqns, param_cts),
+        diff_inputs=diff,
+        other_inputs=other,
+        act_inputs=acts,
+        param_inputs=params,
+        diff_outputs=tuple(diff_outputs),
+        num_outputs=n_out,
+        num_residuals=len(fwd.out_avals) - n_out,
+        num_weight_state=len(weight_state),
+    )
+
+
+def verify_stage_parts(stage: Stage, parts: StageParts) -> None:
+    """Checks the parts' signatures against the stage, and that B and W share no backward equation.
+
+    Every part type-checks; the forward maps the stage's inputs (diff first)
+    to its outputs plus ``num_residuals`` residuals; the backward and B read
+    those residuals and the output cotangents; the backward returns the act
+    then param input cotangents, B the act ones then ``num_weight_state``
+    values that are exactly W's inputs, W the param ones; every equation of
+    B and W is one of the backward's, and none is in both or twice.
+
+    Raises:
+      PlanVerificationError: naming the first broken invariant.
+    """
+    def fail(what: str) -> None:
+        raise PlanVerificationError(f"stage {stage.index} parts: {what}")
+
+    def same(got: Sequence[core.AbstractValue], want: Sequence[core.AbstractValue], what: str) -> None:
+        if len(got) != len(want) or not all(core.typematch(g, w) for g, w in zip(got, want)):
+            fail(f"{what} are {list(got)}, expected {list(want)}")
+
+    for name in ("forward", "backward", "backward_input", "backward_weight"):
+        try:
+            core.check_jaxpr(getattr(parts, name).jaxpr)
+        except Exception as e:
+            fail(f"{name} does not type-check: {e}")
+    if (parts.stage, parts.diff_inputs, parts.other_inputs, parts.act_inputs, parts.param_inputs) != (
+            stage.index, *_positions(stage)):
+        fail("input positions do not match the stage's refs")
+    in_avals = stage.jaxpr.in_avals
+    same(parts.forward.in_avals, [in_avals[i] for i in (*parts.diff_inputs, *parts.other_inputs)], "forward inputs")
+    same(parts.forward.out_avals[:parts.num_outputs], stage.jaxpr.out_avals, "forward outputs")
+    if len(parts.forward.out_avals) != parts.num_outputs + parts.num_residuals:
+        fail("forward output count is not num_outputs + num_residuals")
+    residuals = parts.forward.out_avals[parts.num_outputs:]
+    cotangents = [stage.jaxpr.out_avals[k].to_tangent_aval() for k in parts.diff_outputs]
+    if not all(is_differentiable(stage.jaxpr.out_avals[k]) for k in parts.diff_outputs):
+        fail("a differentiated output slot is not floating")
+    grads = [in_avals[i].to_tangent_aval() for i in (*parts.act_inputs, *parts.param_inputs)]
+    n_act = parts.num_act_cotangents
+    same(parts.backward.in_avals, [*residuals, *cotangents], "backward inputs")
+    same(parts.backward.out_avals, grads, "backward outputs")
+    same(parts.backward_input.in_avals, [*residuals, *cotangents], "B inputs")
+    same(parts.backward_input.out_avals[:n_act], grads[:n_act], "B activation cotangents")
+    if len(parts.backward_input.out_avals) != n_act + parts.num_weight_state:
+        fail("B output count is not num_act_cotangents + num_weight_state")
+    same(parts.backward_weight.in_avals, parts.backward_input.out_avals[n_act:], "W inputs (B's weight state)")
+    same(parts.backward_weight.out_avals, grads[n_act:], "W outputs")
+    split = [id(e) for e in (*parts.backward_input.jaxpr.eqns, *parts.backward_weight.jaxpr.eqns)]
+    if len(set(split)) != len(split) or not set(split) <= {id(e) for e in parts.backward.jaxpr.eqns}:
+        fail("B and W must compute disjoint sets of the backward's equations, each once")

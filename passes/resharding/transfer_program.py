@@ -1,0 +1,258 @@
+"""Pass: lower a ``ReshardingPlan`` to a device-level ``TransferProgram``.
+
+Every strategy becomes a set of *chains*: a box of the tensor that starts on
+one device and hops, device to device, along a list of receivers.
+
+- ``broadcast``: the unit slice cut into K chunks, each chunk one chain
+  through the whole ring (sender, then every receiver in route order); chunk
+  k+1 leaves the sender while chunk k moves on.
+- ``send_recv``: one single-hop chain per receiver, all from the sender.
+- ``local_allgather``: per receiving host, the slice cut into B parts; part q
+  goes from the sender to the host's q-th device and then around that host's
+  devices (a ring all-gather).
+- ``global_allgather``: the same over all receivers at once.
+
+Chains are then packed into *steps*: in one step a device sends at most one
+box and receives at most one box, and a hop runs only after the hop that
+brought its box. Rounds of the plan stay apart (round r+1's hops start after
+round r's last), so tasks the planner kept off each other's NICs never
+overlap.
+
+Uneven splits keep one static box shape: pieces are ``ceil(L/K)`` long and
+the last one is shifted back to end at ``L``, overlapping its neighbour;
+overlapping writes carry identical data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from .resharding_plan import ReshardingPlan, ScheduledTask
+from ..verification import PlanVerificationError
+
+__all__ = ["Chain", "Transfer", "Step", "TransferProgram", "lower_plan", "pack_steps", "plan_chains", "split_box",
+           "split_box_exact", "verify_program"]
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One box from one device to another.
+
+    Attributes:
+      src_device: sender's device id.
+      from_source: read from the sender's source tile (``True``) or from the
+        destination buffer it is filling (a relay, ``False``).
+      src_offset: box start inside that tile.
+      dst_device: receiver's device id; writes into its destination buffer.
+      dst_offset: box start inside the receiver's destination tile.
+      shape: box shape.
+    """
+
+    src_device: int
+    from_source: bool
+    src_offset: tuple[int, ...]
+    dst_device: int
+    dst_offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """Transfers that run together: no device sends twice or receives twice."""
+
+    transfers: tuple[Transfer, ...]
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Distinct box shapes, in first-use order (one collective each)."""
+        return tuple(dict.fromkeys(t.shape for t in self.transfers))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferProgram:
+    """Everything a runtime needs to move the tensor, device by device.
+
+    Attributes:
+      src_tile_shape, dst_tile_shape: per-device tile shapes (uniform: the
+        runtime needs layouts that divide the tensor).
+      src_devices, dst_devices: device ids of each mesh, in mesh order.
+      steps: run in sequence.
+      round_ends: index of the last step of each plan round.
+      fingerprint: the plan's fingerprint.
+    """
+
+    src_tile_shape: tuple[int, ...]
+    dst_tile_shape: tuple[int, ...]
+    src_devices: tuple[int, ...]
+    dst_devices: tuple[int, ...]
+    steps: tuple[Step, ...]
+    round_ends: tuple[int, ...]
+    fingerprint: str
+
+    @property
+    def num_transfers(self) -> int:
+        return sum(len(s.transfers) for s in self.steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """A box of the tensor that starts on ``devices[0]`` (in its source tile) and
+    hops along ``devices[1:]``, each of which keeps it in its destination tile."""
+
+    box: Box  # global bounds
+    devices: tuple[int, ...]
+
+
+def split_box(box: Box, parts: int) -> list[Box]:
+    """``parts`` equal-shaped pieces covering ``box`` along its longest dimension.
+
+    Fewer pieces when the dimension is shorter than ``parts``; the last
+    piece is shifted back to end at the box edge (overlapping its neighbour).
+    """
+    lengths = [b - a for a, b in box]
+    d = max(range(len(box)), key=lambda i: (lengths[i], -i))
+    length = lengths[d]
+    size = -(-length // max(1, min(parts, length)))
+    count = -(-length // size)
+    out = []
+    for p in range(count):
+        start = box[d][0] + min(p * size, length - size)
+        piece = list(box)
+        piece[d] = (start, start + size)
+        out.append(tuple(piece))
+    return out
+
+
+def split_box_exact(box: Box, parts: int) -> list[Box]:
+    """Up to ``parts`` disjoint pieces covering ``box`` along its longest dimension,
+    their lengths differing by at most one (for runtimes without static shapes)."""
+    lengths = [b - a for a, b in box]
+    d = max(range(len(box)), key=lambda i: (lengths[i], -i))
+    count = max(1, min(parts, lengths[d]))
+    out = []
+    for p in range(count):
+        piece = list(box)
+        piece[d] = (box[d][0] + p * lengths[d] // count, box[d][0] + (p + 1) * lengths[d] // count)
+        out.append(tuple(piece))
+    return out
+
+
+def plan_chains(t: ScheduledTask, strategy: str, host_of, split=split_box) -> list[Chain]:
+    """The chains that carry scheduled task ``t`` under ``strategy``; ``split`` cuts boxes."""
+    box = t.unit.bounds
+    if strategy == "broadcast":
+        return [Chain(piece, (t.sender, *t.route)) for piece in split(box, t.chunks)]
+    if strategy == "send_recv":
+        return [Chain(box, (t.sender, r)) for r in t.route]
+    if strategy == "local_allgather":
+        groups: dict[int, list[int]] = {}
+        for r in t.route:
+            groups.setdefault(host_of(r), []).append(r)
+        rings = list(groups.values())
+    elif strategy == "global_allgather":
+        rings = [list(t.route)]
+    else:
+        raise ValueError(f"strategy: no lowering for {strategy!r}")
+    chains = []
+    for ring in rings:
+        for q, piece in enumerate(split(box, len(ring))):
+            chains.append(Chain(piece, (t.sender, *ring[q:], *ring[:q])))
+    return chains
+
+
+def pack_steps(chains: list[Chain]) -> list[list[tuple[int, int]]]:
+    """Packs the hops of ``chains`` into steps: per step a device sends at most one
+    box and receives at most one, and a hop runs after the hop that brought its box.
+
+    Chains are taken in the given order, so earlier chains win contested devices.
+    Returns, per step, ``(chain index, hop index)`` pairs.
+    """
+    done = [0] * len(chains)
+    pending = list(range(len(chains)))
+    steps: list[list[tuple[int, int]]] = []
+    while pending:
+        sending: set[int] = set()
+        receiving: set[int] = set()
+        moved: list[int] = []
+        for c in pending:
+            s, r = chains[c].devices[done[c]], chains[c].devices[done[c] + 1]
+            if s in sending or r in receiving:
+                continue
+            sending.add(s)
+            receiving.add(r)
+            moved.append(c)
+        steps.append([(c, done[c]) for c in moved])
+        for c in moved:
+            done[c] += 1
+        pending = [c for c in pending if done[c] < len(chains[c].devices) - 1]
+    return steps
+
+
+def lower_plan(plan: ReshardingPlan) -> TransferProgram:
+    """Lowers ``plan`` to steps of device-to-device transfers.
+
+    Raises:
+      ValueError: the layouts need padding (uneven tiles); the runtime moves
+        only layouts that divide the tensor, as ``jax.sharding`` requires.
+    """
+    task = plan.task
+    if task.pad:
+        raise ValueError("task: the runtime needs layouts that divide the tensor (pad=False)")
+    src_origin = {d: tuple(a for a, _ in t.bounds) for t in task.src_tiles for d in t.devices}
+    dst_origin = {d: tuple(a for a, _ in t.bounds) for t in task.dst_tiles for d in t.devices}
+
+    def hop(chain: Chain, j: int) -> Transfer:
+        sender, receiver = chain.devices[j], chain.devices[j + 1]
+        start = tuple(a for a, _ in chain.box)
+        origin = src_origin[sender] if j == 0 else dst_origin[sender]
+        return Transfer(
+            src_device=sender,
+            from_source=j == 0,
+            src_offset=tuple(s - o for s, o in zip(start, origin)),
+            dst_device=receiver,
+            dst_offset=tuple(s - o for s, o in zip(start, dst_origin[receiver])),
+            shape=tuple(b - a for a, b in chain.box),
+        )
+
+    steps: list[Step] = []
+    round_ends: list[int] = []
+    for round_tasks in plan.rounds:
+        # Chains in plan order: the planner's priority decides who goes first
+        # when two chains want the same device in the same step.
+        chains = [c for t in round_tasks for c in plan_chains(t, plan.strategy, task.host_of)]
+        steps += [Step(tuple(hop(chains[c], j) for c, j in step)) for step in pack_steps(chains)]
+        round_ends.append(len(steps) - 1)
+    return TransferProgram(
+        src_tile_shape=task.src_tiles[0].shape,
+        dst_tile_shape=task.dst_tiles[0].shape,
+        src_devices=task.src_mesh.devices,
+        dst_devices=task.dst_mesh.devices,
+        steps=tuple(steps),
+        round_ends=tuple(round_ends),
+        fingerprint=plan.fingerprint,
+    )
+
+
+def verify_program(program: TransferProgram) -> None:
+    """Checks step exclusivity and that boxes stay inside their tiles.
+
+    Raises:
+      PlanVerificationError: naming the first broken invariant.
+    """
+    src, dst = set(program.src_devices), set(program.dst_devices)
+    for k, step in enumerate(program.steps):
+        senders = [t.src_device for t in step.transfers]
+        receivers = [t.dst_device for t in step.transfers]
+        if len(set(senders)) != len(senders) or len(set(receivers)) != len(receivers):
+            raise PlanVerificationError(f"step {k}: a device sends or receives twice")
+        for t in step.transfers:
+            tile = program.src_tile_shape if t.from_source else program.dst_tile_shape
+            if (t.src_device not in src) if t.from_source else (t.src_device not in dst):
+                raise PlanVerificationError(f"step {k}: device {t.src_device} reads a tile it does not have")
+            if t.dst_device not in dst:
+                raise PlanVerificationError(f"step {k}: device {t.dst_device} is not a destination")
+            for offsets, shape in ((t.src_offset, tile), (t.dst_offset, program.dst_tile_shape)):
+                if any(o < 0 or o + n > s for o, n, s in zip(offsets, t.shape, shape)):
+                    raise PlanVerificationError(f"step {k}: box {t.shape} at {offsets} leaves tile {shape}")
+

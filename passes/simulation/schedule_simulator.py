@@ -1,0 +1,238 @@
+"""Simulate one pipeline step of a schedule from task durations: its length, bubbles and memory.
+
+Model. Every process launches the tasks of ``schedule.order`` in that order
+and each lane (``passes.timeline``) runs what was launched on it first in,
+first out, so one walk of the order times every task: it starts at the
+latest of the ends of its data dependencies (``task_dependencies``) and the
+time its lanes become free, and ends its duration later.
+
+- Compute tasks (F, B, I, W) of stage ``s`` hold ``Lane(COMPUTE, mesh)``, the mesh
+  ``schedule.stage_mesh`` places it on (stages sharing a mesh share its lane).
+- A transfer on edge ``e = (producer, consumer)`` goes producer -> consumer
+  (``SEND_ACT``) or consumer -> producer (``SEND_GRAD``). With ``overlap``
+  (point-to-point moves and ``jax.device_put``, which run beside compute) it
+  holds ``Lane(LINK, src, dst)``: every edge between the same two stages in
+  the same direction shares that link, so their transfers serialize.
+  Without ``overlap`` (a collective program over both meshes, the
+  no-overlap baseline) it waits until both stages' compute lanes are free
+  and holds both until it ends; its event is still recorded on the link.
+
+Memory. The forward residuals of ``(s, m)`` live from the start of
+``F(s, m)`` to the end of the task that frees them (``B(s, m)``, or
+``I(s, m)`` when backwards are split, where ``lower_to_program`` frees
+them); its weight state lives from the start of ``I(s, m)`` to the end of
+``W(s, m)``. Peaks count these intervals over time, frees first at equal
+times. The runtime counts by launch order instead; with positive compute
+durations a stage's intervals open and close in its sequence's order, so
+both counts agree and each checks the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+from ..pipeline.pipeline_schedule import PipelineSchedule
+from ..pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
+from .timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
+
+__all__ = ["StageSeconds", "TaskDurations", "SimulatedStep", "simulate", "stage_seconds_from"]
+
+F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
+
+
+def _check_seconds(name: str, values: Iterable[float]) -> None:
+    for v in values:
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name}: expected finite non-negative seconds, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSeconds:
+    """One micro-batch on one stage, in seconds: its forward, whole backward, and the
+    activation-gradient (I) and weight-gradient (W) passes of its split backward."""
+
+    forward: float
+    backward: float
+    backward_input: float
+    backward_weight: float
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _check_seconds(f"StageSeconds.{field.name}", [getattr(self, field.name)])
+
+    def of(self, kind: TaskKind) -> float:
+        """The duration of this stage's compute task of ``kind``."""
+        if kind is F:
+            return self.forward
+        if kind is B:
+            return self.backward
+        return self.backward_input if kind is I else self.backward_weight
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskDurations:
+    """How long each task of a schedule takes.
+
+    Attributes:
+      stages: per stage, its compute tasks' seconds.
+      activation, gradient: per schedule edge (``schedule.edges`` index), one
+        micro-batch's activation resp. cotangent transfer, in seconds.
+    """
+
+    stages: tuple[StageSeconds, ...]
+    activation: tuple[float, ...]
+    gradient: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        _check_seconds("TaskDurations.activation", self.activation)
+        _check_seconds("TaskDurations.gradient", self.gradient)
+        if len(self.activation) != len(self.gradient):
+            raise ValueError(f"TaskDurations.gradient: expected one per edge ({len(self.activation)}), "
+                             f"got {len(self.gradient)}")
+
+    def seconds(self, task: Task) -> float:
+        """``task``'s duration: compute by its stage, transfers by their edge."""
+        if task.kind is TaskKind.SEND_ACT:
+            return self.activation[task.where]
+        if task.kind is TaskKind.SEND_GRAD:
+            return self.gradient[task.where]
+        return self.stages[task.where].of(task.kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedStep:
+    """A simulated step.
+
+    Attributes:
+      step_seconds: from the first task's start to the last one's end.
+      bubble_fraction: ``1 - busy / (P * step_seconds)``, ``busy`` the compute
+        seconds summed over stages, ``P`` the meshes: the share of mesh time spent idle or
+        held by a transfer (0 for a step of no time).
+      peak_live_activations: per stage, most micro-batches whose forward
+        residuals are held at once.
+      peak_weight_states: per stage, most weight passes waiting at once.
+      timeline: every task's event, ``source="simulated"``.
+    """
+
+    step_seconds: float
+    bubble_fraction: float
+    peak_live_activations: tuple[int, ...]
+    peak_weight_states: tuple[int, ...]
+    timeline: Timeline
+
+
+def _link(task: Task, schedule: PipelineSchedule) -> Lane:
+    producer, consumer = (schedule.stage_mesh[s] for s in schedule.edges[task.where])
+    src, dst = (producer, consumer) if task.kind is TaskKind.SEND_ACT else (consumer, producer)
+    return Lane(LaneKind.LINK, src, dst)
+
+
+def _event_lane(task: Task, schedule: PipelineSchedule) -> Lane:
+    return Lane(LaneKind.COMPUTE, schedule.stage_mesh[task.where]) if task.kind.is_compute else _link(task, schedule)
+
+
+def _held_lanes(task: Task, schedule: PipelineSchedule, overlap: bool) -> tuple[Lane, ...]:
+    """The lanes ``task`` needs free to start and keeps busy until it ends."""
+    lane = _event_lane(task, schedule)
+    if task.kind.is_compute or overlap or lane.src == lane.dst:
+        return (lane,)
+    return (Lane(LaneKind.COMPUTE, lane.src), Lane(LaneKind.COMPUTE, lane.dst))
+
+
+def _check_sizes(schedule: PipelineSchedule, durations: TaskDurations) -> None:
+    if len(durations.stages) != schedule.num_stages:
+        raise ValueError(f"durations: {len(durations.stages)} stages' seconds for a "
+                         f"{schedule.num_stages}-stage schedule")
+    if len(durations.activation) != len(schedule.edges):
+        raise ValueError(f"durations: {len(durations.activation)} edges' transfer seconds for a schedule "
+                         f"of {len(schedule.edges)} edges")
+
+
+def _events(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool) -> list[TimelineEvent]:
+    """Every task of the launch order, timed in one walk (module doc)."""
+    end: dict[Task, float] = {}
+    free: dict[Lane, float] = {}
+    events = []
+    for task in schedule.order:
+        held = _held_lanes(task, schedule, overlap)
+        ready = [end[d] for d in task_dependencies(task, schedule.edges, schedule.split_backward)]
+        start = max(ready + [free.get(lane, 0.0) for lane in held])
+        end[task] = start + durations.seconds(task)
+        for lane in held:
+            free[lane] = end[task]
+        events.append(TimelineEvent(task, _event_lane(task, schedule), start, end[task]))
+    return events
+
+
+def _peaks(events: Iterable[TimelineEvent], num_stages: int, opens: TaskKind, closes: TaskKind) -> tuple[int, ...]:
+    """Per stage, most intervals open at once, each from an ``opens`` task's start to the end of the
+    micro-batch's ``closes`` task; at equal times the closes count first."""
+    changes: list[list[tuple[float, int]]] = [[] for _ in range(num_stages)]
+    for e in events:
+        if e.task.kind is opens:
+            changes[e.task.where].append((e.start, 1))
+        elif e.task.kind is closes:
+            changes[e.task.where].append((e.end, -1))
+    peaks = []
+    for stage in changes:
+        open_now = peak = 0
+        for _, delta in sorted(stage):
+            open_now += delta
+            peak = max(peak, open_now)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def simulate(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool = True) -> SimulatedStep:
+    """``schedule``'s step with task ``durations`` (module doc); ``overlap=False`` runs every
+    transfer as a collective that blocks both its stages.
+
+    Raises:
+      ValueError: ``durations`` not sized to ``schedule``'s stages and edges.
+    """
+    _check_sizes(schedule, durations)
+    timeline = timeline_of(_events(schedule, durations, overlap), "simulated")
+    step = timeline.makespan
+    busy = sum(e.end - e.start for e in timeline.events if e.task.kind.is_compute)
+    S = schedule.num_stages
+    return SimulatedStep(
+        step_seconds=step,
+        bubble_fraction=1 - busy / (schedule.num_meshes * step) if step > 0 else 0.0,
+        peak_live_activations=_peaks(timeline.events, S, F, I if schedule.split_backward else B),
+        peak_weight_states=_peaks(timeline.events, S, I, W),
+        timeline=timeline,
+    )
+
+
+def _stage_seconds(stage: int, measured: dict[tuple[int, TaskKind], list[float]]) -> StageSeconds:
+    def median(kind: TaskKind) -> float:
+        if (stage, kind) not in measured:
+            raise ValueError(f"timeline: stage {stage} has no {kind.name.lower()} events")
+        return statistics.median(measured[(stage, kind)])
+
+    forward = median(F)
+    if (stage, B) in measured:
+        # The timeline cannot tell the two passes of a whole backward apart: an estimate.
+        backward = median(B)
+        return StageSeconds(forward, backward, backward / 2, backward / 2)
+    backward_input, backward_weight = median(I), median(W)
+    return StageSeconds(forward, backward_input + backward_weight, backward_input, backward_weight)
+
+
+def stage_seconds_from(timeline: Timeline, num_stages: int) -> tuple[StageSeconds, ...]:
+    """Per stage, the median duration of each kind of compute task in (a measured) ``timeline``.
+
+    A whole backward's input and weight passes are each estimated as half of
+    it; a split one's whole backward is the sum of its two passes.
+
+    Raises:
+      ValueError: naming a stage without forward (or backward) events.
+    """
+    measured: dict[tuple[int, TaskKind], list[float]] = {}
+    for e in timeline.events:
+        if e.task.kind.is_compute:
+            measured.setdefault((e.task.where, e.task.kind), []).append(e.end - e.start)
+    return tuple(_stage_seconds(s, measured) for s in range(num_stages))
