@@ -5,8 +5,8 @@
 
 Runs every case of ``benchmarks.pipeline_cases`` (GPT at (2, 2, 2) and
 (4, 1, 2), U-Transformer at (4, 1, 2)) with every method (``send_recv``,
-``alpa``, ``broadcast``, ``overlap``, ``ours``, ``zb_h1``, ``upper_bound``;
-see that module) on
+``alpa``, ``broadcast``, ``overlap``, ``ours``, ``zb_h1``, ``interleaved``,
+``upper_bound``; see that module) on
 
 - ``emulated``: 2 emulated hosts x 4 CPU devices, one process each, links
   shaped to ``G`` Gbit/s (default 0.25: the links, not the two cores, are
@@ -18,14 +18,18 @@ Per (cluster, case, method): the measured step (median over ``N`` steps of
 the slower process), and the schedule simulator's prediction
 (``passes.schedule_simulator``) from each task's isolated duration (a
 serialized traced step) and the planner's estimate of every transfer at the
-measured link rate. The share ``link busy / stage compute`` of each case is
-printed for 1F1B: the busiest link's transfer time per step over the busiest
-stage's compute time per step.
+measured link rate. The schedule simulated is the one the worker ran, on its
+meshes: ``interleaved`` runs two stages per mesh (interleaved 1F1B), the
+others one. The share ``link busy / mesh compute`` of each case is printed
+for 1F1B: the busiest link's transfer time per step over the busiest mesh's
+compute time per step. ``interleaved`` rows have no target: ``targets``
+prints their speed over ``upper_bound``'s for information.
 
 Records (``--json``), one per (cluster, case, method)::
 
     {"model", "config", "method", "cluster", "measured_step_s", "predicted_step_s", "samples_per_s",
-     "step_times_s", "over_upper_bound", "prediction_error", "transfer_share", "link_gbit", ...}
+     "step_times_s", "over_upper_bound", "prediction_error", "transfer_share", "num_stages",
+     "num_meshes", "link_gbit", ...}
 
 ``--png DIR`` draws the measured 1F1B (``overlap``) and eager-1F1B
 (``ours``) timelines of one case (``--png-case``) per cluster, and the
@@ -54,6 +58,8 @@ TARGET_OVER_UPPER_BOUND = 0.95
 TARGET_OVER_ALPA_UT = 1.3
 TARGET_PREDICTION_ERROR = 0.15
 PLOT_METHODS = ("overlap", "ours")
+# Rows without a target of their own: targets() prints them for information only.
+INFO_METHODS = ("interleaved",)
 # Bytes/s of a copy between two CPU devices of one process, for the planner's
 # estimates in single-process runs (order of magnitude of memcpy on this class
 # of machine; those transfers are a few percent of a step either way).
@@ -83,14 +89,22 @@ def merged_timeline(trace_dir: str, name: str, source: str, schedule):
 
 
 def _schedule(spec: dict):
+    """The schedule a worker ran, from its record's ``schedule`` (``pipeline_worker.schedule_spec``):
+    on ``num_meshes`` meshes (a record without it: one stage per mesh), each stage on the mesh
+    the schedule places it on, as the worker's was."""
     from meshpar.passes.pipeline.pipeline_schedule import make_schedule
 
-    return make_schedule(spec["name"], spec["num_stages"], spec["num_micro_batches"],
-                         [tuple(e) for e in spec["edges"]], spec["weight_delays"])
+    schedule = make_schedule(spec["name"], spec["num_stages"], spec["num_micro_batches"],
+                             [tuple(e) for e in spec["edges"]], spec["weight_delays"], spec.get("num_meshes"))
+    if "stage_mesh" in spec and list(schedule.stage_mesh) != list(spec["stage_mesh"]):
+        raise ValueError(f"schedule {spec['name']}: rebuilt with stages on meshes {list(schedule.stage_mesh)}, but "
+                         f"the worker ran them on {list(spec['stage_mesh'])}")
+    return schedule
 
 
 def _durations(first: dict, schedule, trace_dir: str):
-    """Measured isolated compute per stage, the planner's transfer estimates per edge."""
+    """Measured isolated compute per stage (several per mesh with virtual stages), the planner's
+    transfer estimates per edge."""
     from meshpar.passes.simulation.schedule_simulator import TaskDurations, stage_seconds_from
 
     timeline = merged_timeline(trace_dir, first["serialized_trace"], "measured, serialized", schedule)
@@ -103,14 +117,23 @@ def _durations(first: dict, schedule, trace_dir: str):
 
 
 def _share(durations, schedule) -> float:
-    """Per step: the busiest link's transfer seconds over the busiest stage's compute seconds."""
+    """Per step: the busiest link's transfer seconds over the busiest mesh's compute seconds.
+
+    A link joins two meshes, one way: every edge between stages on those meshes shares it (with
+    virtual stages, several edges); a mesh computes every stage it runs. Edges inside one mesh
+    move nothing over a link."""
     M = schedule.num_micro_batches
+    mesh = schedule.stage_mesh
     links: dict[tuple[int, int], float] = {}
     for e, (p, c) in enumerate(schedule.edges):
-        links[(p, c)] = links.get((p, c), 0.0) + M * durations.activation[e]
-        links[(c, p)] = links.get((c, p), 0.0) + M * durations.gradient[e]
-    compute = max(M * (s.forward + s.backward) for s in durations.stages)
-    return max(links.values()) / compute
+        if mesh[p] == mesh[c]:
+            continue
+        links[(mesh[p], mesh[c])] = links.get((mesh[p], mesh[c]), 0.0) + M * durations.activation[e]
+        links[(mesh[c], mesh[p])] = links.get((mesh[c], mesh[p]), 0.0) + M * durations.gradient[e]
+    compute = [0.0] * schedule.num_meshes
+    for s, seconds in enumerate(durations.stages):
+        compute[mesh[s]] += M * (seconds.forward + seconds.backward)
+    return max(links.values(), default=0.0) / max(compute)
 
 
 def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes: int) -> list[dict]:
@@ -145,6 +168,7 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
             "transfer_seconds": {"activation": list(durations.activation), "gradient": list(durations.gradient)},
             "weight_delays": first["schedule"]["weight_delays"],
             "schedule": first["schedule"], "overlap": first["overlap"],
+            "num_stages": schedule.num_stages, "num_meshes": schedule.num_meshes,
             "peak_live_activations": [max(g["peak_live_activations"][s] for g in group)
                                       for s in range(schedule.num_stages)],
             "compile_s": max(g["compile_s"] for g in group),
@@ -162,21 +186,26 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
 def table(records: Sequence[dict]) -> str:
     """Markdown: one row per (cluster, case, method)."""
     lines = ["| cluster | model | (data, model, pipeline) | method | step (ms) | predicted (ms) | error | "
-             "samples/s | upper bound / step | weight delays | peak live |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "samples/s | upper bound / step | weight delays | peak live | stages / meshes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ub = f"{r['over_upper_bound']:.2f}" if r.get("over_upper_bound") else "-"
         delays = r["weight_delays"] if r["weight_delays"] is not None else "-"
+        placed = f"{r['num_stages']} / {r['num_meshes']}" if "num_meshes" in r else "-"
         lines.append(
             f"| {r['cluster']} | {r['model']} | {tuple(r['config'])} | {r['method']} | "
             f"{r['measured_step_s'] * 1e3:.0f} | {r['predicted_step_s'] * 1e3:.0f} | "
             f"{r['prediction_error'] * 100:+.0f}% | {r['samples_per_s']:.0f} | {ub} | {delays} | "
-            f"{r['peak_live_activations']} |")
+            f"{r['peak_live_activations']} | {placed} |")
     return "\n".join(lines)
 
 
 def targets(records: Sequence[dict]) -> list[str]:
-    """The issue's targets, on the emulated cluster; one line each, ``met`` or ``MISSED``."""
+    """The issue's targets, on the emulated cluster; one line each, ``met`` or ``MISSED``.
+
+    ``INFO_METHODS`` (``interleaved``) have no target: a line ``info`` each gives their speed
+    over ``upper_bound``'s and their prediction error, and the simulator's target leaves them
+    out."""
     out = []
     by = {(r["cluster"], r["case"], r["method"]): r for r in records}
 
@@ -200,7 +229,13 @@ def targets(records: Sequence[dict]) -> list[str]:
         if ours and overlap:
             ratio = overlap["measured_step_s"] / ours["measured_step_s"]
             line(ratio >= 1, f"{case.name}: ours {ratio:.2f}x overlap (target >= 1)")
-    errors = [r for r in records if r["cluster"] == "emulated"]
+        for method in INFO_METHODS:
+            r = get(method)
+            if r and bound:
+                ratio = bound["measured_step_s"] / r["measured_step_s"]
+                out.append(f"info   {case.name}: {method} at {ratio:.2f}x the upper bound's speed, predicted "
+                           f"{r['prediction_error'] * 100:+.0f}% (no target)")
+    errors = [r for r in records if r["cluster"] == "emulated" and r["method"] not in INFO_METHODS]
     if errors:
         worst = max(errors, key=lambda r: abs(r["prediction_error"]))
         line(abs(worst["prediction_error"]) <= TARGET_PREDICTION_ERROR,
@@ -357,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             records, errors = records + got, errors + errs
         if records:
             shares = {(r["cluster"], r["case"]): r["transfer_share"] for r in records if r["method"] == "overlap"}
-            print("\nUnder 1F1B (overlap), the busiest link's transfer time per step over the busiest stage's "
+            print("\nUnder 1F1B (overlap), the busiest link's transfer time per step over the busiest mesh's "
                   "compute time per step (planner estimates over measured isolated compute):")
             for (cluster, case), share in shares.items():
                 print(f"  {cluster} {case}: {share * 100:.0f}%")

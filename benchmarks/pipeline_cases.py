@@ -5,26 +5,32 @@ cores and a micro-batch's activation is megabytes, well above the emulated
 links' token-bucket burst):
 
 - ``gpt`` at ``(data, model, pipeline) = (2, 2, 2)`` and ``(4, 1, 2)``: a
-  GPT of short, wide-batch micro-batches (``d_model`` 64), two blocks per stage,
-  so its boundary activations are large next to its compute, as in the
-  paper's setting where cross-mesh communication matters;
-- ``u_transformer`` at ``(4, 1, 2)``: a U-Net Transformer cut in two, so the
-  bottleneck path and all three long skips cross the stage boundary.
+  GPT of short, wide-batch micro-batches (``d_model`` 64), two blocks per
+  stage (one under ``interleaved``), so its boundary activations are large
+  next to its compute, as in the paper's setting where cross-mesh
+  communication matters;
+- ``u_transformer`` at ``(4, 1, 2)``: a U-Net Transformer cut in two (four
+  under ``interleaved``), so the bottleneck path and all three long skips
+  cross the stage boundary.
+
+A case's ``pipeline`` is its number of meshes, each of ``data x model``
+devices; every method but ``interleaved`` runs one stage per mesh.
 
 Methods (the paper's Fig. 7 and Fig. 9), each a ``PipeshardParallel``
 configuration:
 
-============  ================  ============  ==============  ==========
-method        resharding        schedule      weight delay    executor
-============  ================  ============  ==============  ==========
-send_recv     send_recv         1f1b          no              collective
-alpa          local_allgather   1f1b          no              collective
-broadcast     broadcast         1f1b          no              collective
-overlap       broadcast         1f1b          no              auto
-ours          broadcast         eager_1f1b    auto            auto
-zb_h1         broadcast         zb_h1         (its own)       auto
-upper_bound   signal            eager_1f1b    auto            auto
-============  ================  ============  ==============  ==========
+============  ================  ================  ==============  ==========
+method        resharding        schedule          weight delay    executor
+============  ================  ================  ==============  ==========
+send_recv     send_recv         1f1b              no              collective
+alpa          local_allgather   1f1b              no              collective
+broadcast     broadcast         1f1b              no              collective
+overlap       broadcast         1f1b              no              auto
+ours          broadcast         eager_1f1b        auto            auto
+zb_h1         broadcast         zb_h1             (its own)       auto
+interleaved   broadcast         interleaved_1f1b  no              auto
+upper_bound   signal            eager_1f1b        auto            auto
+============  ================  ================  ==============  ==========
 
 ``collective`` runs each transfer as one program over both meshes, so it
 holds both meshes' devices until it ends (the paper's baselines do not
@@ -32,6 +38,14 @@ overlap communication with compute); ``auto`` is asynchronous
 point-to-point moves across processes and ``jax.device_put`` inside one.
 ``upper_bound`` sends one byte per transfer with the same dependencies:
 what the schedule would take if communication were free.
+``interleaved`` is Megatron-LM's interleaved 1F1B (``interleaved_1f1b``)
+with virtual stages: the case's pipeline number is the meshes, each running
+two stages (stage ``k`` on mesh ``k mod pipeline``), so its model is cut in
+twice as many stages, each half as deep, as in the other rows (GPT_SIZE has 4
+layers and the U-Transformer 8 blocks, so both cut in 4); the cases'
+micro-batches are a multiple of the meshes, as the schedule needs. It has no
+target of its own: ``benchmarks.pipeline.targets`` prints its speed next to
+``upper_bound``'s for information.
 
 Importing this module touches neither JAX nor the network.
 """
@@ -62,11 +76,15 @@ class Case:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
+    """A ``PipeshardParallel`` configuration; ``stages_per_mesh`` stages run on each of the case's
+    ``pipeline`` meshes (virtual stages above 1)."""
+
     name: str
     resharding: str
     schedule: str
     weight_delay: bool | str
     executor: str
+    stages_per_mesh: int = 1
 
 
 CASES = (
@@ -82,6 +100,7 @@ METHODS = (
     Method("overlap", "broadcast", "1f1b", False, "auto"),
     Method("ours", "broadcast", "eager_1f1b", "auto", "auto"),
     Method("zb_h1", "broadcast", "zb_h1", False, "auto"),
+    Method("interleaved", "broadcast", "interleaved_1f1b", False, "auto", stages_per_mesh=2),
     Method("upper_bound", "signal", "eager_1f1b", "auto", "auto"),
 )
 
@@ -95,7 +114,11 @@ UT_HW = 32
 
 
 def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tuple[Callable, Any, Any]:
-    """``(step, state, batch)``: the parallelized train step (Adam), its initial state and a batch."""
+    """``(step, state, batch)``: the parallelized train step (Adam), its initial state and a batch.
+
+    The model is cut in ``pipeline * method.stages_per_mesh`` stages, placed on ``pipeline``
+    meshes of ``(data, model)`` devices.
+    """
     import jax
     import optax
     from flax.training import train_state
@@ -103,7 +126,8 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
     import meshpar
     from examples.train_step import supervised_step
 
-    data, model_axis, stages = case.config
+    data, model_axis, meshes = case.config
+    stages = meshes * method.stages_per_mesh
     if case.model == "gpt":
         from examples.gpt import GPT, gpt_batch, gpt_loss
 
@@ -122,7 +146,8 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
     state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-3))
 
     parallel = meshpar.PipeshardParallel(
-        num_micro_batches=case.micro_batches, num_stages=stages, stage_mesh_shape=(data, model_axis),
+        num_micro_batches=case.micro_batches, num_stages=stages, stages_per_mesh=method.stages_per_mesh,
+        stage_mesh_shape=(data, model_axis),
         schedule=method.schedule, weight_delay=method.weight_delay, resharding=method.resharding,
         balancer="ensemble", executor=method.executor, cluster=cluster, timeout_s=timeout_s,
     )

@@ -22,8 +22,10 @@ Per case (``benchmarks.pipeline_cases.CASES``) and method (``METHODS``):
 
 Each process appends JSON lines to ``<--out>/p<process>.jsonl``, flushed per
 record: ``{"kind": "method", ...}`` with its step times, the compiled
-schedule (to rebuild it for the simulator) and the planner's estimate of
-every transfer, ``{"kind": "done"}``, or ``{"kind": "error", ...}`` before
+schedule (to rebuild it for the simulator: its stages, its meshes and which
+mesh runs each stage, edges, per-mesh weight delays; ``schedule_spec``), the
+per-stage peak of live micro-batches, and the planner's estimate of every
+transfer, ``{"kind": "done"}``, or ``{"kind": "error", ...}`` before
 exiting non-zero. Every multi-process wait is bounded by ``--timeout``.
 """
 
@@ -89,15 +91,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def schedule_spec(schedule) -> dict:
+    """What the parent needs to rebuild ``schedule`` (``benchmarks.pipeline``'s ``_schedule``):
+    its name and sizes, its meshes (several stages share one with virtual stages), edges and
+    per-mesh weight delays."""
+    return {"name": schedule.name, "num_stages": schedule.num_stages, "num_meshes": schedule.num_meshes,
+            "stage_mesh": list(schedule.stage_mesh), "num_micro_batches": schedule.num_micro_batches,
+            "edges": [list(e) for e in schedule.edges],
+            "weight_delays": None if schedule.weight_delays is None else list(schedule.weight_delays)}
+
+
 def _transfer_estimates(executable, method, cluster) -> list[dict]:
-    """Per transfer of the program: what it is and the planner's estimated seconds."""
+    """Per transfer of the program: what it is and the planner's estimated seconds (none for an edge
+    between two stages of one mesh)."""
     from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind
     from meshpar.reshard import plan_between
 
     out = []
     for t in executable.program.transfers:
         num_bytes = t.dtype.itemsize * math.prod(t.shape)
-        if t.kind is TransferKind.SIGNAL:
+        if t.kind is TransferKind.LOCAL:
+            seconds = 0.0  # both stages on one mesh (virtual stages): the value does not move
+        elif t.kind is TransferKind.SIGNAL:
             seconds = cluster.latency + 1 / cluster.inter_host_bandwidth
         elif t.kind is TransferKind.DEVICE_PUT:
             seconds = num_bytes / cluster.intra_host_bandwidth
@@ -162,11 +177,9 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
                 "kind": "method", "model": case.model, "config": list(case.config), "case": case.name,
                 "method": method.name, "batch": case.batch, "step_times_s": times, "compile_s": compile_s,
                 "loss": float(loss) if loss_here else None,
-                "overlap": not all(t.kind is TransferKind.COLLECTIVE for t in executable.program.transfers),
-                "schedule": {"name": schedule.name, "num_stages": schedule.num_stages,
-                             "num_micro_batches": schedule.num_micro_batches,
-                             "edges": [list(e) for e in schedule.edges],
-                             "weight_delays": None if schedule.weight_delays is None else list(schedule.weight_delays)},
+                "overlap": not all(t.kind is TransferKind.COLLECTIVE for t in executable.program.transfers
+                                   if t.kind is not TransferKind.LOCAL),
+                "schedule": schedule_spec(schedule),
                 "transfers": _transfer_estimates(executable, method, cluster),
                 "peak_live_activations": executable.peak_live_activations,
                 "serialized_trace": f"{tag}-serialized.json",

@@ -11,20 +11,15 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from meshpar.cluster import Cluster
-from meshpar.mesh import DeviceMesh
+from meshpar.passes.pipeline.edge_transfer import EXECUTORS, TransferKind
+from meshpar.passes.pipeline.plan_moves import MoveKey, MoveOptions, default_cluster, plan_move, resharding_task
 from meshpar.passes.resharding.balancers import get_balancer
 from meshpar.passes.resharding.plan_resharding import plan_resharding
-from meshpar.passes.resharding.resharding_task import ReshardingTask
 from meshpar.passes.resharding.strategies import get_strategy
-from meshpar.passes.pipeline.edge_transfer import EXECUTORS
-from meshpar.passes.resharding.hop_program import lower_to_hops, replicate_scalar, verify_hop_program
-from meshpar.passes.resharding.round_gates import round_gates, verify_round_gates
-from meshpar.passes.resharding.transfer_program import lower_plan, verify_program
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.p2p_executor import ORDERS, P2PReshardExecutable
 from meshpar.runtime.remote import absent
 from meshpar.runtime.resharding_executor import ReshardingExecutable
-from meshpar.sharding_spec import ShardingSpec
 
 __all__ = ["EXECUTORS", "reshard", "plan_for", "plan_between", "prepare_reshard"]
 
@@ -39,39 +34,13 @@ def _named(sharding: Any, ndim: int, arg: str) -> NamedSharding:
     raise TypeError(f"{arg}: expected a NamedSharding (or a single-device array), got {type(sharding).__name__}")
 
 
-def _task(shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst: NamedSharding, cluster: Cluster) -> ReshardingTask:
-    def mesh(s: NamedSharding) -> DeviceMesh:
-        return DeviceMesh.from_jax(s.mesh, host_of=lambda d: cluster.host_of(d.id))
-
-    def spec(s: NamedSharding) -> ShardingSpec:
-        return ShardingSpec.from_partition_spec(s.spec, s.mesh.axis_names, len(shape))
-
-    return ReshardingTask(shape, np.dtype(dtype).itemsize, mesh(src), spec(src), mesh(dst), spec(dst))
-
-
 @functools.lru_cache(maxsize=256)
 def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, executor, order):
-    if shape == ():
-        if executor == "collective":
-            raise ValueError("x: a 0-d array has nothing to reshard with executor='collective'; use executor='p2p'")
-        ids = lambda s: tuple(d.id for d in s.mesh.devices.flat)  # noqa: E731
-        hops = replicate_scalar(ids(src), ids(dst))
-        verify_hop_program(hops)
-        return P2PReshardExecutable(hops, dtype, src, dst, order=order), None
-    task = _task(shape, dtype, src, dst, cluster)
-    plan = plan_resharding(task, cluster, strategy=strategy, balancer=balancer, chunks=chunks)
-    if executor == "collective":
-        program = lower_plan(plan)
-        verify_program(program)
-        return ReshardingExecutable(program, shape, dtype, src, dst), plan
-    hops = lower_to_hops(plan)
-    verify_hop_program(hops)
-    gates = ()
-    if order == "gated":
-        host_of = {d.id: d.process_index for s in (src, dst) for d in s.mesh.devices.flat}
-        gates = round_gates(hops, host_of)
-        verify_round_gates(hops, gates, host_of)
-    return P2PReshardExecutable(hops, dtype, src, dst, order=order, gates=gates), plan
+    kind = TransferKind.COLLECTIVE if executor == "collective" else TransferKind.P2P
+    move = plan_move(MoveKey.of(kind, shape, dtype, src, dst), MoveOptions(strategy, balancer, cluster, chunks, order))
+    if kind is TransferKind.COLLECTIVE:
+        return ReshardingExecutable(move.program, shape, dtype, src, dst), move.plan
+    return P2PReshardExecutable(move.program, dtype, src, dst, order=order, gates=move.gates), move.plan
 
 
 def plan_for(x: jax.Array, dst: NamedSharding, **kwargs: Any):
@@ -84,14 +53,9 @@ def plan_for(x: jax.Array, dst: NamedSharding, **kwargs: Any):
 def plan_between(shape, dtype, src: NamedSharding, dst: NamedSharding, *, strategy="broadcast",
                  balancer="ensemble", chunks=None, cluster=None):
     """The plan ``reshard`` would use for a ``shape``/``dtype`` array from ``src`` to ``dst``."""
-    cluster = cluster if cluster is not None else _default_cluster(src, dst)
-    task = _task(tuple(shape), np.dtype(dtype), src, dst, cluster)
+    cluster = cluster if cluster is not None else default_cluster(src, dst)
+    task = resharding_task(tuple(shape), np.dtype(dtype), src, dst, cluster)
     return plan_resharding(task, cluster, strategy=strategy, balancer=balancer, chunks=chunks)
-
-
-def _default_cluster(src: NamedSharding, dst: NamedSharding) -> Cluster:
-    devices = {d.id: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
-    return Cluster.from_devices(list(devices.values()))
 
 
 def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, strategy="broadcast",
@@ -110,7 +74,7 @@ def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, str
     get_strategy(strategy)
     get_balancer(balancer)
     if cluster is None:
-        cluster = _default_cluster(src, dst)
+        cluster = default_cluster(src, dst)
     elif not isinstance(cluster, Cluster):
         raise TypeError(f"cluster: expected a meshpar.Cluster, got {type(cluster).__name__}")
     executor = "p2p" if executor == "auto" else executor

@@ -23,18 +23,14 @@ from meshpar.batch_arguments import batch_size as check_batch, describe_argument
 from meshpar.grad_call import find_grad_call
 from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_variables, has_variables,
                                partition_specs, returning_updates)
-from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind, choose_transfer
+from meshpar.passes.pipeline.describe_pipeline import describe_pipeline
 from meshpar.passes.pipeline.micro_batching import resolve_micro_batching
 from meshpar.passes.pipeline.pipeline_passes import compile_pipeline, state_counterparts
-from meshpar.passes.pipeline.stage_graph import RefKind, StageGraph, StageMarkerError, user_location
-from meshpar.passes.pipeline.step_split import GradCallError, OuterCompute, OuterKind, OuterMove
+from meshpar.passes.pipeline.stage_graph import StageGraph, StageMarkerError, user_location
+from meshpar.passes.pipeline.step_split import GradCallError, OuterKind
 from meshpar.pipeshard_parallel import PipeshardParallel
-from meshpar.reshard import plan_between, prepare_reshard
 from meshpar.runtime.coordination import agree
-from meshpar.runtime.p2p_executor import device_sharding
 from meshpar.runtime.pipeline_executor import PipelineExecutable
-from meshpar.runtime.remote import absent
-from meshpar.runtime.signal_move import SignalMove
 from meshpar.runtime.spmd_step import SpmdStep
 
 __all__ = ["CompiledStep", "compile_step", "leaf_dtype"]
@@ -167,64 +163,22 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     )
     if method.single_program and compiled.graph.num_stages == 1 and M == 1:
         return CompiledStep(_single_program(compiled, outer, out_tree, method), state_updates)
-    # Each resharding program's fingerprint, as the executable prepares its moves: what the
-    # processes agree on below.
-    fingerprints: list[str] = []
     executable = PipelineExecutable(
         compiled.graph, compiled.split, compiled.layout, compiled.program, compiled.parts, compiled.meshes,
-        micro_batch_size, functools.partial(_prepare_move, method, fingerprints), out_tree, jax.tree.leaves(out_shapes),
-        compiled.micro_batching, timeout_s=method.timeout_s,
+        micro_batch_size, compiled.moves, out_tree, jax.tree.leaves(out_shapes),
+        compiled.micro_batching, timeout_s=method.timeout_s, description=describe_pipeline(compiled),
     )
     if jax.process_count() > 1:
         # One agreement for the whole pipeline: every process compiled the
         # same stages, schedule and moves, or all of them fail here.
         agree(
             f"pipeline/{getattr(fun, '__name__', 'step')}",
-            {"schedule": [str(t) for t in compiled.schedule.order], "moves": fingerprints},
+            {"schedule": [str(t) for t in compiled.schedule.order], "moves": compiled.moves.fingerprints},
             list(range(jax.process_count())),
             timeout_s=method.timeout_s,
             what=f"meshpar.parallelize({getattr(fun, '__name__', 'step')})",
         )
-    executable.describe = functools.partial(_describe, executable, method)  # type: ignore[attr-defined]
     return CompiledStep(executable, state_updates)
-
-
-def _prepare_move(method: PipeshardParallel, fingerprints: list[str], kind: TransferKind, shape: tuple,
-                  dtype: Any, src: NamedSharding, dst: NamedSharding) -> Callable[[Any], Any]:
-    """The move of one ``shape``/``dtype`` value from ``src`` to ``dst`` the way ``kind`` says,
-    appending its resharding program's fingerprint (if it has one) to ``fingerprints``."""
-    if kind in (TransferKind.LOCAL, TransferKind.DEVICE_PUT) and not any(
-            d.process_index == jax.process_index() for d in dst.mesh.devices.flat):
-        # Both meshes are another process's: it moves the value, this one only names it.
-        nothing = absent(shape, dtype, dst)
-        return lambda x: nothing
-    if kind is TransferKind.LOCAL:
-        # Two stages on one mesh: the value stays on its devices, relaid out there if need be.
-        return (lambda x: x) if src == dst else jax.jit(lambda x: x, out_shardings=dst)
-    if kind is TransferKind.DEVICE_PUT:
-        return functools.partial(jax.device_put, device=dst)
-    if kind is TransferKind.SIGNAL:
-        # The byte leaves from one source device (no collective over the source mesh) and
-        # moves as any 0-d value to every device of the destination mesh.
-        one = (device_sharding(src.mesh.devices.flat[0]), NamedSharding(dst.mesh, P()))
-        processes = [d.process_index for s in one for d in s.mesh.devices.flat]
-        carry = (functools.partial(jax.device_put, device=one[1])
-                 if choose_transfer("auto", processes, 0) is TransferKind.DEVICE_PUT
-                 else prepare_reshard((), np.uint8, *one, executor="p2p")[0])
-        return SignalMove(shape, dtype, src, dst, carry)
-    executable, _ = prepare_reshard(
-        shape, dtype, src, dst, strategy=method.resharding, balancer=method.balancer,
-        cluster=method.cluster, executor=kind.value)
-    fingerprints.append(executable.program.fingerprint)
-    if kind is TransferKind.COLLECTIVE and not executable.participates:
-        nothing = absent(shape, dtype, dst)
-        return lambda x: nothing
-    if kind is TransferKind.COLLECTIVE:
-        # Collectives in flight at once could start in different orders on different
-        # devices (processes, or a process's device threads) and deadlock: each
-        # completes before the next launch.
-        return functools.partial(executable, complete_within=method.timeout_s)
-    return executable
 
 
 def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardParallel) -> SpmdStep:
@@ -235,9 +189,9 @@ def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardP
     ins = [p.on(0) if p.meshes else read_as.get(i, NamedSharding(mesh, P(method.data_axis)))
            for i, p in enumerate(layout.in_placements)]
     outs = [p.on(0) if p is not None and p.meshes else None for p in layout.out_placements]
-    step = SpmdStep(outer, compiled.micro_batching, ins, outs, out_tree, layout, compiled.meshes)
-    step.describe = lambda: (f"one stage, one micro-batch on mesh {dict(mesh.shape)}: one SPMD program "
-                             f"(PipeshardParallel.single_program)")
+    step = SpmdStep(outer, compiled.micro_batching, ins, outs, out_tree, layout, compiled.meshes,
+                    description=f"one stage, one micro-batch on mesh {dict(mesh.shape)}: one SPMD program "
+                                f"(PipeshardParallel.single_program)")
     return step
 
 
@@ -271,70 +225,3 @@ def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
         )
     if method.num_stages is None:
         method.check_placement(S, "stage markers + 1")
-
-
-def _describe(executable: PipelineExecutable, method: PipeshardParallel) -> str:
-    """Stages, meshes, shardings, each cross-mesh transfer's plan, and the schedule."""
-    schedule = executable.schedule
-    split = ("whole backwards" if not schedule.split_backward else
-             "backwards split into input (I) and weight (W) passes, "
-             + (f"weight passes delayed by {list(schedule.weight_delays)} compute tasks per stage"
-                if schedule.weight_delays is not None else "stage s holding back s weight passes"))
-    lines = [f"pipeline: {executable.graph.num_stages} stages, {executable.num_micro_batches} micro-batches "
-             f"of {executable.micro_batch_size}, schedule {schedule.name}, {split}"]
-    for stage in executable.graph.stages:
-        mesh = executable.stage_meshes[stage.index]
-        specs = [sh.spec for sh in executable.layout.grad_shardings[stage.index]]
-        # A spec naming a size-1 axis leaves its dimension whole on every device: not sharded.
-        split_over = [{a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)
-                       if mesh.shape[a] > 1} for spec in specs]
-        sharded = sum(1 for axes in split_over if axes)
-        placed = (f"{sharded} sharded over {', '.join(map(repr, sorted(set().union(*split_over))))}, the rest replicated"
-               if sharded else "all replicated")
-        others = [str(r) for r in stage.inputs if r.kind is not RefKind.PARAM]
-        lines.append(
-            f"  stage {stage.index}: mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}; "
-            f"{len(specs)} parameter leaves ({placed}); also reads {', '.join(others) or 'nothing else'}"
-        )
-    for t in executable.program.transfers:
-        if t.kind is TransferKind.LOCAL:
-            how = "local: both stages on one mesh, no move"
-        elif t.kind is TransferKind.DEVICE_PUT:
-            # The plan still says what the move costs on the cluster, and how it runs across processes.
-            plan = plan_between(t.shape, t.dtype, t.src, t.dst, strategy=method.resharding,
-                                balancer=method.balancer, cluster=method.cluster)
-            how = (f"jax.device_put, since one process owns both meshes; across processes the plan is "
-                   f"{plan.summary()}")
-        elif t.kind is TransferKind.SIGNAL:
-            how = "signal: one byte with the same dependencies, zeros delivered (upper-bound run)"
-        elif not t.shape:
-            how = f"{t.kind.value}: a scalar, replicated to every device"
-        else:
-            plan = plan_between(t.shape, t.dtype, t.src, t.dst, strategy=method.resharding,
-                                balancer=method.balancer, cluster=method.cluster)
-            how = f"{t.kind.value}: {plan.summary()}"
-        what = "activation" if t.direction is Direction.ACTIVATION else "gradient"
-        value = jax.core.ShapedArray(t.shape, t.dtype).str_short()
-        lines.append(f"  {what} {executable.edges[t.edge][2]} {value} stage {t.src_stage} -> {t.dst_stage}: {how}")
-    lines.append("  launch order: " + " ".join(map(str, schedule.order)))
-    mb = executable.micro_batching
-    aux = ", ".join(f"aux{k} {r.value}" for k, r in enumerate(mb.aux))
-    lines.append(f"  micro-batches combine: loss and gradients by {mb.reduction}" + (f"; {aux}" if aux else "")
-                 + (f"; {len(mb.fold_keys)} PRNG key(s) folded with the micro-batch index" if mb.fold_keys else ""))
-    for phase, steps in (("before the pipeline", executable.split.before), ("after it", executable.split.after)):
-        computes = [st for st in steps if isinstance(st, OuterCompute)]
-        moves = [st for st in steps if isinstance(st, OuterMove)]
-        if not steps:
-            continue
-        lines.append(f"  {phase}: {len(computes)} computations on meshes {sorted({c.mesh for c in computes})}"
-                     + "".join(f"; {_values_str(executable.split, mv.values)} move{'s' * (len(mv.values) == 1)} "
-                               f"mesh {mv.src} -> {mv.dst}" + (" packed into one transfer" if len(mv.values) > 1 else "")
-                               for mv in moves))
-    return "\n".join(lines)
-
-
-def _values_str(split: Any, values: Sequence[Any]) -> str:
-    """``values`` for a description: each one, or a count when there are many."""
-    if len(values) <= 3:
-        return ", ".join(f"{v} {split.avals[v].str_short()}" for v in values)
-    return f"{len(values)} values ({split.avals[values[0]].str_short()}, ...)"

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind
 from meshpar.passes.pipeline.micro_batching import AuxReduction, MicroBatching
+from meshpar.passes.pipeline.plan_moves import MoveKey, MoveTable
 from meshpar.passes.pipeline.pipeline_program import BufferId, BufferKind, PipelineProgram
 from meshpar.passes.pipeline.stage_graph import RefKind, StageGraph
 from meshpar.passes.pipeline.stage_parts import StageParts
@@ -28,22 +29,19 @@ from meshpar.passes.pipeline.step_layout import StepLayout, ValueMove
 from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, OuterStep, StepSplit
 from meshpar.passes.pipeline.wire_format import from_wire
 from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals
+from meshpar.runtime.move_handlers import Move, prepare_move
 from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, StageInputs
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import compile_stage, on_mesh
 from meshpar.runtime.step_trace import StepRecorder
 
-__all__ = ["LAUNCH_WINDOW", "PipelineExecutable", "PrepareMove"]
+__all__ = ["LAUNCH_WINDOW", "PipelineExecutable"]
 
 # Unfinished launches a process keeps in flight with several processes
 # (``ProgramInterpreter``'s launch_window): enough to run ahead into the next
 # micro-batches, well under what XLA's CPU client holds before it blocks.
 LAUNCH_WINDOW = 8
-
-# (kind, shape, dtype, src, dst) -> a callable moving such a value from src to dst.
-PrepareMove = Callable[[TransferKind, tuple, Any, NamedSharding, NamedSharding], Callable[[jax.Array], jax.Array]]
-
 
 class PipelineExecutable:
     """A traced, split, scheduled and lowered train step, ready to run.
@@ -56,11 +54,13 @@ class PipelineExecutable:
       parts: per stage, its forward and backward parts.
       meshes: the pipeline's meshes (``program.schedule.stage_mesh`` places each stage on one).
       micro_batch_size: examples per micro-batch.
-      prepare_move: builds each move once, at construction.
+      moves: every move of the step, planned and lowered (``passes.pipeline.plan_moves``); each
+        is prepared once, at construction, by its executor's runtime handler.
       out_tree, out_avals: the step's output treedef, shapes and dtypes.
       micro_batching: how micro-batches combine (loss reduction, aux reductions, key folding).
       timeout_s: how long a process waits, at the end of a step, for values
         other processes send it (multi-process runs only).
+      description: what ``describe()`` returns (``passes.pipeline.describe_pipeline``).
     """
 
     def __init__(
@@ -72,13 +72,15 @@ class PipelineExecutable:
         parts: Sequence[StageParts],
         meshes: Sequence[Mesh],
         micro_batch_size: int,
-        prepare_move: PrepareMove,
+        moves: MoveTable,
         out_tree: Any,
         out_avals: Sequence[Any],
         micro_batching: MicroBatching,
         timeout_s: float = 120.0,
+        description: str = "",
     ) -> None:
         self.graph, self.split, self.layout, self.program = graph, split, layout, program
+        self.description = description
         self.schedule = program.schedule
         self.meshes = tuple(meshes)
         self.home = program.schedule.stage_mesh
@@ -93,8 +95,8 @@ class PipelineExecutable:
         # this process's.
         self.mesh_local = [any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
         self.local = [self.mesh_local[m] for m in self.home]
-        self._prepare_move = prepare_move
-        self._prepared: dict[tuple, Callable[[jax.Array], jax.Array]] = {}
+        self.moves = moves
+        self._prepared: dict[MoveKey, Move] = {}
         in_ct = {t.edge: t.src for t in program.transfers if t.direction is Direction.COTANGENT}
         out_sh = {(t.src_stage, t.slot): t.src for t in program.transfers if t.direction is Direction.ACTIVATION}
         self.executables = [
@@ -139,10 +141,10 @@ class PipelineExecutable:
         self.peak_live_activations: list[int] = [0] * graph.num_stages
         self.peak_weight_states: list[int] = [0] * graph.num_stages
 
-    def _move(self, kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding):
-        key = (kind, tuple(shape), np.dtype(dtype), src, dst)
+    def _move(self, kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding) -> Move:
+        key = MoveKey.of(kind, shape, dtype, src, dst)
         if key not in self._prepared:
-            self._prepared[key] = self._prepare_move(kind, tuple(shape), np.dtype(dtype), src, dst)
+            self._prepared[key] = prepare_move(self.moves.of(key), self.timeout_s)
         return self._prepared[key]
 
     def _prepare(self, move: ValueMove) -> Callable[[jax.Array], jax.Array]:
@@ -157,6 +159,10 @@ class PipelineExecutable:
             return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
         return on_mesh(jax.jit(run), self.meshes[compute.mesh])
+
+    def describe(self) -> str:
+        """Stages, meshes, shardings, each move's executor and plan, and the schedule."""
+        return self.description
 
     def compiled_count(self) -> int:
         """Executables compiled so far: constant across steps after the first."""

@@ -45,12 +45,13 @@ class SpmdStep:
 
     def __init__(self, jaxpr: core.ClosedJaxpr, micro_batching: MicroBatching,
                  in_shardings: Sequence[NamedSharding], out_shardings: Sequence[NamedSharding | None],
-                 out_tree: Any, layout: StepLayout, meshes: Sequence[Mesh]) -> None:
+                 out_tree: Any, layout: StepLayout, meshes: Sequence[Mesh], description: str = "") -> None:
         if micro_batching.num_micro_batches != 1:
             raise ValueError(f"micro_batching: one SPMD program runs one micro-batch, got "
                              f"{micro_batching.num_micro_batches}")
         self.out_tree = out_tree
         self.layout, self.meshes = layout, tuple(meshes)
+        self.description = description
         self.in_shardings = tuple(in_shardings)
         fold = micro_batching.fold_keys
 
@@ -67,6 +68,10 @@ class SpmdStep:
         run): ``.compile().as_text()`` is the HLO a step executes."""
         return self._run.lower(*[jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x), sharding=s)
                                  for x, s in zip(leaves, self.in_shardings)])
+
+    def describe(self) -> str:
+        """What runs: one SPMD program on one mesh."""
+        return self.description
 
     def compiled_count(self) -> int:
         """Executables compiled so far: one after the first step."""

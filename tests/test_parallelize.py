@@ -149,7 +149,8 @@ def test_describe_shows_stages_plans_and_schedule():
     state = make_state(model, batch["x"][:1])
     parallel = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 2)))
     text = parallel.get_executable(state, batch).describe()
-    assert "stage 0: mesh {'data': 2, 'model': 2}" in text and "stage 1:" in text
+    assert "stage 0: mesh 0 {'data': 2, 'model': 2}" in text and "stage 1: mesh 1" in text
+    assert "2 stages on 2 meshes (one stage per mesh)" in text
     assert ("activation act0.0 float32[8,16] stage 0 -> 1: jax.device_put, since one process owns both meshes; "
             "across processes the plan is S0R(2, 2) -> S0R(2, 2)") in text
     forced = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(

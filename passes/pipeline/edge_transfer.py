@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding
 from .mesh_assignment import batch_sharding
 from .stage_graph import is_differentiable
 
-__all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "TransferKind", "choose_transfer", "plan_edge_transfers"]
+__all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "TransferKind", "choose_transfer", "plan_edge_transfers",
+           "verify_edge_transfers"]
 
 EXECUTORS = ("auto", "p2p", "collective")
 
@@ -139,3 +140,29 @@ def plan_edge_transfers(
             kind = choose_transfer(executor, processes, len(shape), strategy, same_mesh=meshes[a] == meshes[b])
             out.append(EdgeTransfer(e, direction, a, b, slot, shape, np.dtype(aval.dtype), src, dst, kind))
     return tuple(out)
+
+
+def verify_edge_transfers(transfers: Sequence[EdgeTransfer], edges: Sequence[tuple[int, int, int]],
+                          meshes: Sequence[Mesh]) -> None:
+    """Each edge's activation moves producer -> consumer once, its cotangent (if any) back once,
+    each from its stage's mesh to the other's; ``LOCAL`` exactly between stages on one mesh.
+    ``meshes`` per stage.
+
+    Raises:
+      PlanVerificationError: naming the transfer.
+    """
+    from ..verification import PlanVerificationError
+
+    seen: set[tuple[int, Direction]] = set()
+    for t in transfers:
+        p, c, slot = edges[t.edge]
+        want = (p, c) if t.direction is Direction.ACTIVATION else (c, p)
+        if (t.src_stage, t.dst_stage) != want or t.slot != slot or (t.edge, t.direction) in seen:
+            raise PlanVerificationError(f"{t} does not carry edge {t.edge} ({p} -> {c}, slot {slot}) once")
+        seen.add((t.edge, t.direction))
+        if t.src.mesh != meshes[t.src_stage] or t.dst.mesh != meshes[t.dst_stage]:
+            raise PlanVerificationError(f"{t} is laid out on other meshes than its stages'")
+        if (t.kind is TransferKind.LOCAL) != (meshes[t.src_stage] == meshes[t.dst_stage]):
+            raise PlanVerificationError(f"{t}: local exactly when both stages share a mesh")
+    if {e for e, d in seen if d is Direction.ACTIVATION} != set(range(len(edges))):
+        raise PlanVerificationError("an edge's activation has no transfer")

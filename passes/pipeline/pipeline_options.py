@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh
 
+from ..model.cluster import Cluster
+
 __all__ = ["PipelineOptions", "PlacementOptions", "ScheduleOptions", "TransferOptions"]
 
 
@@ -66,6 +68,7 @@ class TransferOptions:
       balancer: the resharding balancer.
       inter_host_bandwidth, intra_host_bandwidth: bytes/s, positive.
       timeout_s: seconds a process waits for its peers, positive.
+      cluster: the hosts and links moves are planned on (``None``: one host per process).
     """
 
     executor: str
@@ -74,6 +77,7 @@ class TransferOptions:
     inter_host_bandwidth: float
     intra_host_bandwidth: float
     timeout_s: float
+    cluster: Cluster | None = None
 
 
 @dataclasses.dataclass(frozen=True)

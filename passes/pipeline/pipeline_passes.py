@@ -1,22 +1,28 @@
 """The pipeline compiler: one visible list of passes, each followed by its IR's verifier.
 
-``compile_pipeline`` runs, in order:
+``compile_pipeline`` runs, in order (each IR checked by its verifier right after the
+pass that made it):
 
 1. ``split_stages``: the loss jaxpr cut at stage markers -> ``StageGraph``;
-2. ``split_step``: the rest of the step (values the loss reads, the update) per
+2. ``place_stages``: the device meshes, and each stage placed on one as the
+   schedule places them (a mesh may host several: virtual stages) ->
+   ``StageMeshMap``;
+3. ``split_step``: the rest of the step (values the loss reads, the update) per
    mesh, with the moves between meshes -> ``StepSplit``;
-3. ``place_stages``: the device meshes, and each stage placed on one (a mesh
-   may host several: virtual stages) -> ``StageMeshMap``;
 4. ``layout_step``: where every value lives -> ``StepLayout``;
 5. ``stage_parts``: each stage's forward, backward and split backward jaxprs;
-6. ``plan_edge_transfers``: how each boundary value moves, both ways;
-7. ``estimate_durations`` and ``weight_delays``: task durations from the cost
-   model, and each stage's weight-pass delay chosen by simulating the
+6. ``plan_edge_transfers``: how each boundary value moves, both ways ->
+   ``EdgeTransfer``s (``LOCAL`` between stages on one mesh);
+7. ``plan_moves``: every value crossing meshes (boundary values, parameter
+   fetches, gradients, the moves around the pipeline) planned, lowered by its
+   executor and verified -> ``MoveTable``;
+8. ``estimate_durations`` and ``weight_delays``: task durations from the cost
+   model, and each mesh's weight-pass delay chosen by simulating the
    schedule with them (``schedule_simulator``);
-8. ``make_schedule``: the typed tasks and the networkx dependency graph
-   (checked acyclic) -> ``PipelineSchedule``;
-9. ``lower_to_program``: per-mesh instructions over typed buffers ->
-   ``PipelineProgram``.
+9. ``make_schedule``: the typed tasks per mesh and the networkx dependency
+   graph (checked acyclic) -> ``PipelineSchedule``;
+10. ``lower_to_program``: per-mesh instructions over typed buffers ->
+    ``PipelineProgram``.
 
 Like XLA's ``HloPassPipeline``, a verifier failure names the pass whose
 output broke the invariant.
@@ -32,9 +38,10 @@ from jax._src import core
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ..simulation.cost_model import estimate_durations
-from .edge_transfer import TransferKind, plan_edge_transfers
+from .edge_transfer import EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
 from .mesh_assignment import place_stages
 from .pipeline_options import PipelineOptions
+from .plan_moves import MoveKey, MoveOptions, MoveTable, plan_moves, verify_move_table
 from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
 from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
 from ..simulation.schedule_simulator import TaskDurations
@@ -42,7 +49,7 @@ from .layer_clustering import insert_layer_markers
 from .stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
 from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
-from .step_layout import StepLayout, layout_step
+from .step_layout import StepLayout, layout_step, verify_step_layout
 from .step_primitives import pipeline_grad_p
 from .step_split import StepSplit, split_step, verify_step_split
 from .wire_format import wire_aval
@@ -70,6 +77,8 @@ class CompiledPipeline:
     program: PipelineProgram
     durations: TaskDurations
     micro_batching: MicroBatching
+    moves: MoveTable
+    micro_batch_size: int
 
     @property
     def stage_meshes(self) -> tuple[Mesh, ...]:
@@ -129,19 +138,25 @@ def compile_pipeline(
         [() if per_mb and _is_batch_leaf(outer, k, graph, batch_leaves) else r
          for k, (r, per_mb) in enumerate(zip(readers, micro_batching.per_micro_batch))],
         counterparts), lambda sp: verify_step_split(sp, P))
-    layout = layout_step(graph, split, meshes, home, leaves, specs, batch_leaves, options.micro_batch_size,
-                         counterparts, options.transfers.executor, options.transfers.resharding,
-                         micro_batching.per_micro_batch, micro_batching.fold_keys, axis_names=axis_names)
+    layout = _run("layout_step", lambda: layout_step(
+        graph, split, meshes, home, leaves, specs, batch_leaves, options.micro_batch_size, counterparts,
+        options.transfers.executor, options.transfers.resharding, micro_batching.per_micro_batch,
+        micro_batching.fold_keys, axis_names=axis_names), lambda lay: verify_step_layout(lay, split, meshes, home))
     parts = tuple(
         _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s, graph.differentiated_slots(s.index)), lambda p, s=s: verify_stage_parts(s, p))
         for s in graph.stages
     )
     edges = graph.edges()
-    transfers = plan_edge_transfers(
-        [(p, c, ref.slot) for p, c, ref in edges],
-        [wire_aval(graph.stages[p].jaxpr.out_avals[ref.slot]) for p, _, ref in edges],
-        placed.stage_meshes, options.micro_batch_size, options.transfers.executor, options.transfers.resharding, options.placement.data_axis,
-    )
+    triples = [(p, c, ref.slot) for p, c, ref in edges]
+    transfers = _run("plan_edge_transfers", lambda: plan_edge_transfers(
+        triples, [wire_aval(graph.stages[p].jaxpr.out_avals[ref.slot]) for p, _, ref in edges],
+        placed.stage_meshes, options.micro_batch_size, options.transfers.executor, options.transfers.resharding,
+        options.placement.data_axis), lambda ts: verify_edge_transfers(ts, triples, placed.stage_meshes))
+    keys = step_moves(transfers, layout)
+    transfer_options = options.transfers
+    moves = _run("plan_moves", lambda: plan_moves(keys, MoveOptions(
+        transfer_options.resharding, transfer_options.balancer, transfer_options.cluster)),
+        lambda table: verify_move_table(table, keys))
     schedule_edges = [(p, c) for p, c, _ in edges]
     durations = estimate_durations(parts, placed.stage_meshes, transfers, len(edges), options.transfers.inter_host_bandwidth,
                                    options.transfers.intra_host_bandwidth)
@@ -164,7 +179,18 @@ def compile_pipeline(
                   if ref.slot not in graph.differentiated_slots(p)),
     )
     program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers), verify_pipeline_program)
-    return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching)
+    return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching, moves,
+                            options.micro_batch_size)
+
+
+def step_moves(transfers: Sequence[EdgeTransfer], layout: StepLayout) -> list[MoveKey]:
+    """Every move of a step, in the order the runtime prepares them: the program's transfers,
+    then parameter fetches, gradient moves and the moves around the pipeline."""
+    keys = [MoveKey.of(t.kind, t.shape, t.dtype, t.src, t.dst) for t in transfers]
+    value_moves = [op.fetch for ops in layout.stage_operands for op in ops if op.fetch]
+    value_moves += [mv for moves in layout.gradient_moves for mv in moves if mv]
+    value_moves += list(layout.outer_moves.values())
+    return keys + [MoveKey.of(v.kind, v.shape, v.dtype, v.src, v.dst) for v in value_moves]
 
 
 def _is_batch_leaf(outer: core.ClosedJaxpr, k: int, graph: StageGraph, batch_leaves: frozenset[int]) -> bool:

@@ -26,7 +26,7 @@ from .micro_batching import is_key
 from .stage_graph import RefKind, StageGraph
 from .step_split import OuterKind, OuterMove, OuterRef, StepSplit
 
-__all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step"]
+__all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step", "verify_step_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,3 +227,43 @@ def layout_step(
         tuple(in_placements), tuple(out_placements), tuple(operands),
         tuple(grad_shardings), tuple(gradient_moves), value_shardings, outer_moves,
     )
+
+
+def verify_step_layout(layout: StepLayout, split: StepSplit, meshes: Sequence[Mesh], stage_mesh: Sequence[int]) -> None:
+    """Every sharding on the mesh it is for: each placement on its meshes, each stage's operands
+    and gradients on its stage's mesh, each move from where its value is to where it is read;
+    every move around the pipeline planned.
+
+    Raises:
+      PlanVerificationError: naming the value.
+    """
+    from ..verification import PlanVerificationError
+
+    def on(sharding: NamedSharding, mesh: int, what: str) -> None:
+        if sharding.mesh != meshes[mesh]:
+            raise PlanVerificationError(f"{what} is laid out on another mesh than mesh {mesh}")
+
+    for i, placement in enumerate(layout.in_placements):
+        if len(placement.shardings) != len(placement.meshes):
+            raise PlanVerificationError(f"input leaf {i}: {len(placement.shardings)} shardings for "
+                                        f"{len(placement.meshes)} meshes")
+        for sharding, mesh in zip(placement.shardings, placement.meshes):
+            on(sharding, mesh, f"input leaf {i}")
+    for s, (ops, grads, moves) in enumerate(zip(layout.stage_operands, layout.grad_shardings, layout.gradient_moves)):
+        home = stage_mesh[s]
+        for op in ops:
+            on(op.sharding, home, f"stage {s}'s operand {op.position}")
+            if op.fetch is not None and op.fetch.dst != op.sharding:
+                raise PlanVerificationError(f"stage {s}'s operand {op.position} is fetched to another sharding")
+        for k, (sharding, move) in enumerate(zip(grads, moves)):
+            on(sharding, home, f"stage {s}'s gradient {k}")
+            if move is not None and move.src != sharding:
+                raise PlanVerificationError(f"stage {s}'s gradient {k} moves from another sharding than its own")
+    for (ref, mesh), sharding in layout.value_shardings.items():
+        on(sharding, mesh, f"{ref}")
+    missing = [mv for mv in split.moved() if mv not in layout.outer_moves]
+    if missing:
+        raise PlanVerificationError(f"{missing[0]} around the pipeline has no planned move")
+    for mv, vm in layout.outer_moves.items():
+        on(vm.src, mv.src, f"the move of {mv.values[0]} (source)")
+        on(vm.dst, mv.dst, f"the move of {mv.values[0]} (destination)")

@@ -16,7 +16,8 @@ from jax._src import core
 from jax._src.lax.control_flow.loops import scan_p
 from jax.sharding import Mesh
 
-from ..pipeline.edge_transfer import Direction, EdgeTransfer, TransferKind
+from ..pipeline.edge_transfer import Direction, EdgeTransfer
+from ..pipeline.plan_moves import MOVE_EXECUTORS
 from .schedule_simulator import StageSeconds, TaskDurations
 from ..pipeline.stage_graph import subjaxprs
 from ..pipeline.stage_parts import StageParts
@@ -111,9 +112,10 @@ def estimate_durations(
     """
     seconds = {Direction.ACTIVATION: [0.0] * num_edges, Direction.COTANGENT: [0.0] * num_edges}
     for t in transfers:
-        if t.kind is TransferKind.LOCAL:
+        bandwidth_of = MOVE_EXECUTORS[t.kind].bandwidth
+        if bandwidth_of is None:
             continue
-        bandwidth = intra_host_bandwidth if t.kind is TransferKind.DEVICE_PUT else inter_host_bandwidth
+        bandwidth = bandwidth_of(inter_host_bandwidth, intra_host_bandwidth)
         seconds[t.direction][t.edge] += transfer_seconds(t.dtype.itemsize * math.prod(t.shape), bandwidth)
     return TaskDurations(
         tuple(_stage_seconds(p, meshes[p.stage]) for p in parts),

@@ -1,0 +1,78 @@
+"""What a compiled pipeline does, in words: read from its IRs, planning nothing.
+
+``describe_pipeline`` is what ``ParallelizedStep.get_executable(...).describe()`` returns: the
+schedule, each stage's mesh and parameter shardings, every boundary move with its executor
+and plan (``MoveTable``), how micro-batches combine, and what runs around the pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jax._src import core
+
+from .edge_transfer import Direction
+from .plan_moves import MoveKey
+from .stage_graph import RefKind
+from .step_split import OuterCompute, OuterMove
+
+__all__ = ["describe_pipeline"]
+
+
+def describe_pipeline(compiled: Any) -> str:
+    """``compiled`` (a ``CompiledPipeline``) described line by line."""
+    schedule, graph = compiled.schedule, compiled.graph
+    split = ("whole backwards" if not schedule.split_backward else
+             "backwards split into input (I) and weight (W) passes, "
+             + (f"weight passes delayed by {list(schedule.weight_delays)} compute tasks per mesh"
+                if schedule.weight_delays is not None else "stage s holding back s weight passes"))
+    placement = ("one stage per mesh" if schedule.num_meshes == schedule.num_stages
+                 else f"{schedule.num_stages // schedule.num_meshes} stages per mesh (stage k on mesh k mod "
+                      f"{schedule.num_meshes})")
+    lines = [f"pipeline: {graph.num_stages} stages on {schedule.num_meshes} meshes ({placement}), "
+             f"{schedule.num_micro_batches} micro-batches of {compiled.micro_batch_size}, schedule {schedule.name}, "
+             f"{split}"]
+    for stage in graph.stages:
+        home = schedule.stage_mesh[stage.index]
+        mesh = compiled.meshes[home]
+        specs = [sh.spec for sh in compiled.layout.grad_shardings[stage.index]]
+        # A spec naming a size-1 axis leaves its dimension whole on every device: not sharded.
+        split_over = [{a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)
+                       if mesh.shape[a] > 1} for spec in specs]
+        sharded = sum(1 for axes in split_over if axes)
+        placed = (f"{sharded} sharded over {', '.join(map(repr, sorted(set().union(*split_over))))}, the rest replicated"
+                  if sharded else "all replicated")
+        others = [str(r) for r in stage.inputs if r.kind is not RefKind.PARAM]
+        lines.append(
+            f"  stage {stage.index}: mesh {home} {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}; "
+            f"{len(specs)} parameter leaves ({placed}); also reads {', '.join(others) or 'nothing else'}"
+        )
+    edges = graph.edges()
+    for t in compiled.program.transfers:
+        how = compiled.moves.of(MoveKey.of(t.kind, t.shape, t.dtype, t.src, t.dst)).summary()
+        what = "activation" if t.direction is Direction.ACTIVATION else "gradient"
+        value = core.ShapedArray(t.shape, t.dtype).str_short()
+        lines.append(f"  {what} {edges[t.edge][2]} {value} stage {t.src_stage} -> {t.dst_stage}: {how}")
+    lines.append("  launch order: " + " ".join(map(str, schedule.order)))
+    mb = compiled.micro_batching
+    aux = ", ".join(f"aux{k} {r.value}" for k, r in enumerate(mb.aux))
+    lines.append(f"  micro-batches combine: loss and gradients by {mb.reduction}" + (f"; {aux}" if aux else "")
+                 + (f"; {len(mb.fold_keys)} PRNG key(s) folded with the micro-batch index" if mb.fold_keys else ""))
+    for phase, steps in (("before the pipeline", compiled.split.before), ("after it", compiled.split.after)):
+        computes = [st for st in steps if isinstance(st, OuterCompute)]
+        moves = [st for st in steps if isinstance(st, OuterMove)]
+        if not steps:
+            continue
+        lines.append(f"  {phase}: {len(computes)} computations on meshes {sorted({c.mesh for c in computes})}"
+                     + "".join(f"; {_values_str(compiled.split, mv.values)} move{'s' * (len(mv.values) == 1)} "
+                               f"mesh {mv.src} -> {mv.dst}" + (" packed into one transfer" if len(mv.values) > 1 else "")
+                               for mv in moves))
+    return "\n".join(lines)
+
+
+def _values_str(split: Any, values: Sequence[Any]) -> str:
+    """``values`` for a description: each one, or a count when there are many."""
+    if len(values) <= 3:
+        return ", ".join(f"{v} {split.avals[v].str_short()}" for v in values)
+    return f"{len(values)} values ({split.avals[values[0]].str_short()}, ...)"

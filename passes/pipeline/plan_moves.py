@@ -1,0 +1,291 @@
+"""Pass: every value that crosses two meshes gets its plan, its lowered program and its executor.
+
+A compiled step moves values in four places: the program's boundary transfers
+(activations, cotangents, skip connections), the parameters a stage reads from
+their owner's mesh, the gradients sent back there, and the moves around the
+pipeline (the update's parameter and scalar moves). Each distinct move
+``(kind, shape, dtype, src, dst)`` becomes one ``PlannedMove``, made by its
+executor's entry of ``MOVE_EXECUTORS`` and verified there; ``MoveTable``
+holds them all. The runtime builds one callable per entry
+(``meshpar.runtime.move_handlers``), and ``describe()`` reads the plans:
+neither plans anything.
+
+Executors (``TransferKind``), one entry each:
+
+- ``LOCAL``: both ends on one mesh (virtual stages): no plan, no program;
+- ``DEVICE_PUT``: one process owns both meshes: ``jax.device_put``;
+- ``P2P``: the resharding plan lowered to point-to-point hops, each plan
+  round's cross-process hops gated on the previous round's arrivals
+  (``round_gates``); a 0-d value is replicated without a plan;
+- ``COLLECTIVE``: the plan lowered to one ``ppermute`` program over both meshes;
+- ``SIGNAL``: one byte with the value's dependencies (benchmarks' upper
+  bound), carried by a 0-d ``DEVICE_PUT`` or ``P2P`` move.
+
+A new executor is one ``MoveExecutor`` here and one runtime handler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any, Callable, Union
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ..model.cluster import Cluster
+from ..model.mesh import DeviceMesh
+from ..model.sharding_spec import ShardingSpec
+from ..resharding.hop_program import HopProgram, lower_to_hops, replicate_scalar, verify_hop_program
+from ..resharding.plan_resharding import plan_resharding
+from ..resharding.resharding_plan import ReshardingPlan
+from ..resharding.resharding_task import ReshardingTask
+from ..resharding.round_gates import Gate, round_gates, verify_round_gates
+from ..resharding.transfer_program import TransferProgram, lower_plan, verify_program
+from ..verification import PlanVerificationError
+from .edge_transfer import TransferKind, choose_transfer
+
+__all__ = ["MOVE_EXECUTORS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove", "default_cluster",
+           "plan_move", "plan_moves", "resharding_task", "verify_move_table"]
+
+P2P_ORDERS = ("gated", "eager", "rounds")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveKey:
+    """One kind of move: a ``shape``/``dtype`` value from sharding ``src`` to ``dst``, by ``kind``."""
+
+    kind: TransferKind
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    src: NamedSharding
+    dst: NamedSharding
+
+    @staticmethod
+    def of(kind: TransferKind, shape: Iterable[int], dtype: Any, src: NamedSharding, dst: NamedSharding) -> MoveKey:
+        return MoveKey(kind, tuple(int(n) for n in shape), np.dtype(dtype), src, dst)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveOptions:
+    """How moves are planned: the resharding ``strategy`` and ``balancer``, the ``cluster`` whose
+    links the plans are priced on (``None``: one host per process), broadcast ``chunks``
+    (``None``: the cost model's choice) and the p2p dispatch ``order``."""
+
+    strategy: str = "broadcast"
+    balancer: str = "ensemble"
+    cluster: Cluster | None = None
+    chunks: int | None = None
+    order: str = "gated"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedMove:
+    """A move ready to run.
+
+    Attributes:
+      key: what moves, and by which executor.
+      plan: the resharding plan of a value with a rank (``P2P``, ``COLLECTIVE``, and
+        ``DEVICE_PUT``, whose plan prices it on the cluster), else ``None``.
+      program: what the runtime runs: a ``HopProgram`` (``P2P``) or a ``TransferProgram``
+        (``COLLECTIVE``); ``None`` for moves with nothing to lower.
+      gates: ``P2P`` with ``order="gated"``: the round gates of ``program``.
+      order: ``P2P``: how its hops are dispatched.
+      carry: ``SIGNAL``: the 0-d move that carries its byte.
+    """
+
+    key: MoveKey
+    plan: ReshardingPlan | None = None
+    program: Union[HopProgram, TransferProgram, None] = None
+    gates: tuple[Gate, ...] = ()
+    order: str = "gated"
+    carry: PlannedMove | None = None
+
+    @property
+    def fingerprint(self) -> str | None:
+        """Identifies the data movement on every process (``None``: nothing lowered)."""
+        if self.carry is not None:
+            return self.carry.fingerprint
+        return None if self.program is None else self.program.fingerprint
+
+    def summary(self) -> str:
+        """One line for ``describe()``."""
+        kind = self.key.kind
+        if kind is TransferKind.LOCAL:
+            return "local: both stages on one mesh, no move"
+        if kind is TransferKind.DEVICE_PUT:
+            across = "" if self.plan is None else f"; across processes the plan is {self.plan.summary()}"
+            return "jax.device_put, since one process owns both meshes" + across
+        if kind is TransferKind.SIGNAL:
+            return "signal: one byte with the same dependencies, zeros delivered (upper-bound run)"
+        if self.plan is None:
+            return f"{kind.value}: a scalar, replicated to every device"
+        return f"{kind.value}: {self.plan.summary()}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveExecutor:
+    """One entry of ``MOVE_EXECUTORS``.
+
+    Attributes:
+      lower: ``(key, options) ->`` the verified ``PlannedMove``.
+      bandwidth: ``(inter_host, intra_host) ->`` the bytes/s the cost model prices it at
+        (``None``: free, nothing crosses a link).
+    """
+
+    lower: Callable[[MoveKey, MoveOptions], PlannedMove]
+    bandwidth: Callable[[float, float], float] | None
+
+
+def default_cluster(src: NamedSharding, dst: NamedSharding) -> Cluster:
+    """One host per process, default link speeds, over the devices of both meshes."""
+    devices = {d.id: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
+    return Cluster.from_devices(list(devices.values()))
+
+
+def resharding_task(shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst: NamedSharding,
+                    cluster: Cluster) -> ReshardingTask:
+    """The planner's input for moving a ``shape``/``dtype`` value from ``src`` to ``dst``."""
+
+    def mesh(s: NamedSharding) -> DeviceMesh:
+        return DeviceMesh.from_jax(s.mesh, host_of=lambda d: cluster.host_of(d.id))
+
+    def spec(s: NamedSharding) -> ShardingSpec:
+        return ShardingSpec.from_partition_spec(s.spec, s.mesh.axis_names, len(shape))
+
+    return ReshardingTask(tuple(shape), np.dtype(dtype).itemsize, mesh(src), spec(src), mesh(dst), spec(dst))
+
+
+def _plan(key: MoveKey, options: MoveOptions) -> ReshardingPlan:
+    cluster = options.cluster if options.cluster is not None else default_cluster(key.src, key.dst)
+    return plan_resharding(resharding_task(key.shape, key.dtype, key.src, key.dst, cluster), cluster,
+                           strategy=options.strategy, balancer=options.balancer, chunks=options.chunks)
+
+
+def _ids(sharding: NamedSharding) -> tuple[int, ...]:
+    return tuple(d.id for d in sharding.mesh.devices.flat)
+
+
+def _lower_nothing(key: MoveKey, options: MoveOptions) -> PlannedMove:
+    return PlannedMove(key)
+
+
+def _lower_device_put(key: MoveKey, options: MoveOptions) -> PlannedMove:
+    # Nothing to lower inside one process; the plan says what the move costs on the cluster,
+    # and how it runs once the meshes are on different processes.
+    return PlannedMove(key, None if key.shape == () else _plan(key, options))
+
+
+def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
+    if options.order not in P2P_ORDERS:
+        raise ValueError(f"order: expected one of {P2P_ORDERS}, got {options.order!r}")
+    if key.shape == ():
+        hops = replicate_scalar(_ids(key.src), _ids(key.dst))
+        verify_hop_program(hops)
+        return PlannedMove(key, None, hops, order=options.order)
+    plan = _plan(key, options)
+    hops = lower_to_hops(plan)
+    verify_hop_program(hops)
+    gates: tuple[Gate, ...] = ()
+    if options.order == "gated":
+        # Gates wait for arrivals on the devices of one process: hosts here are processes.
+        host_of = {d.id: d.process_index for s in (key.src, key.dst) for d in s.mesh.devices.flat}
+        gates = round_gates(hops, host_of)
+        verify_round_gates(hops, gates, host_of)
+    return PlannedMove(key, plan, hops, gates, options.order)
+
+
+def _lower_collective(key: MoveKey, options: MoveOptions) -> PlannedMove:
+    if key.shape == ():
+        raise ValueError("executor: a 0-d value has nothing to reshard with executor='collective'; use executor='p2p'")
+    plan = _plan(key, options)
+    program = lower_plan(plan)
+    verify_program(program)
+    return PlannedMove(key, plan, program)
+
+
+def _lower_signal(key: MoveKey, options: MoveOptions) -> PlannedMove:
+    # The byte leaves from one source device (no collective over the source mesh) and moves as
+    # any 0-d value to every device of the destination mesh.
+    from jax.sharding import Mesh, PartitionSpec
+
+    first = key.src.mesh.devices.flat[0]
+    one = NamedSharding(Mesh(np.array([first]), ("device",)), PartitionSpec())
+    everywhere = NamedSharding(key.dst.mesh, PartitionSpec())
+    processes = [d.process_index for s in (one, everywhere) for d in s.mesh.devices.flat]
+    kind = choose_transfer("auto", processes, 0)
+    carry = plan_move(MoveKey.of(kind, (), np.uint8, one, everywhere), dataclasses.replace(options, order="gated"))
+    return PlannedMove(key, carry=carry)
+
+
+# Kind -> executor; a new executor is one entry here and one in the runtime's MOVE_HANDLERS.
+MOVE_EXECUTORS: dict[TransferKind, MoveExecutor] = {
+    TransferKind.LOCAL: MoveExecutor(_lower_nothing, None),
+    TransferKind.DEVICE_PUT: MoveExecutor(_lower_device_put, lambda inter, intra: intra),
+    TransferKind.P2P: MoveExecutor(_lower_p2p, lambda inter, intra: inter),
+    TransferKind.COLLECTIVE: MoveExecutor(_lower_collective, lambda inter, intra: inter),
+    TransferKind.SIGNAL: MoveExecutor(_lower_signal, lambda inter, intra: inter),
+}
+
+
+def plan_move(key: MoveKey, options: MoveOptions) -> PlannedMove:
+    """``key`` planned and lowered by its executor, and verified."""
+    move = MOVE_EXECUTORS[key.kind].lower(key, options)
+    verify_planned_move(move)
+    return move
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveTable:
+    """Every move of a compiled step, by key (``MoveKey.of``)."""
+
+    moves: tuple[PlannedMove, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_key", {m.key: m for m in self.moves})
+
+    def of(self, key: MoveKey) -> PlannedMove:
+        try:
+            return self._by_key[key]  # type: ignore[attr-defined]
+        except KeyError:
+            raise PlanVerificationError(f"no planned move for {key}") from None
+
+    @property
+    def fingerprints(self) -> list[str]:
+        """What every process must agree on: each lowered program's fingerprint, in table order."""
+        return [m.fingerprint for m in self.moves if m.fingerprint is not None]
+
+
+def plan_moves(keys: Iterable[MoveKey], options: MoveOptions) -> MoveTable:
+    """One ``PlannedMove`` per distinct key of ``keys``, in first-seen order."""
+    seen: dict[MoveKey, PlannedMove] = {}
+    for key in keys:
+        if key not in seen:
+            seen[key] = plan_move(key, options)
+    return MoveTable(tuple(seen.values()))
+
+
+def verify_planned_move(move: PlannedMove) -> None:
+    """A move carries what its executor runs: a hop program for ``P2P``, a transfer program for
+    ``COLLECTIVE``, a carry for ``SIGNAL``, nothing for ``LOCAL`` and ``DEVICE_PUT``; a program's
+    fingerprint is its plan's; ``LOCAL`` stays on one mesh.
+
+    Raises:
+      PlanVerificationError: naming the move.
+    """
+    kind, key = move.key.kind, move.key
+    want = {TransferKind.P2P: HopProgram, TransferKind.COLLECTIVE: TransferProgram}.get(kind)
+    if (want is None) != (move.program is None) or (want is not None and not isinstance(move.program, want)):
+        raise PlanVerificationError(f"{kind.value} move of {key.shape}: carries {type(move.program).__name__}")
+    if (kind is TransferKind.SIGNAL) != (move.carry is not None):
+        raise PlanVerificationError(f"{kind.value} move of {key.shape}: a carry only a signal has")
+    if kind is TransferKind.LOCAL and key.src.mesh != key.dst.mesh:
+        raise PlanVerificationError(f"local move of {key.shape} between two meshes")
+    if isinstance(move.program, TransferProgram) and move.program.fingerprint != move.plan.fingerprint:
+        raise PlanVerificationError(f"{kind.value} move of {key.shape}: its program is not its plan's")
+
+
+def verify_move_table(table: MoveTable, keys: Iterable[MoveKey]) -> None:
+    """Every key of the step has its planned, verified move."""
+    for key in keys:
+        verify_planned_move(table.of(key))
