@@ -30,9 +30,14 @@ from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables
 from meshpar.runtime.step_trace import StepRecorder
 
-__all__ = ["StageInputs", "ProgramRun", "ProgramInterpreter"]
+__all__ = ["InstructionError", "StageInputs", "ProgramRun", "ProgramInterpreter"]
 
 Move = Callable[[jax.Array], jax.Array]
+
+
+class InstructionError(RuntimeError):
+    """An instruction failed: names it and its mesh; the cause is chained."""
+
 Launched = tuple[jax.Array, ...]  # what a handler launched: the arrays its instruction produced
 
 
@@ -63,6 +68,12 @@ class ProgramRun:
     peak_live_activations: list[int]
     peak_weight_states: list[int]
     arriving: list[Arrival]
+
+    def read(self, buffer: BufferId) -> Any:
+        try:
+            return self.buffers[buffer]
+        except KeyError:
+            raise KeyError(f"{buffer} is not live") from None
 
 
 class ProgramInterpreter:
@@ -128,6 +139,10 @@ class ProgramInterpreter:
                 launched = self._handlers[type(ins)](mesh, ins, state)
             except jax.errors.JaxRuntimeError as e:
                 raise_lost_peer(e, state.arriving, "pipeline transfers", f"launching {ins}")
+            except (CoordinationError, InstructionError):
+                raise
+            except Exception as e:
+                raise InstructionError(f"mesh {mesh}: {ins} failed: {e}") from e
             if recorder is not None:
                 recorder.launched(mesh, ins, launched, launch_time)
             if self.launch_window is not None and launched:
@@ -162,7 +177,7 @@ class ProgramInterpreter:
         inputs = state.inputs[ins.stage]
         outs, residuals = self.executables[ins.stage].forward(
             inputs.fixed, inputs.batch[ins.micro_batch] if inputs.batch else (),
-            [state.buffers[b] for b in ins.inputs])
+            [state.read(b) for b in ins.inputs])
         for b, v in zip(ins.outputs, outs):
             state.buffers[b] = v
         state.buffers[ins.residuals] = residuals
@@ -174,7 +189,7 @@ class ProgramInterpreter:
         if not self.local[mesh]:
             return ()
         input_cts, state.grads[ins.stage] = self.executables[ins.stage].backward(
-            state.buffers[ins.residuals], [state.buffers[b] for b in ins.cotangents], state.grads[ins.stage])
+            state.read(ins.residuals), [state.read(b) for b in ins.cotangents], state.grads[ins.stage])
         for b, v in zip(ins.input_cotangents, input_cts):
             state.buffers[b] = v
         return (*input_cts, *state.grads[ins.stage])
@@ -183,8 +198,8 @@ class ProgramInterpreter:
         if not self.local[mesh]:
             return ()
         executables = self.executables[ins.stage]
-        residuals = state.buffers[ins.residuals]
-        input_cts, computed = executables.backward_input(residuals, [state.buffers[b] for b in ins.cotangents])
+        residuals = state.read(ins.residuals)
+        input_cts, computed = executables.backward_input(residuals, [state.read(b) for b in ins.cotangents])
         for b, v in zip(ins.input_cotangents, input_cts):
             state.buffers[b] = v
         state.buffers[ins.weight_state] = executables.weight_state(residuals, computed)
@@ -196,7 +211,7 @@ class ProgramInterpreter:
         if not self.local[mesh]:
             return ()
         state.grads[ins.stage] = self.executables[ins.stage].backward_weight(
-            state.buffers[ins.weight_state], state.grads[ins.stage])
+            state.read(ins.weight_state), state.grads[ins.stage])
         return tuple(state.grads[ins.stage])
 
     def _send(self, mesh: int, ins: Send, state: _State) -> Launched:
@@ -242,3 +257,9 @@ class _State:
     waiting: list[int]
     peak_weight: list[int]
     arriving: list[Arrival]
+
+    def read(self, buffer: BufferId) -> Any:
+        try:
+            return self.buffers[buffer]
+        except KeyError:
+            raise KeyError(f"{buffer} is not live") from None

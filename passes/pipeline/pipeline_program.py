@@ -105,6 +105,9 @@ class RunForward:
     outputs: tuple[BufferId, ...]  # one per output slot
     residuals: BufferId
 
+    def __str__(self) -> str:
+        return f"forward of stage {self.stage}, micro-batch {self.micro_batch}"
+
 
 @dataclasses.dataclass(frozen=True)
 class RunBackward:
@@ -115,6 +118,9 @@ class RunBackward:
     residuals: BufferId
     cotangents: tuple[BufferId, ...]  # RECEIVED_COTANGENT, in StageIO.cotangent_edges order
     input_cotangents: tuple[BufferId, ...]  # INPUT_COTANGENT, one per activation input
+
+    def __str__(self) -> str:
+        return f"backward of stage {self.stage}, micro-batch {self.micro_batch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +134,9 @@ class RunBackwardInput:
     input_cotangents: tuple[BufferId, ...]
     weight_state: BufferId
 
+    def __str__(self) -> str:
+        return f"input pass of stage {self.stage}, micro-batch {self.micro_batch}"
+
 
 @dataclasses.dataclass(frozen=True)
 class RunBackwardWeight:
@@ -137,12 +146,18 @@ class RunBackwardWeight:
     micro_batch: int
     weight_state: BufferId
 
+    def __str__(self) -> str:
+        return f"weight pass of stage {self.stage}, micro-batch {self.micro_batch}"
+
 
 @dataclasses.dataclass(frozen=True)
 class Send:
     transfer: int  # index into PipelineProgram.transfers
     micro_batch: int
     buffer: BufferId
+
+    def __str__(self) -> str:
+        return f"send of {self.buffer} (transfer {self.transfer})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +166,16 @@ class Recv:
     micro_batch: int
     buffer: BufferId
 
+    def __str__(self) -> str:
+        return f"receive into {self.buffer} (transfer {self.transfer})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Free:
     buffer: BufferId
+
+    def __str__(self) -> str:
+        return f"free of {self.buffer}"
 
 
 Instruction = Union[RunForward, RunBackward, RunBackwardInput, RunBackwardWeight, Send, Recv, Free]
