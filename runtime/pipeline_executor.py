@@ -1,15 +1,16 @@
-"""Runs a compiled pipeline step in five parts: place the inputs, run the program, reduce the
-gradients, apply the updates, assemble the outputs.
+"""Runs a compiled pipeline step: its step program (``passes.pipeline.step_program``), one
+handler per instruction kind, the pipeline program in its middle (``program_interpreter``).
 
-Everything here was decided when the pipeline compiled: where each value
-lives (``passes.step_layout``), what runs on each mesh in which order and
-how each boundary value moves (``passes.pipeline_program``). Each move is
-prepared once, at construction, so the hot path plans, compiles and looks up
-nothing.
+Everything here was decided when the pipeline compiled: where each value lives
+(``passes.pipeline.step_layout``), how micro-batches combine and where each gradient is
+reduced (``step_program``), what runs on each mesh in which order (``pipeline_program``) and
+how each value moves (``plan_moves``). Each move is prepared once, at construction, so the
+hot path plans, compiles and looks up nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,21 +18,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind
 from meshpar.passes.pipeline.micro_batching import AuxReduction, MicroBatching
 from meshpar.passes.pipeline.plan_moves import MoveKey, MoveTable
-from meshpar.passes.pipeline.pipeline_program import BufferId, BufferKind, PipelineProgram
+from meshpar.passes.pipeline.pipeline_program import PipelineProgram
 from meshpar.passes.pipeline.stage_graph import RefKind, StageGraph
 from meshpar.passes.pipeline.stage_parts import StageParts
 from meshpar.passes.pipeline.step_layout import StepLayout, ValueMove
-from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, OuterStep, StepSplit
+from meshpar.passes.pipeline.step_program import (
+    AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, PlaceInputs, ReduceGradient, RunCompute, RunMove,
+    RunPipeline, StepProgram,
+)
+from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, StepSplit
 from meshpar.passes.pipeline.wire_format import from_wire
 from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals
 from meshpar.runtime.move_handlers import Move, prepare_move
 from meshpar.runtime.placement import join, place, put
-from meshpar.runtime.program_interpreter import ProgramInterpreter, StageInputs
+from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, StageInputs
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import compile_stage, on_mesh
 from meshpar.runtime.step_trace import StepRecorder
@@ -51,6 +56,8 @@ class PipelineExecutable:
       split: the gradient equation's operands and the computations around the pipeline.
       layout: where every value lives and the moves after the program.
       program: the per-mesh program and its transfers.
+      step_program: the whole step around it, in the order every process runs it.
+      stage_output_shardings: per stage, the sharding of each of its outputs.
       parts: per stage, its forward and backward parts.
       meshes: the pipeline's meshes (``program.schedule.stage_mesh`` places each stage on one).
       micro_batch_size: examples per micro-batch.
@@ -69,6 +76,8 @@ class PipelineExecutable:
         split: StepSplit,
         layout: StepLayout,
         program: PipelineProgram,
+        step_program: StepProgram,
+        stage_output_shardings: Sequence[Sequence[NamedSharding]],
         parts: Sequence[StageParts],
         meshes: Sequence[Mesh],
         micro_batch_size: int,
@@ -80,6 +89,7 @@ class PipelineExecutable:
         description: str = "",
     ) -> None:
         self.graph, self.split, self.layout, self.program = graph, split, layout, program
+        self.step_program = step_program
         self.description = description
         self.schedule = program.schedule
         self.meshes = tuple(meshes)
@@ -98,12 +108,10 @@ class PipelineExecutable:
         self.moves = moves
         self._prepared: dict[MoveKey, Move] = {}
         in_ct = {t.edge: t.src for t in program.transfers if t.direction is Direction.COTANGENT}
-        out_sh = {(t.src_stage, t.slot): t.src for t in program.transfers if t.direction is Direction.ACTIVATION}
         self.executables = [
             compile_stage(
                 stage, parts[stage.index], program.stages[stage.index], layout.stage_operands[stage.index],
-                [out_sh.get((stage.index, k), NamedSharding(self.stage_meshes[stage.index], P()))
-                 for k in range(len(stage.outputs))],
+                stage_output_shardings[stage.index],
                 [in_ct[e] for e in program.stages[stage.index].cotangent_in_edges],
                 self.stage_meshes[stage.index], micro_batching.loss_seed,
             )
@@ -118,7 +126,9 @@ class PipelineExecutable:
             launch_window=LAUNCH_WINDOW if several else None, timeout_s=timeout_s)
         self._fetches = {(s, op.position): self._prepare(op.fetch)
                          for s, ops in enumerate(layout.stage_operands) for op in ops if op.fetch}
-        self._gradient_moves = [[self._prepare(mv) if mv else None for mv in moves] for moves in layout.gradient_moves]
+        for ins in step_program:
+            if isinstance(ins, ReduceGradient) and ins.move is not None:
+                self._prepare(ins.move)
         self._outer_moves = {mv: self._prepare(vm) for mv, vm in layout.outer_moves.items()}
         # Per move around the pipeline, the other processes sending it (to name them if it fails).
         self._outer_senders = {mv: senders(vm.src) for mv, vm in layout.outer_moves.items()}
@@ -140,6 +150,17 @@ class PipelineExecutable:
         # the most weight passes waiting at once; 0 on other processes' meshes.
         self.peak_live_activations: list[int] = [0] * graph.num_stages
         self.peak_weight_states: list[int] = [0] * graph.num_stages
+        self._handlers: dict[type, Callable[[Any, _StepState], None]] = {
+            PlaceInputs: self._place_inputs,
+            RunCompute: self._run_compute,
+            RunMove: self._run_move,
+            FeedStages: self._feed_stages,
+            RunPipeline: self._run_pipeline,
+            CombineMicroBatches: self._combine_micro_batches,
+            ReduceGradient: self._reduce_gradient,
+            AwaitArrivals: self._await_arrivals,
+            AssembleOutputs: self._assemble_outputs,
+        }
 
     def _move(self, kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding) -> Move:
         key = MoveKey.of(kind, shape, dtype, src, dst)
@@ -189,59 +210,110 @@ class PipelineExecutable:
             raise_lost_peer(e, arrivals, "pipeline transfers", "running a step")
 
     def _step(self, leaves: Sequence[Any], recorder: StepRecorder | None, arrivals: list[Arrival]) -> list[Any]:
-        """The step; ``arrivals`` collects what other processes send here as it goes."""
-        placed = [place(v, p) for v, p in zip(leaves, self.layout.in_placements)]
-        values: dict[tuple[OuterRef, int], jax.Array] = {}
-        self._run_steps(self.split.before, placed, values, arrivals)
-        inputs = self._stage_inputs(placed, leaves, values)
-        run = self._interpreter.run(inputs, self._zero_grads(), recorder)
-        arrivals += run.arriving
-        self.peak_live_activations, self.peak_weight_states = run.peak_live_activations, run.peak_weight_states
-        self._reduce(run, values)
-        self._run_steps(self.split.after, placed, values, arrivals)
-        if run.arriving:
-            wait_arrivals(run.arriving, self.timeout_s, "pipeline transfers", "waiting for them at the end of a step")
-        return self._assemble_outputs(leaves, placed, values)
+        """The step program, one handler per instruction; ``arrivals`` collects what other
+        processes send here as it goes."""
+        state = _StepState(leaves, recorder, arrivals)
+        for ins in self.step_program:
+            self._handlers[type(ins)](ins, state)
+        return state.outputs
 
-    def _value(self, ref: OuterRef, mesh: int, placed: list[dict[int, jax.Array]],
-               values: dict[tuple[OuterRef, int], jax.Array]) -> Any:
-        """``ref`` on ``mesh``, where the layout put it (an absent stand-in on other processes' meshes)."""
+    # -- handlers -------------------------------------------------------------
+
+    def _place_inputs(self, ins: PlaceInputs, state: _StepState) -> None:
+        state.placed = [place(v, p) for v, p in zip(state.leaves, self.layout.in_placements)]
+
+    def _run_compute(self, ins: RunCompute, state: _StepState) -> None:
+        compute = ins.compute
+        if self.mesh_local[compute.mesh]:
+            outs = self._compute_fns[id(compute)](*[self._value(r, compute.mesh, state) for r in compute.inputs])
+            state.values.update({(ref, compute.mesh): o for ref, o in zip(compute.outputs, outs)})
+
+    def _run_move(self, ins: RunMove, state: _StepState) -> None:
+        # Every process joins the move, whether or not it holds either end.
+        step, vm = ins.move, self.layout.outer_moves[ins.move]
+        move = self._outer_moves[step]
+        if len(step.values) == 1:
+            moved = state.values[(step.values[0], step.dst)] = move(
+                self._value(step.values[0], step.src, state, vm.src))
+            self._note_arrival(step, moved, state.arrivals)
+            return
+        if self.mesh_local[step.src]:
+            vector = self._packs[step](*[self._value(r, step.src, state) for r in step.values])
+        else:
+            vector = absent(vm.shape, vm.dtype, vm.src)
+        moved = move(vector)
+        self._note_arrival(step, moved, state.arrivals)
+        if self.mesh_local[step.dst]:
+            state.values.update({(r, step.dst): v for r, v in zip(step.values, self._unpacks[step](moved))})
+
+    def _feed_stages(self, ins: FeedStages, state: _StepState) -> None:
+        state.inputs = self._stage_inputs(state.placed, state.leaves, state)
+
+    def _run_pipeline(self, ins: RunPipeline, state: _StepState) -> None:
+        state.run = self._interpreter.run(state.inputs, self._zero_grads(), state.recorder)
+        state.arrivals += state.run.arriving
+        self.peak_live_activations = state.run.peak_live_activations
+        self.peak_weight_states = state.run.peak_weight_states
+
+    def _combine_micro_batches(self, ins: CombineMicroBatches, state: _StepState) -> None:
+        if not self.mesh_local[ins.mesh]:
+            return
+        combined = from_wire(_combine([state.run.results[b] for b in ins.buffers], ins.how), ins.aval)
+        state.values[(ins.value, ins.mesh)] = combined if ins.sharding is None else jax.device_put(combined,
+                                                                                                   ins.sharding)
+
+    def _reduce_gradient(self, ins: ReduceGradient, state: _StepState) -> None:
+        grads = state.run.grads[ins.stage]
+        g = grads[ins.position] if grads is not None else absent(ins.aval.shape, ins.aval.dtype, ins.sharding)
+        if ins.move is not None:
+            g = self._prepare(ins.move)(g)
+        key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
+        state.values[key] = g if key not in state.values or not self.mesh_local[ins.mesh] else state.values[key] + g
+
+    def _await_arrivals(self, ins: AwaitArrivals, state: _StepState) -> None:
+        if state.run.arriving:
+            wait_arrivals(state.run.arriving, self.timeout_s, "pipeline transfers", "waiting for them at the end of a step")
+
+    def _assemble_outputs(self, ins: AssembleOutputs, state: _StepState) -> None:
+        results = []
+        for j, (ref, meshes) in enumerate(self.split.outputs):
+            if ref.kind is OuterKind.LITERAL:
+                results.append(jnp.asarray(self.split.literals[j], self.out_avals[j].dtype))
+            elif ref.kind is OuterKind.CONST:
+                results.append(self.split.consts[ref.index])
+            elif ref.kind is OuterKind.IN:
+                arrays = state.placed[ref.index]
+                if not arrays:  # a batch leaf returned as it came
+                    results.append(state.leaves[ref.index])
+                elif len(arrays) == 1:
+                    results.append(next(iter(arrays.values())))
+                else:
+                    ms = sorted(arrays)
+                    placement = self.layout.in_placements[ref.index]
+                    results.append(join([arrays[m] for m in ms], [placement.on(m) for m in ms],
+                                        arrays[ms[0]].shape, arrays[ms[0]].dtype))
+            elif len(meshes) == 1:
+                results.append(self._value(ref, meshes[0], state, ins.shardings[j][0]))
+            else:
+                aval = self.out_avals[j]
+                results.append(join([state.values[(ref, m)] for m in meshes if (ref, m) in state.values],
+                                    ins.shardings[j], aval.shape, aval.dtype))
+        state.outputs = results
+
+    # -- values ---------------------------------------------------------------
+
+    def _value(self, ref: OuterRef, mesh: int, state: _StepState, stand_in: NamedSharding | None = None) -> Any:
+        """``ref`` on ``mesh``, where the layout put it; on another process's mesh, an array with no
+        shards here laid out as ``stand_in`` (the sharding of what reads it)."""
         if ref.kind is OuterKind.IN:
-            arrays = placed[ref.index]
+            arrays = state.placed[ref.index]
             return arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
         if ref.kind is OuterKind.CONST:
             return self.split.consts[ref.index]
-        if (ref, mesh) in values:
-            return values[(ref, mesh)]
+        if (ref, mesh) in state.values:
+            return state.values[(ref, mesh)]
         aval = self.split.avals[ref]
-        sharding = self.layout.value_shardings.get((ref, mesh), NamedSharding(self.meshes[mesh], P()))
-        return absent(aval.shape, aval.dtype, sharding)
-
-    def _run_steps(self, steps: Sequence[OuterStep], placed: list[dict[int, jax.Array]],
-                   values: dict[tuple[OuterRef, int], jax.Array], arrivals: list[Arrival]) -> None:
-        """The computations and moves around the pipeline, in the order every process runs them;
-        moves other processes send here are added to ``arrivals``."""
-        for step in steps:
-            if isinstance(step, OuterMove):
-                # Every process joins the move, whether or not it holds either end.
-                move = self._outer_moves[step]
-                if len(step.values) == 1:
-                    moved = values[(step.values[0], step.dst)] = move(
-                        self._value(step.values[0], step.src, placed, values))
-                    self._note_arrival(step, moved, arrivals)
-                    continue
-                vm = self.layout.outer_moves[step]
-                if self.mesh_local[step.src]:
-                    vector = self._packs[step](*[self._value(r, step.src, placed, values) for r in step.values])
-                else:
-                    vector = absent(vm.shape, vm.dtype, vm.src)
-                moved = move(vector)
-                self._note_arrival(step, moved, arrivals)
-                if self.mesh_local[step.dst]:
-                    values.update({(r, step.dst): v for r, v in zip(step.values, self._unpacks[step](moved))})
-            elif self.mesh_local[step.mesh]:
-                outs = self._compute_fns[id(step)](*[self._value(r, step.mesh, placed, values) for r in step.inputs])
-                values.update({(ref, step.mesh): o for ref, o in zip(step.outputs, outs)})
+        return absent(aval.shape, aval.dtype, stand_in)
 
     def _note_arrival(self, step: OuterMove, moved: jax.Array, arrivals: list[Arrival]) -> None:
         """Adds ``moved`` to ``arrivals`` when other processes send it here."""
@@ -251,7 +323,7 @@ class PipelineExecutable:
                                     self._outer_senders[step]))
 
     def _stage_inputs(self, placed: list[dict[int, jax.Array]], leaves: Sequence[Any],
-                      values: dict[tuple[OuterRef, int], jax.Array]) -> list[StageInputs | None]:
+                      state: _StepState) -> list[StageInputs | None]:
         """Each stage's operands: placed leaves, constants and values computed before the pipeline,
         fetched parameters, micro-batch slices sent straight from where the batch is to the stage
         that reads them, and keys folded with each micro-batch's index."""
@@ -276,7 +348,7 @@ class PipelineExecutable:
                 elif op.source.kind is OuterKind.CONST:
                     fixed.append(self._consts[(s, op.position)])
                 else:
-                    fixed.append(self._value(op.source, self.home[s], placed, values))
+                    fixed.append(self._value(op.source, self.home[s], state))
             if not self.local[s]:
                 out.append(None)
                 continue
@@ -284,12 +356,12 @@ class PipelineExecutable:
             columns = []
             for op in per_mb:
                 if op.fold_key:
-                    columns.append(self._folds[s](self._value(op.source, self.home[s], placed, values), M))
+                    columns.append(self._folds[s](self._value(op.source, self.home[s], state), M))
                 elif op.source.kind is OuterKind.IN and op.source.index in batches:
                     leaf = batches[op.source.index]
                     columns.append([put(leaf[m * size:(m + 1) * size], op.sharding) for m in range(M)])
                 else:
-                    whole = self._value(op.source, self.home[s], placed, values)
+                    whole = self._value(op.source, self.home[s], state)
                     columns.append([jax.device_put(whole[m * size:(m + 1) * size], op.sharding) for m in range(M)])
             batch = tuple(tuple(c[m] for c in columns) for m in range(M)) if per_mb else ()
             out.append(StageInputs(tuple(fixed), batch))
@@ -304,64 +376,20 @@ class PipelineExecutable:
             grads.append([jnp.zeros(a.shape, a.dtype, device=sh) for a, sh in zip(avals, shardings)])
         return grads
 
-    def _reduce(self, run, values: dict[tuple[OuterRef, int], jax.Array]) -> None:
-        """The step's loss and aux values, combined over micro-batches on the meshes computing
-        them, and each parameter's gradient on its owner's mesh, into ``values``."""
-        graph, mb = self.graph, self.micro_batching
-        loss_stage = graph.loss.index
-        if self.local[loss_stage]:
-            values[(OuterRef(OuterKind.LOSS), self.home[loss_stage])] = _combine(
-                [run.results[BufferId(BufferKind.RESULT, loss_stage, m, graph.loss.slot)]
-                 for m in range(self.num_micro_batches)],
-                AuxReduction.MEAN if mb.reduction == "mean" else AuxReduction.SUM)
-        for k, (ref, how) in enumerate(zip(graph.aux, mb.aux)):
-            if self.local[ref.index]:
-                parts = [run.results[BufferId(BufferKind.RESULT, ref.index, m, ref.slot)]
-                         for m in range(self.num_micro_batches)]
-                aux = OuterRef(OuterKind.AUX, k)
-                combined = from_wire(_combine(parts, how), self.split.avals[aux])
-                target = self.layout.value_shardings.get((aux, self.home[ref.index]))
-                values[(aux, self.home[ref.index])] = combined if target is None else jax.device_put(combined, target)
-        for stage, gs, shardings, moves, avals in zip(
-                graph.stages, run.grads, self.layout.grad_shardings, self._gradient_moves, self._param_avals):
-            for n, k in enumerate(stage.param_inputs):
-                g = gs[n] if gs is not None else absent(avals[n].shape, avals[n].dtype, shardings[n])
-                if moves[n] is not None:
-                    g = moves[n](g)
-                owner = self.home[graph.param_owner(k)]
-                key = (OuterRef(OuterKind.GRAD, k), owner)
-                values[key] = g if key not in values or not self.mesh_local[owner] else values[key] + g
 
-    def _output_shardings(self, j: int, meshes: Sequence[int]) -> list[NamedSharding]:
-        placement = self.layout.out_placements[j]
-        return [placement.on(m) if placement and m in placement.meshes else NamedSharding(self.meshes[m], P())
-                for m in meshes]
+@dataclasses.dataclass
+class _StepState:
+    """What one step has made so far: the placed inputs, the values computed or moved around the
+    pipeline (``(ref, mesh)`` -> array), the stages' inputs, the pipeline's run, the outputs."""
 
-    def _assemble_outputs(self, leaves, placed, values) -> list[Any]:
-        results = []
-        for j, (ref, meshes) in enumerate(self.split.outputs):
-            if ref.kind is OuterKind.LITERAL:
-                results.append(jnp.asarray(self.split.literals[j], self.out_avals[j].dtype))
-            elif ref.kind is OuterKind.CONST:
-                results.append(self.split.consts[ref.index])
-            elif ref.kind is OuterKind.IN:
-                arrays = placed[ref.index]
-                if not arrays:  # a batch leaf returned as it came
-                    results.append(leaves[ref.index])
-                elif len(arrays) == 1:
-                    results.append(next(iter(arrays.values())))
-                else:
-                    ms = sorted(arrays)
-                    placement = self.layout.in_placements[ref.index]
-                    results.append(join([arrays[m] for m in ms], [placement.on(m) for m in ms],
-                                        arrays[ms[0]].shape, arrays[ms[0]].dtype))
-            elif len(meshes) == 1:
-                results.append(self._value(ref, meshes[0], placed, values))
-            else:
-                aval = self.out_avals[j]
-                results.append(join([values[(ref, m)] for m in meshes if (ref, m) in values],
-                                    self._output_shardings(j, meshes), aval.shape, aval.dtype))
-        return results
+    leaves: Sequence[Any]
+    recorder: StepRecorder | None
+    arrivals: list[Arrival]
+    placed: list[dict[int, jax.Array]] = dataclasses.field(default_factory=list)
+    values: dict[tuple[OuterRef, int], jax.Array] = dataclasses.field(default_factory=dict)
+    inputs: list[StageInputs | None] = dataclasses.field(default_factory=list)
+    run: ProgramRun | None = None
+    outputs: list[Any] = dataclasses.field(default_factory=list)
 
 
 def _combine(parts: Sequence[jax.Array], how: AuxReduction) -> jax.Array:

@@ -22,7 +22,10 @@ pass that made it):
 9. ``make_schedule``: the typed tasks per mesh and the networkx dependency
    graph (checked acyclic) -> ``PipelineSchedule``;
 10. ``lower_to_program``: per-mesh instructions over typed buffers ->
-    ``PipelineProgram``.
+    ``PipelineProgram``;
+11. ``lower_step``: the whole step around it (inputs placed, the work before and
+    after the pipeline, micro-batches combined, gradients reduced on their
+    owners' meshes, outputs assembled) -> ``StepProgram``.
 
 Like XLA's ``HloPassPipeline``, a verifier failure names the pass whose
 output broke the invariant.
@@ -35,10 +38,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from jax._src import core
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..simulation.cost_model import estimate_durations
-from .edge_transfer import EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
+from .edge_transfer import Direction, EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
 from .mesh_assignment import place_stages
 from .pipeline_options import PipelineOptions
 from .plan_moves import MoveKey, MoveOptions, MoveTable, plan_moves, verify_move_table
@@ -51,6 +54,7 @@ from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout, layout_step, verify_step_layout
 from .step_primitives import pipeline_grad_p
+from .step_program import StepProgram, lower_step, verify_step_program
 from .step_split import StepSplit, split_step, verify_step_split
 from .wire_format import wire_aval
 from ..verification import PlanVerificationError
@@ -79,6 +83,8 @@ class CompiledPipeline:
     micro_batching: MicroBatching
     moves: MoveTable
     micro_batch_size: int
+    step: StepProgram
+    stage_output_shardings: tuple[tuple[NamedSharding, ...], ...]
 
     @property
     def stage_meshes(self) -> tuple[Mesh, ...]:
@@ -122,7 +128,7 @@ def compile_pipeline(
     placed = place_stages(list(devices), S, options.schedule.name, options.schedule.num_micro_batches,
                           options.placement.stage_meshes, options.placement.stage_mesh_shape,
                           options.placement.stages_per_mesh, axis_names)
-    meshes, home, P = placed.meshes, placed.stage_mesh, len(placed.meshes)
+    meshes, home, num_meshes = placed.meshes, placed.stage_mesh, len(placed.meshes)
     for mesh in meshes:
         data = mesh.shape.get(options.placement.data_axis, 1)
         if options.micro_batch_size % data:
@@ -134,10 +140,10 @@ def compile_pipeline(
     # Around the pipeline values live on meshes: the stages' indices mapped through the map.
     readers = [sorted({home[s] for s in graph.consumers(Ref(RefKind.INPUT, k))}) for k in range(graph.num_inputs)]
     split = _run("split_step", lambda: split_step(
-        outer, lambda k: home[graph.param_owner(k)], home[graph.loss.index], [home[r.index] for r in graph.aux], P,
+        outer, lambda k: home[graph.param_owner(k)], home[graph.loss.index], [home[r.index] for r in graph.aux], num_meshes,
         [() if per_mb and _is_batch_leaf(outer, k, graph, batch_leaves) else r
          for k, (r, per_mb) in enumerate(zip(readers, micro_batching.per_micro_batch))],
-        counterparts), lambda sp: verify_step_split(sp, P))
+        counterparts), lambda sp: verify_step_split(sp, num_meshes))
     layout = _run("layout_step", lambda: layout_step(
         graph, split, meshes, home, leaves, specs, batch_leaves, options.micro_batch_size, counterparts,
         options.transfers.executor, options.transfers.resharding, micro_batching.per_micro_batch,
@@ -163,9 +169,9 @@ def compile_pipeline(
     # A collective program holds both meshes; any other move runs beside their compute.
     overlap = not all(t.kind is TransferKind.COLLECTIVE for t in transfers)
     delays = weight_delays(options.schedule.weight_delay, options.schedule.name, options.schedule.num_micro_batches,
-                           schedule_edges, durations, overlap, P)
+                           schedule_edges, durations, overlap, num_meshes)
     schedule = _run("make_schedule", lambda: make_schedule(
-        options.schedule.name, S, options.schedule.num_micro_batches, schedule_edges, delays, P), verify_schedule)
+        options.schedule.name, S, options.schedule.num_micro_batches, schedule_edges, delays, num_meshes), verify_schedule)
     if schedule.stage_mesh != placed.stage_mesh:
         raise PlanVerificationError(f"after pass make_schedule: the schedule places stages on meshes "
                                     f"{schedule.stage_mesh}, the mesh map on {placed.stage_mesh}")
@@ -179,8 +185,16 @@ def compile_pipeline(
                   if ref.slot not in graph.differentiated_slots(p)),
     )
     program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers), verify_pipeline_program)
+    step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes),
+                lambda sp: verify_step_program(sp, split, graph, program))
+    # A stage output leaves as its first move takes it; one no later stage reads (the loss, an
+    # aux value) stays replicated on the stage's mesh.
+    leaving = {(t.src_stage, t.slot): t.src for t in transfers if t.direction is Direction.ACTIVATION}
+    output_shardings = tuple(
+        tuple(leaving.get((s.index, k), NamedSharding(meshes[home[s.index]], P())) for k in range(len(s.outputs)))
+        for s in graph.stages)
     return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching, moves,
-                            options.micro_batch_size)
+                            options.micro_batch_size, step, output_shardings)
 
 
 def step_moves(transfers: Sequence[EdgeTransfer], layout: StepLayout) -> list[MoveKey]:

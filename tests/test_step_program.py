@@ -1,0 +1,99 @@
+"""The whole step as one typed program (passes/pipeline/step_program): what lower_step decides
+(reductions, gradient homes, output shardings) and what its verifier rejects."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import meshpar
+from examples.mlp import MLP
+from examples.train_step import supervised_step
+from meshpar.passes.pipeline.micro_batching import AuxReduction
+from meshpar.passes.pipeline.step_program import (
+    AssembleOutputs, CombineMicroBatches, PlaceInputs, ReduceGradient, RunCompute, RunPipeline, verify_step_program,
+)
+from meshpar.passes.pipeline.step_split import OuterKind
+from meshpar.passes.verification import PlanVerificationError
+from pipeline_models import make_state, mse
+
+
+def _batch():
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
+
+
+def _aux_step(state, batch):
+    def loss_fn(params):
+        err = jnp.sum((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2, axis=-1)
+        return jnp.sum(err), {"err": jnp.mean(err), "hits": jnp.sum(err < 4.0)}
+
+    (loss, aux), grads = meshpar.value_and_grad(loss_fn, has_aux=True, reduction="sum")(state.params)
+    return state.apply_gradients(grads=grads), loss, aux
+
+
+def _executable(step, num_stages=2, **options):
+    batch = _batch()
+    state = make_state(MLP(features=(16, 16, 16, 4), num_stages=num_stages), batch["x"][:1])
+    state = state.replace(tx=optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-3)))
+    state = state.replace(opt_state=state.tx.init(state.params))
+    parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(
+        num_micro_batches=4, num_stages=num_stages, **options))
+    return parallel.get_executable(state, batch), parallel, state, batch
+
+
+def test_the_compiler_decides_reductions_gradient_homes_and_order():
+    executable, parallel, state, batch = _executable(_aux_step)
+    step = executable.step_program
+    kinds = [type(i) for i in step]
+    assert kinds[0] is PlaceInputs and kinds[-1] is AssembleOutputs and kinds.count(RunPipeline) == 1
+    combines = [i for i in step if isinstance(i, CombineMicroBatches)]
+    # reduction="sum": the loss sums; each aux value combines by the rule the compiler resolved
+    # for it (micro_batching), never by one the runtime picks.
+    assert [c.value.kind for c in combines] == [OuterKind.LOSS, OuterKind.AUX, OuterKind.AUX]
+    assert combines[0].how is AuxReduction.SUM and len(combines[0].buffers) == 4
+    assert [c.how for c in combines[1:]] == list(executable.micro_batching.aux)
+    graph, home = executable.graph, executable.schedule.stage_mesh
+    grads = [i for i in step if isinstance(i, ReduceGradient)]
+    assert sorted((g.stage, g.param) for g in grads) == sorted((s.index, k) for s in graph.stages for k in s.param_inputs)
+    assert all(g.mesh == home[graph.param_owner(g.param)] for g in grads)
+    # The clipped update reads every gradient after it was reduced: the verifier accepted it,
+    # and the step equals jax.jit's.
+    got, want = parallel(state, batch), jax.jit(_aux_step)(state, batch)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_interleaved_gradients_are_reduced_on_the_owners_mesh():
+    executable, *_ = _executable(supervised_step(mse), num_stages=4, stages_per_mesh=2, schedule="interleaved_1f1b")
+    grads = [i for i in executable.step_program if isinstance(i, ReduceGradient)]
+    assert {g.mesh for g in grads} == {0, 1}
+    assert all(g.mesh == g.stage % 2 for g in grads)
+
+
+def _verify(executable, instructions):
+    verify_step_program(dataclasses.replace(executable.step_program, instructions=tuple(instructions)),
+                        executable.split, executable.graph, executable.program)
+
+
+def test_verifier_rejects_a_second_reduction_a_read_too_early_a_second_pipeline_and_a_lost_combine():
+    executable, *_ = _executable(_aux_step)
+    ins = list(executable.step_program)
+    _verify(executable, ins)
+    first_grad = next(k for k, i in enumerate(ins) if isinstance(i, ReduceGradient))
+    with pytest.raises(PlanVerificationError, match="reduced exactly once"):
+        _verify(executable, ins[:first_grad] + [ins[first_grad]] + ins[first_grad:])
+    reads_grad = next(k for k, i in enumerate(ins) if isinstance(i, RunCompute)
+                      and any(r.kind is OuterKind.GRAD for r in i.compute.inputs))
+    early = ins[:first_grad] + [ins[reads_grad]] + [i for k, i in enumerate(ins[first_grad:], first_grad) if k != reads_grad]
+    with pytest.raises(PlanVerificationError, match="before it is made there"):
+        _verify(executable, early)
+    pipeline = next(k for k, i in enumerate(ins) if isinstance(i, RunPipeline))
+    with pytest.raises(PlanVerificationError, match="once each"):
+        _verify(executable, ins[:pipeline] + [ins[pipeline]] + ins[pipeline:])
+    combine = next(k for k, i in enumerate(ins) if isinstance(i, CombineMicroBatches))
+    with pytest.raises(PlanVerificationError, match="combined"):
+        _verify(executable, ins[:combine] + ins[combine + 1:])
