@@ -25,7 +25,7 @@ from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
 from examples.u_transformer import UTransformer, ut_batch, ut_loss  # noqa: E402
 from meshpar.passes.pipeline.edge_transfer import TransferKind  # noqa: E402
-from pipeline_models import make_state  # noqa: E402
+from pipeline_models import assert_local_shards_close, make_state  # noqa: E402
 
 local = jax.local_devices()[0]
 for name, model, batch, loss, num_meshes, shape in (
@@ -46,11 +46,7 @@ for name, model, batch, loss, num_meshes, shape in (
         par_state, par_loss = parallel(par_state, batch)
         if par_loss.is_fully_addressable:
             np.testing.assert_allclose(float(par_loss), ref_losses[i], rtol=1e-5)
-    checked = 0
-    for got, want in zip(jax.tree.leaves(par_state.params), jax.tree.leaves(ref_state.params)):
-        for shard in got.addressable_shards:
-            np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-5)
-            checked += 1
+    checked = assert_local_shards_close(par_state.params, ref_state.params)
     assert checked > 0, "this process holds no parameters"
     kinds = {t.kind for t in parallel.get_executable(par_state, batch).program.transfers}
     assert TransferKind.P2P in kinds, kinds

@@ -33,7 +33,7 @@ from examples.mlp import MLP  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
 from meshpar.passes.simulation.timeline import LaneKind, read_chrome_trace  # noqa: E402
 from meshpar.runtime.coordination import CoordinationError, kv_client  # noqa: E402
-from pipeline_models import make_state, mse  # noqa: E402
+from pipeline_models import assert_local_shards_close, make_state, mse  # noqa: E402
 
 model = GPT(num_stages=2)
 batch = gpt_batch(0, 16, 8, 64)
@@ -57,11 +57,7 @@ for i in range(3):
         np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
         print(f"process {pid}: step {i} loss {float(loss):.6f} matches", flush=True)
 
-checked = 0
-for got, want in zip(jax.tree.leaves(par_state.params), jax.tree.leaves(ref_state.params)):
-    for shard in got.addressable_shards:
-        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-5)
-        checked += 1
+checked = assert_local_shards_close(par_state.params, ref_state.params)
 assert checked > 0, "this process holds no parameters"
 print(f"process {pid}: {checked} parameter shards match", flush=True)
 

@@ -55,3 +55,27 @@ class TensorParallel(nn.Module):
         h = nn.Dense(16, kernel_init=nn.with_partitioning(init, (None, "model")))(x)
         meshpar.mark_stage_boundary()
         return nn.Dense(4, kernel_init=nn.with_partitioning(init, ("model", None)))(nn.gelu(h))
+
+
+def run_both(step, state, batch, method, steps):
+    """``step`` under jax.jit and under meshpar.parallelize with ``method``, ``steps`` times from
+    ``state``, the losses equal at every step; returns both states and the parallelized step."""
+    parallel = meshpar.parallelize(step, method=method)
+    reference = jax.jit(step)
+    ref_state, par_state = state, state
+    for _ in range(steps):
+        ref_state, ref_loss = reference(ref_state, batch)
+        par_state, par_loss = parallel(par_state, batch)
+        np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
+    return ref_state, par_state, parallel
+
+
+def assert_local_shards_close(actual, expected, rtol=1e-5, atol=1e-5) -> int:
+    """Every shard of ``actual``'s leaves this process holds equals that part of ``expected``'s
+    (whole arrays); returns how many shards it checked."""
+    checked = 0
+    for got, want in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        for shard in got.addressable_shards:
+            np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=rtol, atol=atol)
+            checked += 1
+    return checked

@@ -11,7 +11,7 @@ from examples.mlp import MLP
 from examples.train_step import supervised_step
 from examples.u_transformer import UTransformer, ut_batch, ut_loss
 from meshpar.passes.pipeline.edge_transfer import TransferKind
-from pipeline_models import assert_trees_close, make_state, mse
+from pipeline_models import assert_trees_close, make_state, mse, run_both
 
 
 def _run_both(model, batch, loss, num_meshes, num_micro_batches, steps=2, **options):
@@ -21,14 +21,7 @@ def _run_both(model, batch, loss, num_meshes, num_micro_batches, steps=2, **opti
     method = meshpar.PipeshardParallel(
         num_micro_batches=num_micro_batches, num_stages=2 * num_meshes, stages_per_mesh=2,
         stage_mesh_shape=(8 // num_meshes, 1), schedule="interleaved_1f1b", **options)
-    parallel = meshpar.parallelize(step, method=method)
-    reference = jax.jit(step)
-    ref_state, par_state = state, state
-    for _ in range(steps):
-        ref_state, ref_loss = reference(ref_state, batch)
-        par_state, par_loss = parallel(par_state, batch)
-        np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
-    return ref_state, par_state, parallel
+    return run_both(step, state, batch, method, steps)
 
 
 def _mlp_batch(n=32, d=6, k=4):

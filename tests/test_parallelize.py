@@ -13,7 +13,7 @@ from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.mlp import MLP
 from examples.train_step import supervised_step
 from examples.u_transformer import UTransformer, ut_batch, ut_loss
-from pipeline_models import assert_trees_close, make_state, mse
+from pipeline_models import assert_trees_close, make_state, mse, run_both
 
 CONFIGS = [(2, 2, 2), (4, 1, 2), (1, 2, 4), (1, 1, 8), (2, 1, 4)]  # (data, model, pipeline)
 # The large models compile 20-60 s per configuration on 2 cores: CI runs a
@@ -39,14 +39,7 @@ def _run_both(model, batch, loss, config, schedule, steps=3, num_micro_batches=4
         num_micro_batches=num_micro_batches, num_stages=pp, stage_mesh_shape=(data, op), schedule=schedule,
         executor=executor, weight_delay=weight_delay,
     )
-    parallel = meshpar.parallelize(step, method=method)
-    reference = jax.jit(step)
-    ref_state, par_state = state, state
-    for _ in range(steps):
-        ref_state, ref_loss = reference(ref_state, batch)
-        par_state, par_loss = parallel(par_state, batch)
-        np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
-    return ref_state, par_state, parallel
+    return run_both(step, state, batch, method, steps)
 
 
 def _mlp_batch(n=16, d=6, k=4):
