@@ -163,12 +163,8 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     )
     if method.single_program and compiled.graph.num_stages == 1 and M == 1:
         return CompiledStep(_single_program(compiled, outer, out_tree, method), state_updates)
-    executable = PipelineExecutable(
-        compiled.graph, compiled.split, compiled.layout, compiled.program, compiled.step, compiled.stage_output_shardings,
-        compiled.parts, compiled.meshes,
-        micro_batch_size, compiled.moves, out_tree, jax.tree.leaves(out_shapes),
-        compiled.micro_batching, timeout_s=method.timeout_s, description=describe_pipeline(compiled),
-    )
+    executable = PipelineExecutable(compiled, out_tree, jax.tree.leaves(out_shapes), timeout_s=method.timeout_s,
+                                    description=describe_pipeline(compiled))
     if jax.process_count() > 1:
         # One agreement for the whole pipeline: every process compiled the
         # same stages, schedule and moves, or all of them fail here.

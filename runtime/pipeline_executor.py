@@ -18,20 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind
-from meshpar.passes.pipeline.micro_batching import AuxReduction, MicroBatching
-from meshpar.passes.pipeline.plan_moves import MoveKey, MoveTable
-from meshpar.passes.pipeline.pipeline_program import PipelineProgram
-from meshpar.passes.pipeline.stage_graph import RefKind, StageGraph
-from meshpar.passes.pipeline.stage_parts import StageParts
-from meshpar.passes.pipeline.step_layout import StepLayout, ValueMove
+from meshpar.passes.pipeline.micro_batching import AuxReduction
+from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline
+from meshpar.passes.pipeline.plan_moves import MoveKey
+from meshpar.passes.pipeline.stage_graph import RefKind
+from meshpar.passes.pipeline.step_layout import ValueMove
 from meshpar.passes.pipeline.step_program import (
     AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, PlaceInputs, ReduceGradient, RunCompute, RunMove,
-    RunPipeline, StepProgram,
+    RunPipeline,
 )
-from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, StepSplit
+from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef
 from meshpar.passes.pipeline.wire_format import from_wire
 from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals
 from meshpar.runtime.move_handlers import Move, prepare_move
@@ -48,23 +47,15 @@ __all__ = ["LAUNCH_WINDOW", "PipelineExecutable"]
 # micro-batches, well under what XLA's CPU client holds before it blocks.
 LAUNCH_WINDOW = 8
 
+
 class PipelineExecutable:
     """A traced, split, scheduled and lowered train step, ready to run.
 
     Args:
-      graph: forward stages of the loss.
-      split: the gradient equation's operands and the computations around the pipeline.
-      layout: where every value lives and the moves after the program.
-      program: the per-mesh program and its transfers.
-      step_program: the whole step around it, in the order every process runs it.
-      stage_output_shardings: per stage, the sharding of each of its outputs.
-      parts: per stage, its forward and backward parts.
-      meshes: the pipeline's meshes (``program.schedule.stage_mesh`` places each stage on one).
-      micro_batch_size: examples per micro-batch.
-      moves: every move of the step, planned and lowered (``passes.pipeline.plan_moves``); each
-        is prepared once, at construction, by its executor's runtime handler.
+      compiled: every IR the compiler made (``passes.pipeline.pipeline_passes.CompiledPipeline``):
+        the step program this runs, the pipeline program in its middle, the stages' parts, the
+        layout and the planned moves (each prepared once, here, by its executor's handler).
       out_tree, out_avals: the step's output treedef, shapes and dtypes.
-      micro_batching: how micro-batches combine (loss reduction, aux reductions, key folding).
       timeout_s: how long a process waits, at the end of a step, for values
         other processes send it (multi-process runs only).
       description: what ``describe()`` returns (``passes.pipeline.describe_pipeline``).
@@ -72,22 +63,15 @@ class PipelineExecutable:
 
     def __init__(
         self,
-        graph: StageGraph,
-        split: StepSplit,
-        layout: StepLayout,
-        program: PipelineProgram,
-        step_program: StepProgram,
-        stage_output_shardings: Sequence[Sequence[NamedSharding]],
-        parts: Sequence[StageParts],
-        meshes: Sequence[Mesh],
-        micro_batch_size: int,
-        moves: MoveTable,
+        compiled: CompiledPipeline,
         out_tree: Any,
         out_avals: Sequence[Any],
-        micro_batching: MicroBatching,
         timeout_s: float = 120.0,
         description: str = "",
     ) -> None:
+        graph, split, layout, program = compiled.graph, compiled.split, compiled.layout, compiled.program
+        parts, meshes, moves, micro_batching = compiled.parts, compiled.meshes, compiled.moves, compiled.micro_batching
+        step_program, micro_batch_size = compiled.step, compiled.micro_batch_size
         self.graph, self.split, self.layout, self.program = graph, split, layout, program
         self.step_program = step_program
         self.description = description
@@ -111,7 +95,7 @@ class PipelineExecutable:
         self.executables = [
             compile_stage(
                 stage, parts[stage.index], program.stages[stage.index], layout.stage_operands[stage.index],
-                stage_output_shardings[stage.index],
+                compiled.stage_output_shardings[stage.index],
                 [in_ct[e] for e in program.stages[stage.index].cotangent_in_edges],
                 self.stage_meshes[stage.index], micro_batching.loss_seed,
             )
