@@ -85,7 +85,10 @@ class GPT(nn.Module):
 
     ``T`` may be at most ``seq_len``. The ``num_layers`` blocks are the
     markable units: the token/position embeddings run in the first stage, the
-    final LayerNorm and the (untied) output projection in the last.
+    final LayerNorm and the output projection in the last. With
+    ``tie_embeddings`` the output projection is the token embedding's
+    transpose (GPT-2's tied embeddings): one parameter read by the first and
+    the last stage, which sit on different meshes.
     """
 
     vocab_size: int = 64
@@ -94,6 +97,7 @@ class GPT(nn.Module):
     num_heads: int = 4
     num_layers: int = 8
     num_stages: int = 1
+    tie_embeddings: bool = False
 
     @nn.compact
     def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
@@ -101,13 +105,16 @@ class GPT(nn.Module):
         t = tokens.shape[-1]
         if t > self.seq_len:
             raise ValueError(f"sequence length {t} exceeds seq_len={self.seq_len}")
-        x = nn.Embed(self.vocab_size, self.d_model, name="tok_embed")(tokens)
+        tok_embed = nn.Embed(self.vocab_size, self.d_model, name="tok_embed")
+        x = tok_embed(tokens)
         x = x + nn.Embed(self.seq_len, self.d_model, name="pos_embed")(jnp.arange(t))
         for i in range(self.num_layers):
             x = GPTBlock(self.num_heads, name=f"block_{i}")(x)
             if i in ends:
                 mark_stage_boundary()
         x = nn.LayerNorm(name="ln_f")(x)
+        if self.tie_embeddings:
+            return tok_embed.attend(x)
         return nn.Dense(self.vocab_size, name="head")(x)
 
 
