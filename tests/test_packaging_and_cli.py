@@ -33,3 +33,21 @@ def test_sim_benchmark_cli_writes_records(tmp_path):
     assert len(records) == 16 * 4 * 2
     assert "| n_to_m | case4 | 64 |" in out.stdout
     assert all(r["lower_bound_s"] <= r["estimated_s"] * (1 + 1e-9) for r in records)
+
+
+def test_every_package_folder_is_listed_for_installation():
+    # setup.cfg names each package (the compiler and runtime install under meshpar): a new
+    # sub-package missing there would install without its modules.
+    import configparser
+    import pathlib
+
+    config = configparser.ConfigParser()
+    config.read(os.path.join(ROOT, "setup.cfg"))
+    listed = set(config["options"]["packages"].split())
+    homes = {"meshpar": "meshpar", "meshpar.passes": "passes", "meshpar.runtime": "runtime"}
+    found = set()
+    for package, folder in homes.items():
+        for init in pathlib.Path(ROOT, folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(pathlib.Path(ROOT, folder)).parts
+            found.add(".".join((package, *parts)))
+    assert found == listed
