@@ -1,7 +1,10 @@
 """Main job: train a small GPT with (data, model, pipeline) = (2, 2, 2) on 8 virtual CPU devices.
 
-    python -m examples.train_gpt [--steps N] [--schedule gpipe|1f1b|eager_1f1b|zb_h1]
+    python -m examples.train_gpt [--steps N] [--schedule NAME] [--stages-per-mesh V]
         [--weight-delay false|true|auto] [--micro-batches M]
+
+``--schedule`` is any of ``meshpar.SCHEDULES``; ``--stages-per-mesh 2 --schedule
+interleaved_1f1b`` cuts the GPT into 4 stages on the same two meshes (virtual stages).
 
 Each of the two stage meshes is a (data=2, model=2) mesh on its own emulated
 host; activations and their gradients cross between the meshes through
@@ -21,11 +24,17 @@ import time
 
 
 def main() -> None:
+    # Importing JAX starts no backend: the device count below still takes effect.
+    import meshpar
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--schedule", default="eager_1f1b", choices=["gpipe", "1f1b", "eager_1f1b", "zb_h1"])
+    parser.add_argument("--schedule", default="eager_1f1b", choices=sorted(meshpar.SCHEDULES))
+    parser.add_argument("--stages-per-mesh", type=int, default=1,
+                        help="stages each of the two meshes runs (above 1: a schedule taking virtual stages)")
     parser.add_argument("--weight-delay", default="auto", choices=["false", "true", "auto"],
-                        help="split backwards and delay the weight-gradient passes (zb_h1 always splits)")
+                        help="split backwards and delay the weight-gradient passes (ignored by schedules "
+                             "placing weight passes themselves, zb_h1)")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()
@@ -38,14 +47,13 @@ def main() -> None:
     import optax
     from flax.training import train_state
 
-    import meshpar
     from examples.gpt import GPT, gpt_batch, gpt_loss
 
     devices = jax.devices()
     # Two emulated hosts of 4 devices, linked at 10 Gbit/s: the planner sees
     # every stage-to-stage transfer cross hosts, as on a real cluster.
     cluster = meshpar.Cluster.from_devices(devices, host_of=lambda d: d.id // 4, inter_host_bandwidth=1.25e9)
-    model = GPT(num_stages=2)
+    model = GPT(num_stages=2 * args.stages_per_mesh)
     batch = gpt_batch(0, args.batch_size, model.seq_len, model.vocab_size)
     params = model.init(jax.random.PRNGKey(0), batch["x"][:1])
     # The usual transformer recipe: global-norm clipping before Adam. The norm spans both stage
@@ -63,9 +71,11 @@ def main() -> None:
         return state.apply_gradients(grads=grads), (loss, accuracy, optax.tree.norm(grads))
 
     method = meshpar.PipeshardParallel(
-        num_micro_batches=args.micro_batches, num_stages=2, stage_mesh_shape=(2, 2),
+        num_micro_batches=args.micro_batches, num_stages=2 * args.stages_per_mesh,
+        stages_per_mesh=args.stages_per_mesh, stage_mesh_shape=(2, 2),
         schedule=args.schedule, resharding="broadcast", balancer="ensemble", cluster=cluster,
-        weight_delay=False if args.schedule == "zb_h1" else {"false": False, "true": True, "auto": "auto"}[args.weight_delay],
+        weight_delay=(False if meshpar.SCHEDULES[args.schedule].places_weight_passes
+                      else {"false": False, "true": True, "auto": "auto"}[args.weight_delay]),
     )
     step = meshpar.parallelize(train_step, method=method)
     n_params = sum(x.size for x in jax.tree.leaves(params))
