@@ -33,12 +33,11 @@ from meshpar.runtime.step_trace import StepRecorder
 __all__ = ["InstructionError", "StageInputs", "ProgramRun", "ProgramInterpreter"]
 
 Move = Callable[[jax.Array], jax.Array]
+Launched = tuple[jax.Array, ...]  # what a handler launched: the arrays its instruction produced
 
 
 class InstructionError(RuntimeError):
     """An instruction failed: names it and its mesh; the cause is chained."""
-
-Launched = tuple[jax.Array, ...]  # what a handler launched: the arrays its instruction produced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,12 +67,6 @@ class ProgramRun:
     peak_live_activations: list[int]
     peak_weight_states: list[int]
     arriving: list[Arrival]
-
-    def read(self, buffer: BufferId) -> Any:
-        try:
-            return self.buffers[buffer]
-        except KeyError:
-            raise KeyError(f"{buffer} is not live") from None
 
 
 class ProgramInterpreter:
@@ -259,6 +252,7 @@ class _State:
     arriving: list[Arrival]
 
     def read(self, buffer: BufferId) -> Any:
+        """The live buffer ``buffer``; a ``KeyError`` naming it when it is not live."""
         try:
             return self.buffers[buffer]
         except KeyError:
