@@ -53,8 +53,7 @@ from .pipeline_tasks import Task, TaskKind, task_dependencies
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
 __all__ = ["PipelineSchedule", "SCHEDULES", "ScheduleKind", "StagePlacement", "check_stage_placement", "make_schedule",
-           "mesh_sequences", "schedule_kind", "stage_sequence",
-           "verify_schedule"]
+           "mesh_sequences", "schedule_kind", "verify_schedule"]
 
 
 class StagePlacement(enum.Enum):
@@ -85,9 +84,6 @@ class ScheduleKind:
         itself (then weight delaying does not apply).
       micro_batches_per_round: ``num_meshes -> `` what ``num_micro_batches`` must be a multiple
         of with virtual stages (``None``: any number).
-      forwards_ahead: ``(stage, num_stages) ->`` the forwards stage ``s`` runs before its first
-        backward, for schedules of one stage per mesh built from it (``None``: GPipe or a
-        schedule with its own ``actions``).
     """
 
     name: str
@@ -96,7 +92,6 @@ class ScheduleKind:
     virtual_stages: bool = False
     places_weight_passes: bool = False
     micro_batches_per_round: Callable[[int], int] | None = None
-    forwards_ahead: Callable[[int, int], int] | None = None
 
     def peak_live(self, stage: int, num_stages: int, num_micro_batches: int, num_meshes: int | None = None) -> int:
         """Micro-batches whose forward residuals stage ``stage`` holds at its peak (counted
@@ -247,13 +242,6 @@ def mesh_sequences(name: str, num_stages: int, num_micro_batches: int, num_meshe
     return [_delay_weights(seq, d) for seq, d in zip(seqs, delays)]
 
 
-def stage_sequence(name: str, s: int, num_stages: int, num_micro_batches: int, delay: int | None = None) -> list[Task]:
-    """Stage ``s``'s compute tasks under schedule ``name`` with one stage per mesh; ``delay`` splits
-    backwards (see module doc)."""
-    return mesh_sequences(name, num_stages, num_micro_batches, None,
-                          None if delay is None else [delay] * num_stages)[s]
-
-
 def schedule_kind(name: str) -> ScheduleKind:
     """The registered schedule ``name``.
 
@@ -393,10 +381,9 @@ def _one_round(num_meshes: int) -> int:
 SCHEDULES: dict[str, ScheduleKind] = {
     kind.name: kind for kind in (
         ScheduleKind("gpipe", _one_stage_per_mesh(None)),
-        ScheduleKind("1f1b", _one_stage_per_mesh(_one_f_one_b), forwards_ahead=_one_f_one_b),
-        ScheduleKind("eager_1f1b", _one_stage_per_mesh(_eager_one_f_one_b), forwards_ahead=_eager_one_f_one_b),
-        ScheduleKind("zb_h1", _one_stage_per_mesh(_one_f_one_b, _zb_h1), places_weight_passes=True,
-                     forwards_ahead=_one_f_one_b),
+        ScheduleKind("1f1b", _one_stage_per_mesh(_one_f_one_b)),
+        ScheduleKind("eager_1f1b", _one_stage_per_mesh(_eager_one_f_one_b)),
+        ScheduleKind("zb_h1", _one_stage_per_mesh(_one_f_one_b, _zb_h1), places_weight_passes=True),
         # Megatron-LM requires the micro-batches to fill whole rounds of the meshes.
         ScheduleKind("interleaved_1f1b", _interleaved_1f1b, virtual_stages=True, micro_batches_per_round=_one_round),
     )
