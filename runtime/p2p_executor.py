@@ -40,14 +40,15 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
+from meshpar.passes.pipeline.mesh_assignment import device_sharding
 from meshpar.passes.resharding.hop_program import HopProgram
 from meshpar.passes.resharding.round_gates import Gate
 from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.remote import absent
 
-__all__ = ["ORDERS", "HopArrival", "P2PReshardExecutable", "device_sharding", "require_cross_host_transfers",
+__all__ = ["ORDERS", "HopArrival", "P2PReshardExecutable", "require_cross_host_transfers",
            "token_of"]
 
 ORDERS = ("gated", "eager", "rounds")
@@ -71,13 +72,6 @@ class HopArrival:
 
 
 @functools.lru_cache(maxsize=None)
-def device_sharding(device: Any) -> NamedSharding:
-    """The sharding of an array that lives whole on ``device``, in any process
-    (a ``NamedSharding``: ``SingleDeviceSharding`` cannot name a remote device
-    for the cross-host path)."""
-    return NamedSharding(Mesh(np.array([device]), ("device",)), P())
-
-
 def require_cross_host_transfers(what: str) -> None:
     """Raises a ``RuntimeError`` naming ``meshpar.distributed.initialize`` when this
     process cannot move arrays to other processes with ``jax.device_put``."""

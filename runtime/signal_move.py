@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshpar.runtime.p2p_executor import device_sharding, token_of
+from meshpar.passes.pipeline.mesh_assignment import device_sharding
+from meshpar.runtime.p2p_executor import token_of
 from meshpar.runtime.remote import absent
 
 __all__ = ["SignalMove"]

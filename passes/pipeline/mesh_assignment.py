@@ -22,8 +22,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .pipeline_schedule import check_stage_placement, schedule_kind
 
-__all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "mesh_shapes",
-           "param_sharding", "place_stages"]
+__all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "device_sharding",
+           "mesh_shapes", "param_sharding", "place_stages"]
 
 
 def mesh_shapes(n: int) -> str:
@@ -163,6 +163,13 @@ def assign_stage_meshes(
         Mesh(np.array(ordered[m * per_mesh : (m + 1) * per_mesh]).reshape(shape), axis_names)
         for m in range(num_meshes)
     )
+
+
+def device_sharding(device: Any) -> NamedSharding:
+    """The sharding of an array that lives whole on ``device``, in any process (a
+    ``NamedSharding``: ``SingleDeviceSharding`` cannot name a remote device for the cross-host
+    path)."""
+    return NamedSharding(Mesh(np.array([device]), ("device",)), P())
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...], micro_batch_size: int, data_axis: str) -> NamedSharding:

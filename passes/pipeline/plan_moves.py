@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from typing import Any, Callable, Union
 
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..model.cluster import Cluster
 from ..model.mesh import DeviceMesh
@@ -44,6 +44,7 @@ from ..resharding.round_gates import Gate, round_gates, verify_round_gates
 from ..resharding.transfer_program import TransferProgram, lower_plan, verify_program
 from ..verification import PlanVerificationError
 from .edge_transfer import TransferKind, choose_transfer
+from .mesh_assignment import device_sharding
 
 __all__ = ["MOVE_EXECUTORS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove", "default_cluster",
            "plan_move", "plan_moves", "resharding_task", "verify_move_table"]
@@ -207,10 +208,7 @@ def _lower_collective(key: MoveKey, options: MoveOptions) -> PlannedMove:
 def _lower_signal(key: MoveKey, options: MoveOptions) -> PlannedMove:
     # The byte leaves from one source device (no collective over the source mesh) and moves as
     # any 0-d value to every device of the destination mesh.
-    from jax.sharding import Mesh, PartitionSpec
-
-    first = key.src.mesh.devices.flat[0]
-    one = NamedSharding(Mesh(np.array([first]), ("device",)), PartitionSpec())
+    one = device_sharding(key.src.mesh.devices.flat[0])
     everywhere = NamedSharding(key.dst.mesh, PartitionSpec())
     processes = [d.process_index for s in (one, everywhere) for d in s.mesh.devices.flat]
     kind = choose_transfer("auto", processes, 0)
