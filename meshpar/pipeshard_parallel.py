@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from meshpar.cluster import Cluster
 from meshpar.passes.pipeline.edge_transfer import EXECUTORS, SIGNAL
-from meshpar.passes.pipeline.mesh_assignment import check_stage_split, mesh_shapes
+from meshpar.passes.pipeline.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
 from meshpar.passes.pipeline.pipeline_options import (PipelineOptions, PlacementOptions, ScheduleOptions,
                                                       TransferOptions)
 from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, check_stage_placement
@@ -250,37 +250,23 @@ class PipeshardParallel:
                 )
         object.__setattr__(self, "stage_meshes", tuple(meshes))
 
-    def num_meshes(self, num_stages: int) -> int:
+    def num_meshes(self, num_stages: int, counted: str = "stage markers + 1") -> int:
         """The meshes ``num_stages`` stages run on: the ``stage_meshes``, else as many cut meshes as
-        ``stages_per_mesh`` (default 1) leaves; ``check_placement`` says whether they fit."""
-        if self.stage_meshes is not None:
-            return len(self.stage_meshes)
-        return num_stages // (self.stages_per_mesh or 1)
+        ``stages_per_mesh`` (default 1) leaves (``count_meshes``, raising when they do not fit)."""
+        return count_meshes(num_stages, None if self.stage_meshes is None else len(self.stage_meshes),
+                            self.stages_per_mesh, counted)
 
     def check_placement(self, num_stages: int, counted: str) -> None:
         """Checks that ``num_stages`` stages (``counted`` says where the count comes from, for the
-        message) fit ``stages_per_mesh``, and with several stages per mesh that the schedule runs
-        virtual stages over ``num_micro_batches`` (``check_stage_placement``). Stage meshes that
-        do not divide the stages are not this check's: ``stage_meshes`` is checked against
-        ``num_stages`` when made, and against the model's stages by the compiler's mesh
-        assignment.
+        message) fit the meshes (``count_meshes``), and with several stages per mesh that the
+        schedule runs virtual stages over ``num_micro_batches`` (``check_stage_placement``), as
+        the compiler's ``place_stages`` will.
 
         Raises:
-          ValueError: naming ``stages_per_mesh``, ``schedule`` or ``num_micro_batches``, with a fix.
+          ValueError: naming ``stage_meshes``, ``stages_per_mesh``, ``schedule`` or
+            ``num_micro_batches``, with a fix.
         """
-        per_mesh = self.stages_per_mesh
-        if self.stage_meshes is None:
-            if per_mesh is not None and num_stages % per_mesh:
-                raise ValueError(f"stages_per_mesh: {per_mesh} does not divide the {num_stages} stages ({counted}); "
-                                 f"pass a divisor of {num_stages}")
-        elif num_stages % len(self.stage_meshes):
-            return
-        elif per_mesh is not None and per_mesh * len(self.stage_meshes) != num_stages:
-            n = len(self.stage_meshes)
-            raise ValueError(f"stages_per_mesh: {per_mesh}, but {num_stages} stages ({counted}) on {n} "
-                             f"stage_meshes are {num_stages // n} per mesh; pass stages_per_mesh={num_stages // n} "
-                             f"or None")
-        meshes = self.num_meshes(num_stages)
+        meshes = self.num_meshes(num_stages, counted)
         if meshes != num_stages:
             check_stage_placement(self.schedule, num_stages, meshes, self.num_micro_batches)
 

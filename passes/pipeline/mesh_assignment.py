@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .pipeline_schedule import check_stage_placement, schedule_kind
 
-__all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "device_sharding",
+__all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "count_meshes", "device_sharding",
            "mesh_shapes", "param_sharding", "place_stages"]
 
 
@@ -83,6 +83,34 @@ class StageMeshMap:
         return tuple(self.meshes[m] for m in self.stage_mesh)
 
 
+def count_meshes(num_stages: int, num_stage_meshes: int | None, stages_per_mesh: int | None,
+                 counted: str) -> int:
+    """The meshes ``num_stages`` stages run on: the user's ``num_stage_meshes``, else the cut
+    meshes ``stages_per_mesh`` (default 1) leaves. ``counted`` says where the stage count comes
+    from (``num_stages=4``, or the model's stage markers), for the message.
+
+    Raises:
+      ValueError: naming ``stage_meshes`` (not dividing the stages) or ``stages_per_mesh`` (not
+        dividing them, or disagreeing with the meshes), with a fix.
+    """
+    if num_stage_meshes is not None:
+        n = num_stage_meshes
+        if num_stages % n:
+            raise ValueError(
+                f"stage_meshes: {n} meshes for a model with {num_stages} stages ({counted}); pass one "
+                f"mesh per stage, or a number of meshes dividing the stages (virtual stages)")
+        if stages_per_mesh is not None and stages_per_mesh * n != num_stages:
+            raise ValueError(f"stages_per_mesh: {stages_per_mesh}, but {num_stages} stages ({counted}) on {n} "
+                             f"stage_meshes are {num_stages // n} per mesh; pass stages_per_mesh={num_stages // n} "
+                             f"or None")
+        return n
+    per_mesh = stages_per_mesh or 1
+    if num_stages % per_mesh:
+        raise ValueError(f"stages_per_mesh: {per_mesh} does not divide the {num_stages} stages ({counted}); "
+                         f"pass a divisor of {num_stages}")
+    return num_stages // per_mesh
+
+
 def place_stages(
     devices: Sequence[Any],
     num_stages: int,
@@ -104,21 +132,8 @@ def place_stages(
         (``check_stage_placement``), devices that do not split evenly.
     """
     counted = "stage markers + 1"
-    if stage_meshes is not None:
-        num_meshes = len(stage_meshes)
-        if num_stages % num_meshes:
-            raise ValueError(
-                f"stage_meshes: {num_meshes} meshes for a model with {num_stages} stages ({counted}); pass one "
-                f"mesh per stage, or a number of meshes dividing the stages (virtual stages)")
-    else:
-        per_mesh = stages_per_mesh or 1
-        if num_stages % per_mesh:
-            raise ValueError(f"stages_per_mesh: {per_mesh} does not divide the model's {num_stages} stages "
-                             f"({counted})")
-        num_meshes = num_stages // per_mesh
-    if stages_per_mesh is not None and num_meshes * stages_per_mesh != num_stages:
-        raise ValueError(f"stages_per_mesh: {stages_per_mesh}, but {num_stages} stages on {num_meshes} meshes "
-                         f"make {num_stages // num_meshes} per mesh")
+    num_meshes = count_meshes(num_stages, None if stage_meshes is None else len(stage_meshes), stages_per_mesh,
+                              counted)
     check_stage_placement(schedule, num_stages, num_meshes, num_micro_batches)
     placement = schedule_kind(schedule).placement
     if num_meshes != num_stages:
