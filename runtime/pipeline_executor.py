@@ -20,12 +20,10 @@ import numpy as np
 from jax._src import core
 from jax.sharding import NamedSharding
 
-from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind
+from meshpar.passes.pipeline.edge_transfer import Direction, MoveKey
 from meshpar.passes.pipeline.micro_batching import AuxReduction
 from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline
-from meshpar.passes.pipeline.plan_moves import MoveKey
 from meshpar.passes.pipeline.stage_graph import RefKind
-from meshpar.passes.pipeline.step_layout import ValueMove
 from meshpar.passes.pipeline.step_program import (
     AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, PlaceInputs, ReduceGradient, RunCompute, RunMove,
     RunPipeline,
@@ -103,17 +101,18 @@ class PipelineExecutable:
         ]
         self.edges = graph.edges()
         # Per program.transfers entry, its prepared move.
-        self.transfer_moves = tuple(self._move(t.kind, t.shape, t.dtype, t.src, t.dst) for t in program.transfers)
+        self.transfer_moves = tuple(self._move(t.move_key) for t in program.transfers)
         several = jax.process_count() > 1
         self._interpreter = ProgramInterpreter(
             program, self.executables, self.transfer_moves, self.mesh_local, watch=several,
             launch_window=LAUNCH_WINDOW if several else None, timeout_s=timeout_s)
-        self._fetches = {(s, op.position): self._prepare(op.fetch)
+        self._fetches = {(s, op.position): self._move(op.fetch.move_key)
                          for s, ops in enumerate(layout.stage_operands) for op in ops if op.fetch}
-        for ins in step_program:
-            if isinstance(ins, ReduceGradient) and ins.move is not None:
-                self._prepare(ins.move)
-        self._outer_moves = {mv: self._prepare(vm) for mv, vm in layout.outer_moves.items()}
+        # Per ReduceGradient instruction with a move (by identity, as the step program holds it),
+        # the move of its gradient to the owner's mesh.
+        self._gradient_moves = {id(ins): self._move(ins.move.move_key) for ins in step_program
+                                if isinstance(ins, ReduceGradient) and ins.move is not None}
+        self._outer_moves = {mv: self._move(vm.move_key) for mv, vm in layout.outer_moves.items()}
         # Per move around the pipeline, the other processes sending it (to name them if it fails).
         self._outer_senders = {mv: senders(vm.src) for mv, vm in layout.outer_moves.items()}
         self._consts = {(s, op.position): put(split.consts[op.source.index], op.sharding)
@@ -146,14 +145,11 @@ class PipelineExecutable:
             AssembleOutputs: self._assemble_outputs,
         }
 
-    def _move(self, kind: TransferKind, shape: tuple, dtype: Any, src: NamedSharding, dst: NamedSharding) -> Move:
-        key = MoveKey.of(kind, shape, dtype, src, dst)
+    def _move(self, key: MoveKey) -> Move:
+        """The prepared move of ``key``: one per distinct move, built at construction."""
         if key not in self._prepared:
             self._prepared[key] = prepare_move(self.moves.of(key), self.timeout_s)
         return self._prepared[key]
-
-    def _prepare(self, move: ValueMove) -> Callable[[jax.Array], jax.Array]:
-        return self._move(move.kind, move.shape, move.dtype, move.src, move.dst)
 
     def _compile_compute(self, compute: OuterCompute) -> Callable:
         fn = core.jaxpr_as_fun(compute.jaxpr)
@@ -231,7 +227,7 @@ class PipelineExecutable:
             state.values.update({(r, step.dst): v for r, v in zip(step.values, self._unpacks[step](moved))})
 
     def _feed_stages(self, ins: FeedStages, state: _StepState) -> None:
-        state.inputs = self._stage_inputs(state.placed, state.leaves, state)
+        state.inputs = self._stage_inputs(state)
 
     def _run_pipeline(self, ins: RunPipeline, state: _StepState) -> None:
         state.run = self._interpreter.run(state.inputs, self._zero_grads(), state.recorder)
@@ -250,7 +246,7 @@ class PipelineExecutable:
         grads = state.run.grads[ins.stage]
         g = grads[ins.position] if grads is not None else absent(ins.aval.shape, ins.aval.dtype, ins.sharding)
         if ins.move is not None:
-            g = self._prepare(ins.move)(g)
+            g = self._gradient_moves[id(ins)](g)
         key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
         state.values[key] = g if key not in state.values or not self.mesh_local[ins.mesh] else state.values[key] + g
 
@@ -306,11 +302,11 @@ class PipelineExecutable:
             arrivals.append(Arrival(moved, f"{names} moved from mesh {step.src} to mesh {step.dst}",
                                     self._outer_senders[step]))
 
-    def _stage_inputs(self, placed: list[dict[int, jax.Array]], leaves: Sequence[Any],
-                      state: _StepState) -> list[StageInputs | None]:
+    def _stage_inputs(self, state: _StepState) -> list[StageInputs | None]:
         """Each stage's operands: placed leaves, constants and values computed before the pipeline,
         fetched parameters, micro-batch slices sent straight from where the batch is to the stage
         that reads them, and keys folded with each micro-batch's index."""
+        placed, leaves = state.placed, state.leaves
         size, M = self.micro_batch_size, self.num_micro_batches
         batches = {}
         for i, leaf in enumerate(leaves):

@@ -13,7 +13,6 @@ from typing import Any
 from jax._src import core
 
 from .edge_transfer import Direction
-from .plan_moves import MoveKey
 from .stage_graph import RefKind
 from .step_split import OuterCompute, OuterMove
 
@@ -50,7 +49,7 @@ def describe_pipeline(compiled: Any) -> str:
         )
     edges = graph.edges()
     for t in compiled.program.transfers:
-        how = compiled.moves.of(MoveKey.of(t.kind, t.shape, t.dtype, t.src, t.dst)).summary()
+        how = compiled.moves.of(t.move_key).summary()
         what = "activation" if t.direction is Direction.ACTIVATION else "gradient"
         value = core.ShapedArray(t.shape, t.dtype).str_short()
         lines.append(f"  {what} {edges[t.edge][2]} {value} stage {t.src_stage} -> {t.dst_stage}: {how}")

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from .mesh_assignment import batch_sharding
 from .stage_graph import is_differentiable
 
-__all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "TransferKind", "choose_transfer", "plan_edge_transfers",
+__all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "MoveKey", "TransferKind", "choose_transfer", "plan_edge_transfers",
            "verify_edge_transfers"]
 
 EXECUTORS = ("auto", "p2p", "collective")
@@ -46,6 +46,21 @@ class TransferKind(enum.Enum):
 
 
 SIGNAL = "signal"  # the resharding strategy name that selects TransferKind.SIGNAL
+
+
+@dataclasses.dataclass(frozen=True)
+class MoveKey:
+    """One kind of move: a ``shape``/``dtype`` value from sharding ``src`` to ``dst``, by ``kind``."""
+
+    kind: TransferKind
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    src: NamedSharding
+    dst: NamedSharding
+
+    @staticmethod
+    def of(kind: TransferKind, shape: Iterable[int], dtype: Any, src: NamedSharding, dst: NamedSharding) -> MoveKey:
+        return MoveKey(kind, tuple(int(n) for n in shape), np.dtype(dtype), src, dst)
 
 
 def choose_transfer(executor: str, processes: Iterable[int], ndim: int, strategy: str = "broadcast",
@@ -106,6 +121,11 @@ class EdgeTransfer:
     src: NamedSharding
     dst: NamedSharding
     kind: TransferKind
+
+    @property
+    def move_key(self) -> MoveKey:
+        """The move this transfer makes for every micro-batch (``plan_moves`` plans it)."""
+        return MoveKey.of(self.kind, self.shape, self.dtype, self.src, self.dst)
 
     def __str__(self) -> str:
         return (f"{self.direction.value} of edge {self.edge} (stage {self.src_stage} -> {self.dst_stage}, "

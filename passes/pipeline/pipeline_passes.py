@@ -200,11 +200,10 @@ def compile_pipeline(
 def step_moves(transfers: Sequence[EdgeTransfer], layout: StepLayout) -> list[MoveKey]:
     """Every move of a step, in the order the runtime prepares them: the program's transfers,
     then parameter fetches, gradient moves and the moves around the pipeline."""
-    keys = [MoveKey.of(t.kind, t.shape, t.dtype, t.src, t.dst) for t in transfers]
     value_moves = [op.fetch for ops in layout.stage_operands for op in ops if op.fetch]
     value_moves += [mv for moves in layout.gradient_moves for mv in moves if mv]
     value_moves += list(layout.outer_moves.values())
-    return keys + [MoveKey.of(v.kind, v.shape, v.dtype, v.src, v.dst) for v in value_moves]
+    return [t.move_key for t in transfers] + [v.move_key for v in value_moves]
 
 
 def _is_batch_leaf(outer: core.ClosedJaxpr, k: int, graph: StageGraph, batch_leaves: frozenset[int]) -> bool:

@@ -43,28 +43,13 @@ from ..resharding.resharding_task import ReshardingTask
 from ..resharding.round_gates import Gate, round_gates, verify_round_gates
 from ..resharding.transfer_program import TransferProgram, lower_plan, verify_program
 from ..verification import PlanVerificationError
-from .edge_transfer import TransferKind, choose_transfer
+from .edge_transfer import MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import device_sharding
 
 __all__ = ["MOVE_EXECUTORS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove", "default_cluster",
            "plan_move", "plan_moves", "resharding_task", "verify_move_table"]
 
 P2P_ORDERS = ("gated", "eager", "rounds")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoveKey:
-    """One kind of move: a ``shape``/``dtype`` value from sharding ``src`` to ``dst``, by ``kind``."""
-
-    kind: TransferKind
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    src: NamedSharding
-    dst: NamedSharding
-
-    @staticmethod
-    def of(kind: TransferKind, shape: Iterable[int], dtype: Any, src: NamedSharding, dst: NamedSharding) -> MoveKey:
-        return MoveKey(kind, tuple(int(n) for n in shape), np.dtype(dtype), src, dst)
 
 
 @dataclasses.dataclass(frozen=True)

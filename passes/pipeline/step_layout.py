@@ -20,7 +20,7 @@ import numpy as np
 from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .edge_transfer import TransferKind, choose_transfer
+from .edge_transfer import MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
 from .micro_batching import is_key
 from .stage_graph import RefKind, StageGraph
@@ -54,6 +54,11 @@ class ValueMove:
     src: NamedSharding
     dst: NamedSharding
     kind: TransferKind
+
+    @property
+    def move_key(self) -> MoveKey:
+        """The move this is (``plan_moves`` plans it)."""
+        return MoveKey.of(self.kind, self.shape, self.dtype, self.src, self.dst)
 
 
 @dataclasses.dataclass(frozen=True)
