@@ -12,12 +12,14 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from meshpar.cluster import Cluster
 from meshpar.passes.pipeline.edge_transfer import EXECUTORS, TransferKind
-from meshpar.passes.pipeline.plan_moves import MoveKey, MoveOptions, default_cluster, plan_move, resharding_task
+from meshpar.passes.pipeline.plan_moves import (
+    P2P_ORDERS, MoveKey, MoveOptions, default_cluster, plan_move, resharding_task,
+)
 from meshpar.passes.resharding.balancers import get_balancer
 from meshpar.passes.resharding.plan_resharding import plan_resharding
 from meshpar.passes.resharding.strategies import get_strategy
 from meshpar.runtime.coordination import agree
-from meshpar.runtime.p2p_executor import ORDERS, P2PReshardExecutable
+from meshpar.runtime.p2p_executor import P2PReshardExecutable
 from meshpar.runtime.remote import absent
 from meshpar.runtime.resharding_executor import ReshardingExecutable
 
@@ -69,8 +71,8 @@ def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, str
         raise TypeError(f"dst: expected a jax.sharding.NamedSharding, got {type(dst).__name__}")
     if executor not in EXECUTORS:
         raise ValueError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
-    if order not in ORDERS:
-        raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+    if order not in P2P_ORDERS:
+        raise ValueError(f"order: expected one of {P2P_ORDERS}, got {order!r}")
     get_strategy(strategy)
     get_balancer(balancer)
     if cluster is None:

@@ -43,15 +43,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshpar.passes.pipeline.mesh_assignment import device_sharding
+from meshpar.passes.pipeline.plan_moves import P2P_ORDERS
 from meshpar.passes.resharding.hop_program import HopProgram
 from meshpar.passes.resharding.round_gates import Gate
 from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.remote import absent
 
-__all__ = ["ORDERS", "HopArrival", "P2PReshardExecutable", "require_cross_host_transfers",
+__all__ = ["HopArrival", "P2PReshardExecutable", "require_cross_host_transfers",
            "token_of"]
 
-ORDERS = ("gated", "eager", "rounds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +151,8 @@ class P2PReshardExecutable:
         timeout_s: float = 120.0,
         gates: tuple[Gate, ...] = (),
     ) -> None:
-        if order not in ORDERS:
-            raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+        if order not in P2P_ORDERS:
+            raise ValueError(f"order: expected one of {P2P_ORDERS}, got {order!r}")
         self.program = program
         self.shape = tuple(program.shape)
         self.dtype = np.dtype(dtype)

@@ -46,9 +46,10 @@ from ..verification import PlanVerificationError
 from .edge_transfer import MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import device_sharding
 
-__all__ = ["MOVE_EXECUTORS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove", "default_cluster",
+__all__ = ["MOVE_EXECUTORS", "P2P_ORDERS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove", "default_cluster",
            "plan_move", "plan_moves", "resharding_task", "verify_move_table"]
 
+# How a p2p move dispatches its hops (``meshpar.runtime.p2p_executor``'s module doc).
 P2P_ORDERS = ("gated", "eager", "rounds")
 
 
