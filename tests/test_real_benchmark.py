@@ -236,3 +236,10 @@ def test_real_benchmark_cli_on_a_tiny_configuration(tmp_path):
     assert "| case1 | S0RR(2, 4) -> S0RR(2, 4) |" in r.stdout and "| case3 |" in r.stdout
     assert "single_host case1" in r.stdout  # a progress line
     assert "Targets" in r.stdout
+
+
+def test_the_benchmark_spells_the_p2p_orders_as_the_compiler_does():
+    from benchmarks.resharding import real
+    from meshpar.passes.pipeline.plan_moves import P2P_ORDERS
+
+    assert real.P2P_ORDERS == P2P_ORDERS
