@@ -12,14 +12,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from meshpar.cluster import Cluster
 from meshpar.passes.pipeline.edge_transfer import EXECUTORS, SIGNAL
 from meshpar.passes.pipeline.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
-from meshpar.passes.pipeline.pipeline_options import (PipelineOptions, PlacementOptions, ScheduleOptions,
-                                                      TransferOptions)
+from meshpar.passes.pipeline.pipeline_options import (GRADIENT_REDUCTIONS, GradientOptions, PipelineOptions,
+                                                      PlacementOptions, ScheduleOptions, TransferOptions)
 from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, check_stage_placement
 from meshpar.passes.pipeline.weight_delay import check_weight_delay
 from meshpar.passes.resharding.balancers import get_balancer
@@ -91,6 +92,16 @@ class PipeshardParallel:
       cut_points: which ``mark_stage_boundary()`` calls cut the model, numbered from 0 in
         program order; the others are ignored (their layers join a stage). ``None``: every
         marker cuts. ``meshpar.plan_parallelism`` chooses them.
+      gradient_reduction: ``"per_step"`` (default): each device of a stage mesh accumulates
+        the partial gradients of its own examples over the step's micro-batches, and each
+        stage mesh reduces them over ``data_axis`` once per step, as soon as its last weight
+        gradient is done. ``"per_micro_batch"``: every backward reduces its micro-batch's
+        gradients itself (the plain SPMD program; M times the gradient bytes over the data
+        links), kept to compare against. See ``passes.pipeline.data_replicas`` for when a
+        stage keeps the per-micro-batch reduction anyway.
+      accumulation_dtype: the floating dtype the gradients of narrower floating parameters
+        (bfloat16, float16) accumulate in over micro-batches (default float32, as
+        mixed-precision training expects); the reduced gradient has the parameter's dtype.
     """
 
     num_micro_batches: int = 1
@@ -112,6 +123,8 @@ class PipeshardParallel:
     single_program: bool = True
     auto_layers: int | None = None
     stages_per_mesh: int | None = None
+    gradient_reduction: str = "per_step"
+    accumulation_dtype: Any = "float32"
 
     @property
     def planned(self) -> bool:
@@ -150,6 +163,10 @@ class PipeshardParallel:
                 raise ValueError(f"cut_points: expected a tuple of increasing marker numbers (0-based), got {cuts!r}")
             if self.num_stages is not None and self.num_stages != len(cuts) + 1:
                 raise ValueError(f"num_stages: {self.num_stages}, but cut_points={cuts!r} make {len(cuts) + 1} stages")
+        if self.gradient_reduction not in GRADIENT_REDUCTIONS:
+            raise ValueError(f"gradient_reduction: expected one of {GRADIENT_REDUCTIONS}, "
+                             f"got {self.gradient_reduction!r}")
+        self._check_accumulation_dtype()
         if not self._is_count(self.num_micro_batches):
             raise ValueError(f"num_micro_batches: expected a positive integer, got {self.num_micro_batches!r}")
         if self.num_stages is not None and not self._is_count(self.num_stages):
@@ -202,6 +219,16 @@ class PipeshardParallel:
     @staticmethod
     def _is_count(x: Any) -> bool:
         return isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 1
+
+    def _check_accumulation_dtype(self) -> None:
+        # jnp.dtype(None) is the default float; None here is a mistake, not a choice.
+        try:
+            dtype = None if self.accumulation_dtype is None else jnp.dtype(self.accumulation_dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"accumulation_dtype: expected a floating dtype (e.g. jnp.float32), "
+                             f"got {self.accumulation_dtype!r}")
 
     def _check_stage_mesh_shape(self) -> None:
         shape = self.stage_mesh_shape
@@ -282,14 +309,15 @@ class PipeshardParallel:
         # as the default cluster of one host per process would.
         renamed = {"name": self.schedule,
                    "inter_host_bandwidth": cluster.inter_host_bandwidth if cluster else 1.25e9,
-                   "intra_host_bandwidth": cluster.intra_host_bandwidth if cluster else 100e9}
+                   "intra_host_bandwidth": cluster.intra_host_bandwidth if cluster else 100e9,
+                   "accumulation_dtype": jnp.dtype(self.accumulation_dtype)}
 
         def group(cls: type) -> Any:
             return cls(**{f.name: renamed[f.name] if f.name in renamed else getattr(self, f.name)
                           for f in dataclasses.fields(cls)})
 
         return PipelineOptions(group(ScheduleOptions), group(PlacementOptions), group(TransferOptions),
-                               micro_batch_size)
+                               micro_batch_size, group(GradientOptions))
 
     def check_devices(self) -> None:
         """Checks the arguments the devices decide, against ``devices`` or else ``jax.devices()``

@@ -14,14 +14,14 @@ from flax import linen as nn
 
 import meshpar
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.pipeline_options import (PipelineOptions, PlacementOptions, ScheduleOptions,
-                                                      TransferOptions)
+from meshpar.passes.pipeline.pipeline_options import (GradientOptions, PipelineOptions, PlacementOptions,
+                                                      ScheduleOptions, TransferOptions)
 from meshpar.passes.planning.layer_profile import LayerProfile, ModelProfile
 from meshpar.passes.planning.planner_meshpar import PipelinePlan, StagePlan
 from meshpar.planning import ParallelismPlan
 from pipeline_models import make_state, mse
 
-GROUPS = (ScheduleOptions, PlacementOptions, TransferOptions)
+GROUPS = (ScheduleOptions, PlacementOptions, TransferOptions, GradientOptions)
 # Options the API reads itself (where to run, how to trace and check): in no group.
 API_ONLY = {"devices", "batch_argnums", "single_program", "num_stages"}
 # Group fields named differently from the option they come from.
@@ -48,6 +48,24 @@ def _user_fields():
 def test_stages_per_mesh_must_be_a_positive_int(value):
     with _raises("stages_per_mesh: expected a positive integer", repr(value)):
         meshpar.PipeshardParallel(stages_per_mesh=value)
+
+
+@pytest.mark.parametrize("value", ["per_microbatch", "once", None, 1])
+def test_gradient_reduction_must_be_known(value):
+    with _raises("gradient_reduction: expected one of ('per_step', 'per_micro_batch')", repr(value)):
+        meshpar.PipeshardParallel(gradient_reduction=value)
+
+
+@pytest.mark.parametrize("value", [jnp.int32, "int8", "bool", "not_a_dtype", 3, None])
+def test_accumulation_dtype_must_be_floating(value):
+    with _raises("accumulation_dtype: expected a floating dtype", repr(value)):
+        meshpar.PipeshardParallel(accumulation_dtype=value)
+
+
+@pytest.mark.parametrize("value", [jnp.float32, "float32", jnp.bfloat16, np.float64])
+def test_floating_accumulation_dtypes_are_taken(value):
+    options = meshpar.PipeshardParallel(accumulation_dtype=value).pipeline_options(8)
+    assert options.gradients == GradientOptions("per_step", jnp.dtype(value))
 
 
 def test_stages_per_mesh_is_rejected_with_auto():
@@ -143,7 +161,7 @@ def test_every_option_is_in_exactly_one_group_or_api_only():
     # A new option must join a group (or API_ONLY here): none is forgotten.
     assert set(sources) | API_ONLY == _user_fields()
     assert [f.name for f in dataclasses.fields(PipelineOptions)] == [
-        "schedule", "placement", "transfers", "micro_batch_size"]
+        "schedule", "placement", "transfers", "micro_batch_size", "gradients"]
 
 
 def test_groups_carry_the_options():

@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from jax.sharding import Mesh
 
 from ..model.cluster import Cluster
 
-__all__ = ["PipelineOptions", "PlacementOptions", "ScheduleOptions", "TransferOptions"]
+__all__ = ["GRADIENT_REDUCTIONS", "GradientOptions", "PipelineOptions", "PlacementOptions", "ScheduleOptions",
+           "TransferOptions"]
+
+# How a stage's parameter gradients are reduced over its mesh's data axis: once per step
+# (``data_replicas``: each device accumulates its own examples' partial sums) or inside every
+# micro-batch's backward (the SPMD default; kept for benchmarks).
+GRADIENT_REDUCTIONS = ("per_step", "per_micro_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +88,20 @@ class TransferOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class GradientOptions:
+    """How parameter gradients accumulate over micro-batches and reduce over the data axis.
+
+    Attributes:
+      gradient_reduction: one of ``GRADIENT_REDUCTIONS``.
+      accumulation_dtype: the floating dtype gradients of narrower floating parameters
+        (bfloat16, float16) accumulate in; wider ones accumulate in their own.
+    """
+
+    gradient_reduction: str
+    accumulation_dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     """Every option ``compile_pipeline`` reads, by concern; ``micro_batch_size`` is the batch
     over ``schedule.num_micro_batches`` (the traced step decides it, not the user)."""
@@ -89,3 +110,4 @@ class PipelineOptions:
     placement: PlacementOptions
     transfers: TransferOptions
     micro_batch_size: int
+    gradients: GradientOptions = GradientOptions("per_step", "float32")
