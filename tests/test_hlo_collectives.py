@@ -12,7 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
-from meshpar.passes.planning.hlo_collectives import Collective, CollectiveKind, all_reduce_equivalent_bytes, collectives
+from meshpar.passes.planning.hlo_collectives import (Collective, CollectiveKind, all_reduce_equivalent_bytes,
+                                                  collective_groups, collectives)
 from meshpar.planning import compiled_tensor_parallel, profile_step
 from pipeline_models import make_state
 
@@ -115,3 +116,27 @@ def test_compiled_tensor_parallel_sizes_the_profile_by_the_program_plain_jit_com
         compiled_tensor_parallel(None, step, (state, batch), (1,), devices)
     with pytest.raises(ValueError, match="devices: expected distinct devices"):
         compiled_tensor_parallel(profile, step, (state, batch), (1,), [devices[0]] * 2)
+
+
+@pytest.mark.parametrize("groups, want", [
+    ("{{0,2},{1,3}}", ((0, 2), (1, 3))),
+    ("[2,2]<=[2,2]T(1,0)", ((0, 2), (1, 3))),
+    ("[2,2]<=[4]", ((0, 1), (2, 3))),
+    ("mesh['axis_0'=2,'axis_1'=1,'axis_2'=2] {'axis_0'}", ((0, 2), (1, 3))),
+    ("mesh['axis_0'=2,'axis_1'=1,'axis_2'=2] {'axis_2'}", ((0, 1), (2, 3))),
+    ("mesh['axis_0'=2,'axis_1'=2] {'axis_0','axis_1'}", ((0, 1, 2, 3),)),
+    ("{}", ((0, 1, 2, 3),)),
+])
+def test_collective_groups_spell_out_every_replica_group_syntax(groups, want):
+    line = f"  %all-reduce.2 = f32[8]{{0}} all-reduce(%p), channel_id=1, replica_groups={groups}, to_apply=%add"
+    ((collective, got),) = collective_groups(line, 4)
+    assert collective == Collective(CollectiveKind.ALL_REDUCE, 32, collective.group_size)
+    assert got == want
+    # Brute force: every device in exactly one group, of the size collectives() reads.
+    assert sorted(d for g in got for d in g) == [0, 1, 2, 3]
+    assert collective.group_size in (None, len(got[0]))
+
+
+def test_collective_groups_checks_num_devices():
+    with pytest.raises(ValueError, match="num_devices"):
+        collective_groups(HLO, 0)

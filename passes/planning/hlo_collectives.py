@@ -24,7 +24,9 @@ import enum
 import math
 import re
 
-__all__ = ["CollectiveKind", "Collective", "collectives", "all_reduce_equivalent_bytes"]
+import numpy as np
+
+__all__ = ["CollectiveKind", "Collective", "collectives", "collective_groups", "all_reduce_equivalent_bytes"]
 
 
 class CollectiveKind(enum.Enum):
@@ -64,6 +66,8 @@ _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _MESH_AXIS = re.compile(r"'([^']+)'=(\d+)")
+_ALL_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_LIST = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 
 def _shape_bytes(shape: str) -> int:
@@ -88,6 +92,46 @@ def _group_size(line: str) -> int | None:
             raise ValueError(f"hlo_text: replica groups name axes {unknown} the mesh {sizes} lacks: {line.strip()!r}")
         return math.prod(sizes[n] for n in names)
     return None
+
+
+def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """The device ids (the program's logical ids) of each replica group ``line`` names."""
+    if m := _ALL_GROUPS.search(line):
+        groups = tuple(tuple(int(x) for x in g.split(",") if x) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+        return groups if groups else (tuple(range(num_devices)),)
+    if m := _IOTA_LIST.search(line):
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(p) for p in m.group(4).split(",")])
+        return tuple(map(tuple, ids.reshape(int(m.group(1)), int(m.group(2))).tolist()))
+    if m := _MESH_GROUPS.search(line):
+        axes = _MESH_AXIS.findall(m.group(1))
+        names = [n for n, _ in axes]
+        chosen = [names.index(n) for n in re.findall(r"'([^']+)'", m.group(2))]
+        ids = np.arange(math.prod(int(size) for _, size in axes)).reshape([int(size) for _, size in axes])
+        # A group varies the chosen axes and fixes the others.
+        kept = [a for a in range(len(axes)) if a not in chosen]
+        size = math.prod(ids.shape[a] for a in chosen)
+        return tuple(map(tuple, ids.transpose(kept + chosen).reshape(-1, size).tolist()))
+    return (tuple(range(num_devices)),)
+
+
+def collective_groups(hlo_text: str, num_devices: int) -> tuple[tuple[Collective, tuple[tuple[int, ...], ...]], ...]:
+    """Every collective of ``hlo_text`` (as ``collectives`` reads them) with the logical device ids
+    (``0 .. num_devices - 1``, the program's device assignment order) of each of its groups,
+    whichever syntax spells them: ``{{0,2},{1,3}}``, iota ``[2,2]<=[2,2]T(1,0)``, or
+    ``mesh['axis_0'=2,'axis_1'=2] {'axis_0'}``; one group of every device when none is named.
+
+    Raises:
+      ValueError: ``num_devices`` not a positive integer, or as ``collectives``.
+    """
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices: expected a positive integer, got {num_devices!r}")
+    found = collectives(hlo_text)
+    lines = [line for line in hlo_text.splitlines()
+             if (m := _INSTRUCTION.match(line)) is not None and m.group("phase") != "-start"]
+    return tuple((c, _groups(line, num_devices)) for c, line in zip(found, lines))
 
 
 def collectives(hlo_text: str) -> tuple[Collective, ...]:
