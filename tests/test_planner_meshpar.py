@@ -16,7 +16,7 @@ from meshpar.cluster import Cluster
 from meshpar.passes.planning.layer_profile import CrossingValue, LayerProfile, ModelProfile
 from meshpar.passes.planning.planner_meshpar import (Hardware, NoPlanFits, StagePlan, _axis_bandwidth, _live, _memory,
                                             _partition, _Prefix, _shapes, _stage_seconds, _step_lower_bound, predict,
-                                            search, stage_meshes)
+                                            search, stage_meshes, tensor_parallel_bandwidth)
 from meshpar.passes.pipeline.stage_graph import count_markers, split_stages
 from meshpar.planning import plan_parallelism
 from pipeline_models import assert_trees_close, make_state, mse
@@ -33,8 +33,14 @@ def _random_profile(rng, L, batch=16):
     return ModelProfile(layers, batch)
 
 
-def _brute_force(profile, S, M, schedule, budget):
-    """The least bottleneck over every contiguous partition and every per-stage shape."""
+def _ring_s(num_bytes, d, bandwidth):
+    """A ring all-reduce of ``num_bytes`` over ``d`` devices: each sends 2 (d - 1) / d of them."""
+    return 2 * (d - 1) / d * num_bytes / bandwidth
+
+
+def _brute_force(profile, S, M, schedule, budget, gradient_reduction="per_step"):
+    """The least bottleneck over every contiguous partition and every per-stage shape; per
+    micro-batch, each backward includes the stage's gradient all-reduce over its data axis."""
     L, b, n = profile.num_layers, profile.batch_size // M, CLUSTER.num_devices // S
     pre, best = _Prefix(profile), math.inf
     for cuts in itertools.combinations(range(1, L), S - 1):
@@ -45,15 +51,20 @@ def _brute_force(profile, S, M, schedule, budget):
             for shape in (sh for sh in _shapes(n) if b % sh[0] == 0):
                 mesh = stage_meshes(CLUSTER, [shape])[0]
                 if _memory(pre, i, j, shape, b, _live(schedule, s, S, M)) <= budget:
-                    f, bw = _stage_seconds(pre, i, j, shape, b, HW, _axis_bandwidth(CLUSTER, mesh, 1))
+                    f, bw = _stage_seconds(pre, i, j, shape, b, HW, tensor_parallel_bandwidth(CLUSTER, shape))
+                    if gradient_reduction == "per_micro_batch":
+                        d, t = shape
+                        params = sum(x.param_bytes for x in profile.layers[i:j])
+                        bw += _ring_s(params / t, d, _axis_bandwidth(CLUSTER, mesh, 0))
                     options.append(f + bw)
             worst = max(worst, min(options, default=math.inf))
         best = min(best, worst)
     return best
 
 
+@pytest.mark.parametrize("gradient_reduction", ["per_step", "per_micro_batch"])
 @pytest.mark.parametrize("seed", range(6))
-def test_partition_dp_equals_brute_force(seed):
+def test_partition_dp_equals_brute_force(seed, gradient_reduction):
     rng = np.random.default_rng(seed)
     profile = _random_profile(rng, L=int(rng.integers(2, 7)))
     for S in (1, 2, 4):
@@ -61,9 +72,10 @@ def test_partition_dp_equals_brute_force(seed):
             continue
         for M, schedule in ((4, "1f1b"), (8, "eager_1f1b")):
             budget = float(rng.choice([math.inf, 3e8]))
-            want = _brute_force(profile, S, M, schedule, budget)
+            want = _brute_force(profile, S, M, schedule, budget, gradient_reduction)
             got = _partition(_Prefix(profile), profile.num_layers, S, M, profile.batch_size // M,
-                             CLUSTER.num_devices // S, schedule, HW, CLUSTER, budget)
+                             CLUSTER.num_devices // S, schedule, HW, CLUSTER, budget,
+                             gradient_reduction=gradient_reduction)
             if math.isinf(want):
                 assert got is None
             else:
@@ -91,20 +103,56 @@ def test_every_plan_fits_the_budget_and_the_error_names_the_least_memory():
             search(profile, CLUSTER, HW, **bad)
 
 
+@pytest.mark.parametrize("gradient_reduction", ["per_step", "per_micro_batch"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("hardware", [HW, Hardware(1e13, total_flops=2e13, dispatch_s=1e-4)])
-def test_the_bound_never_exceeds_the_step_and_the_ranked_plans_are_the_fastest_of_all(seed, hardware):
+def test_the_bound_never_exceeds_the_step_and_the_ranked_plans_are_the_fastest_of_all(seed, hardware,
+                                                                                     gradient_reduction):
     """search simulates candidates in the order of ``_step_lower_bound`` and stops when the
     bound reaches its fifth fastest: the same five as simulating every candidate."""
     profile = _random_profile(np.random.default_rng(seed), L=6)
-    everything = search(profile, CLUSTER, hardware, num_ranked=10**6)
-    ranked = search(profile, CLUSTER, hardware)
+    everything = search(profile, CLUSTER, hardware, num_ranked=10**6, gradient_reduction=gradient_reduction)
+    ranked = search(profile, CLUSTER, hardware, gradient_reduction=gradient_reduction)
     assert len(ranked) < len(everything)  # the bound spared some simulations
     assert [p.predicted_step_s for p in ranked[:5]] == [p.predicted_step_s for p in everything[:5]]
     for p in everything:
         bound = _step_lower_bound(_Prefix(profile), CLUSTER, hardware, p.stages, p.num_micro_batches,
-                                  profile.batch_size // p.num_micro_batches)
+                                  profile.batch_size // p.num_micro_batches, gradient_reduction)
         assert bound <= p.predicted_step_s * (1 + 1e-12)
+        assert p.predicted_step_s == predict(profile, CLUSTER, hardware, p.stages, p.num_micro_batches, p.schedule,
+                                             gradient_reduction=gradient_reduction).predicted_step_s
+
+
+def test_per_micro_batch_reductions_are_priced_inside_the_backwards():
+    """Two one-layer stages on (2, 2) meshes, one per host (NVLink rings over the data axis),
+    1F1B, M = 2, no transfer or tensor-parallel time: f = 1e9 x 4 / (4 x 1e13) = 1e-4 s,
+    b = 2f, and each stage's gradient ring r carries its 1e8 / 2 parameter bytes per device.
+    With uniform stages the step takes (M + S - 1) = 3 slots: per step 3 (f + b), then one r
+    (the default, as before); per micro-batch each backward takes b + r, 3 (f + b + r): 2 r more."""
+    layer = LayerProfile(flops=1e9, param_bytes=1e8, optimizer_bytes=0.0, activation_bytes=0.0, boundary_bytes=0.0)
+    profile = ModelProfile((layer, layer), 8)
+    stages = [StagePlan(0, 1, (2, 2)), StagePlan(1, 2, (2, 2))]
+    f, b, r = 1e-4, 2e-4, _ring_s(1e8 / 2, 2, CLUSTER.intra_host_bandwidth)
+    default = predict(profile, CLUSTER, HW, stages, 2, "1f1b").predicted_step_s
+    per_step = predict(profile, CLUSTER, HW, stages, 2, "1f1b", gradient_reduction="per_step").predicted_step_s
+    per_micro_batch = predict(profile, CLUSTER, HW, stages, 2, "1f1b",
+                              gradient_reduction="per_micro_batch").predicted_step_s
+    assert default == per_step == pytest.approx(3 * (f + b) + r, rel=1e-12)
+    assert per_micro_batch == pytest.approx(3 * (f + b + r), rel=1e-12)
+    assert per_micro_batch - per_step == pytest.approx(2 * r, rel=1e-9)
+    pre = _Prefix(profile)
+    assert _step_lower_bound(pre, CLUSTER, HW, stages, 2, 4) == pytest.approx(2 * (f + b) + r, rel=1e-12)
+    assert _step_lower_bound(pre, CLUSTER, HW, stages, 2, 4, "per_micro_batch") == pytest.approx(
+        2 * (f + b + r), rel=1e-12)
+
+
+def test_gradient_reduction_must_be_known():
+    profile = _random_profile(np.random.default_rng(0), L=2)
+    match = r"^gradient_reduction: expected one of \('per_step', 'per_micro_batch'\), got 'per_batch'$"
+    with pytest.raises(ValueError, match=match):
+        predict(profile, CLUSTER, HW, [StagePlan(0, 2, (1, 8))], 1, "1f1b", gradient_reduction="per_batch")
+    with pytest.raises(ValueError, match=match):
+        search(profile, CLUSTER, HW, gradient_reduction="per_batch")
 
 
 def test_one_layer_plans_one_stage_and_skip_connections_become_edges():

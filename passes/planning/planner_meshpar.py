@@ -10,10 +10,11 @@ Search, for every stage count ``S`` dividing the devices and micro-batch count `
    (stage ``s`` of a 1F1B pipeline keeps ``min(S - s, M)`` micro-batches alive; eager-1F1B
    ``min(2(S - s) - 1, M)``);
 2. the step of that partition simulated under 1F1B and eager-1F1B with every edge's
-   resharding priced, plus the data-parallel gradient all-reduce that ends the step;
-   candidates in the order of a lower bound on their step, until the bound passes the
-   fifth fastest simulated (branch and bound: a 1,024-device cluster has ~150 candidates,
-   and the long schedules among them take seconds each to build and simulate).
+   resharding priced, and the data-parallel gradient all-reduce where it runs
+   (``gradient_reduction``, below); candidates in the order of a lower bound on their step,
+   until the bound passes the fifth fastest simulated (branch and bound: a 1,024-device
+   cluster has ~150 candidates, and the long schedules among them take seconds each to build
+   and simulate).
 
 Costs (per micro-batch of ``b`` examples, stage on a ``(d, t)`` mesh of devices of
 ``device_flops``): forward ``flops · b / (d · t · device_flops)`` plus the tensor-parallel
@@ -23,6 +24,12 @@ step's compiled HLO when planned on local devices: ``meshpar.planning.compiled_t
 and as much communication. On an emulated cluster whose devices share a few cores
 (``Hardware.total_flops``), no step is faster than all its FLOPs at that rate, and none is
 faster than the host launching its tasks one by one (``Hardware.dispatch_s``).
+
+The gradient all-reduce of a stage, a ring over its mesh's data axis of its parameter bytes
+over ``t``, ``2 (d - 1) / d · param_bytes / t / B_data``, runs as ``gradient_reduction``
+(``pipeline_options.GRADIENT_REDUCTIONS``) says: ``"per_step"`` once per step, priced after the
+simulated step (the slowest stage's); ``"per_micro_batch"`` in every backward, which it
+lengthens: ``M`` per step, on the critical path, and counted in the partition DP's stage time.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from ..model.mesh import DeviceMesh
 from ..model.sharding_spec import ShardingSpec
 
 from .layer_profile import ModelProfile
+from ..pipeline.pipeline_options import GRADIENT_REDUCTIONS
 from ..pipeline.pipeline_schedule import make_schedule, schedule_kind
 from ..resharding.plan_resharding import plan_resharding
 from .planner_atp import mesh_bandwidths
@@ -177,6 +185,11 @@ def _all_reduce_s(num_bytes: float, ring: int, bandwidth: float) -> float:
     return 0.0 if ring <= 1 else 2.0 * (ring - 1) / ring * num_bytes / bandwidth
 
 
+def _check_gradient_reduction(gradient_reduction: str) -> None:
+    if gradient_reduction not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"gradient_reduction: expected one of {GRADIENT_REDUCTIONS}, got {gradient_reduction!r}")
+
+
 class _Prefix:
     """Prefix sums of the layers' figures: a span's totals in O(1), vectorised over spans."""
 
@@ -209,25 +222,40 @@ def _stage_seconds(pre: _Prefix, i, j, shape: tuple[int, int], b: int, hardware:
     return compute + comm, 2.0 * compute + comm
 
 
+def _gradient_all_reduce_s(pre: _Prefix, i, j, shape: tuple[int, int], cluster: Cluster, mesh: DeviceMesh):
+    """One all-reduce of layers ``[i, j)``'s parameter gradients over the data axis of ``mesh``
+    (shaped ``shape``): each device holds ``1 / t`` of them."""
+    d, t = shape
+    return _all_reduce_s(pre.span(pre.params, i, j) / t, d, _axis_bandwidth(cluster, mesh, 0))
+
+
 def _memory(pre: _Prefix, i, j, shape: tuple[int, int], b: int, live: int):
     d, t = shape
     return pre.span(pre.static, i, j) / t + live * pre.span(pre.acts, i, j) * b / (d * t)
 
 
 def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
-            num_micro_batches: int, schedule: str, planner: str = "meshpar") -> PipelinePlan:
+            num_micro_batches: int, schedule: str, planner: str = "meshpar", *,
+            gradient_reduction: str = "per_step") -> PipelinePlan:
     """The step time and per-stage memory of running ``stages`` with ``num_micro_batches``
     under ``schedule``: compute and tensor-parallel time per stage, every crossing value's
-    resharding plan between its stages' meshes, simulated; then the gradient all-reduce. A
-    stage's memory holds as many micro-batches' activations as the simulated schedule keeps
-    alive there at once."""
+    resharding plan between its stages' meshes, simulated; the gradient all-reduce after the
+    simulated step (``"per_step"``) or inside each backward (``"per_micro_batch"``, module
+    doc). A stage's memory holds as many micro-batches' activations as the simulated schedule
+    keeps alive there at once.
+
+    Raises:
+      ValueError: ``num_micro_batches`` not dividing the batch, or ``gradient_reduction`` not
+        one of ``GRADIENT_REDUCTIONS``.
+    """
+    _check_gradient_reduction(gradient_reduction)
     S, M = len(stages), num_micro_batches
     if profile.batch_size % M:
         raise ValueError(f"num_micro_batches: {M} does not divide the batch of {profile.batch_size}")
     b = profile.batch_size // M
     pre = _Prefix(profile)
     meshes = stage_meshes(cluster, [s.shape for s in stages])
-    seconds, sync = _stage_costs(pre, cluster, hardware, stages, meshes, b)
+    seconds, after = _stage_costs(pre, cluster, hardware, stages, meshes, b, gradient_reduction)
     stage_of = [k for k, st in enumerate(stages) for _ in range(st.start, st.stop)]
     edge_bytes: dict[tuple[int, int], float] = {}
     for value in profile.crossing():
@@ -245,7 +273,7 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
     # Compute and transfer tasks, then each stage's update; one stage and one micro-batch run
     # as one program (PipeshardParallel.single_program).
     launches = 1 if S == M == 1 else M * (2 * S + 2 * len(edges)) + 2 * S
-    step = max(step + max(sync), launches * hardware.dispatch_s)
+    step = max(step + after, launches * hardware.dispatch_s)
     if hardware.shared:
         work = 3.0 * float(pre.flops[-1]) * profile.batch_size / hardware.total_flops + 3.0 * M * sum(
             pre.span(pre.ops, st.start, st.stop) * hardware.op_seconds(st.shape[0] * st.shape[1]) for st in stages)
@@ -254,25 +282,34 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
 
 
 def _stage_costs(pre: _Prefix, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
-                 meshes: Sequence[DeviceMesh], b: int) -> tuple[list[StageSeconds], list[float]]:
-    """Per stage, one micro-batch's forward and backward seconds, and its gradient all-reduce."""
+                 meshes: Sequence[DeviceMesh], b: int, gradient_reduction: str) -> tuple[list[StageSeconds], float]:
+    """Per stage, one micro-batch's forward and backward seconds, and the seconds the gradient
+    all-reduces add after the simulated step (module doc): the slowest stage's with
+    ``"per_step"``, none with ``"per_micro_batch"``, whose backwards include theirs."""
     seconds, sync = [], []
     offsets = np.cumsum([0] + [s.shape[0] * s.shape[1] for s in stages])
     for k, (st, mesh) in enumerate(zip(stages, meshes)):
         f, bw = _stage_seconds(pre, st.start, st.stop, st.shape, b, hardware,
                                tensor_parallel_bandwidth(cluster, st.shape, int(offsets[k])))
-        seconds.append(StageSeconds(f, bw, bw / 2, bw / 2))
-        d, t = st.shape
-        sync.append(_all_reduce_s(pre.span(pre.params, st.start, st.stop) / t, d, _axis_bandwidth(cluster, mesh, 0)))
-    return seconds, sync
+        reduce = _gradient_all_reduce_s(pre, st.start, st.stop, st.shape, cluster, mesh)
+        if gradient_reduction == "per_micro_batch":
+            # The weight pass makes the parameter cotangents, so a split backward's input pass
+            # (which the previous stage waits for) runs without the all-reduce.
+            seconds.append(StageSeconds(f, bw + reduce, bw / 2, bw / 2 + reduce))
+        else:
+            seconds.append(StageSeconds(f, bw, bw / 2, bw / 2))
+            sync.append(reduce)
+    return seconds, max(sync, default=0.0)
 
 
 def _step_lower_bound(pre: _Prefix, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
-                      M: int, b: int) -> float:
+                      M: int, b: int, gradient_reduction: str = "per_step") -> float:
     """No simulated step of ``stages`` is shorter: a stage runs its ``M`` forwards and
-    backwards one after another, and the gradient all-reduce follows the last of them."""
-    seconds, sync = _stage_costs(pre, cluster, hardware, stages, stage_meshes(cluster, [s.shape for s in stages]), b)
-    return M * max(s.forward + s.backward for s in seconds) + max(sync)
+    backwards (with their all-reduces, ``"per_micro_batch"``) one after another, and a
+    ``"per_step"`` gradient all-reduce follows the last of them."""
+    meshes = stage_meshes(cluster, [s.shape for s in stages])
+    seconds, after = _stage_costs(pre, cluster, hardware, stages, meshes, b, gradient_reduction)
+    return M * max(s.forward + s.backward for s in seconds) + after
 
 
 def _edge_seconds(cluster: Cluster, src: DeviceMesh, dst: DeviceMesh, src_shape, dst_shape, num_bytes: float,
@@ -298,10 +335,13 @@ def _edge_seconds_cached(cluster: Cluster, src: DeviceMesh, dst: DeviceMesh, num
 
 
 def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: str, hardware: Hardware,
-               cluster: Cluster, budget: float, by_memory: bool = False) -> tuple[list[StagePlan], float] | None:
+               cluster: Cluster, budget: float, by_memory: bool = False,
+               gradient_reduction: str = "per_step") -> tuple[list[StagePlan], float] | None:
     """The contiguous partition into ``S`` stages of ``n`` devices minimising the slowest
-    stage (each on its fastest shape that fits), or ``None`` when none fits the budget; with
-    ``by_memory``, minimising the largest per-device memory instead."""
+    stage (each on its fastest shape that fits; a stage's time is one micro-batch's forward
+    and backward, the latter with its all-reduce under ``"per_micro_batch"``), or ``None``
+    when none fits the budget; with ``by_memory``, minimising the largest per-device memory
+    instead."""
     idx_i, idx_j = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
     valid = idx_j > idx_i
     shapes = [sh for sh in _shapes(n) if b % sh[0] == 0]
@@ -310,6 +350,10 @@ def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: s
     per_shape = []
     for k, shape in enumerate(shapes):
         f, bw = _stage_seconds(pre, idx_i, idx_j, shape, b, hardware, tensor_parallel_bandwidth(cluster, shape))
+        if gradient_reduction == "per_micro_batch":
+            # Priced on the cluster's first devices, as the tensor-parallel bandwidth: where a
+            # stage lands is known only once the partition is.
+            bw = bw + _gradient_all_reduce_s(pre, idx_i, idx_j, shape, cluster, stage_meshes(cluster, [shape])[0])
         per_shape.append((f + bw, shape))
     INF = math.inf
     best = np.full((S + 1, L + 1), INF)
@@ -344,10 +388,11 @@ def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: s
 def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_budget_bytes: float | None = None,
            schedules: Sequence[str] = SCHEDULES, max_micro_batches: int | None = None,
            num_stages: int | None = None, num_micro_batches: int | None = None,
-           num_ranked: int = NUM_RANKED) -> list[PipelinePlan]:
+           num_ranked: int = NUM_RANKED, *, gradient_reduction: str = "per_step") -> list[PipelinePlan]:
     """Every stage count, micro-batch count (dividing the batch, at most ``max_micro_batches``,
     default the batch) and schedule's best partition, ranked fastest first (module docstring);
-    ``num_stages`` / ``num_micro_batches`` fix one.
+    ``num_stages`` / ``num_micro_batches`` fix one; every step priced with the gradient
+    all-reduce where ``gradient_reduction`` runs it.
 
     Candidates are simulated in the order of a lower bound on their step
     (``_step_lower_bound``) until the bound reaches the ``num_ranked``-th fastest simulated
@@ -356,6 +401,8 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_b
 
     Raises:
       NoPlanFits: nothing fits ``memory_budget_bytes``, naming the smallest memory any plan needs.
+      ValueError: ``max_micro_batches`` or ``num_ranked`` not a positive integer,
+        ``gradient_reduction`` not one of ``GRADIENT_REDUCTIONS``.
     """
     N, L, B = cluster.num_devices, profile.num_layers, profile.batch_size
     if max_micro_batches is None:
@@ -364,6 +411,7 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_b
         raise ValueError(f"max_micro_batches: expected a positive integer or None, got {max_micro_batches!r}")
     if not isinstance(num_ranked, int) or num_ranked < 1:
         raise ValueError(f"num_ranked: expected a positive integer, got {num_ranked!r}")
+    _check_gradient_reduction(gradient_reduction)
     budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
     pre = _Prefix(profile)
     candidates = []
@@ -373,9 +421,10 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_b
                   [m for m in range(1, min(B, max_micro_batches) + 1) if B % m == 0 and (m == 1 or m >= S)])
         for M in counts:
             for schedule in schedules:
-                found = _partition(pre, L, S, M, B // M, N // S, schedule, hardware, cluster, budget)
+                found = _partition(pre, L, S, M, B // M, N // S, schedule, hardware, cluster, budget,
+                                   gradient_reduction=gradient_reduction)
                 if found is not None:
-                    bound = _step_lower_bound(pre, cluster, hardware, found[0], M, B // M)
+                    bound = _step_lower_bound(pre, cluster, hardware, found[0], M, B // M, gradient_reduction)
                     candidates.append((bound, len(candidates), found[0], M, schedule))
     if not candidates:
         raise NoPlanFits(f"memory_budget_bytes: {budget:.4g} bytes per device fits no plan; the least any plan "
@@ -384,7 +433,7 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_b
     for bound, _, stages, M, schedule in sorted(candidates, key=lambda c: c[:2]):
         if len(plans) >= num_ranked and bound >= sorted(p.predicted_step_s for p in plans)[num_ranked - 1]:
             break
-        plans.append(predict(profile, cluster, hardware, stages, M, schedule))
+        plans.append(predict(profile, cluster, hardware, stages, M, schedule, gradient_reduction=gradient_reduction))
     return sorted(plans, key=lambda p: (p.predicted_step_s, max(p.peak_memory_bytes)))
 
 

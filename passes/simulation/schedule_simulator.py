@@ -25,6 +25,14 @@ them); its weight state lives from the start of ``I(s, m)`` to the end of
 times. The runtime counts by launch order instead; with positive compute
 durations a stage's intervals open and close in its sequence's order, so
 both counts agree and each checks the other.
+
+Gradient reduction. A reduction of parameter gradients over a mesh's data
+axis in every micro-batch is part of its backward's (or weight pass's)
+duration. One per step (``TaskDurations.reduction``) is launched on each
+mesh right after that mesh's last gradient task (``B`` or ``W`` of any
+stage it hosts) and holds its compute lane; the step ends when every mesh's
+reduction has. It is no ``Task`` (nothing in the pipeline reads it), so
+``SimulatedStep.reductions`` records it beside the timeline.
 """
 
 from __future__ import annotations
@@ -80,15 +88,20 @@ class TaskDurations:
       stages: per stage, its compute tasks' seconds.
       activation, gradient: per schedule edge (``schedule.edges`` index), one
         micro-batch's activation resp. cotangent transfer, in seconds.
+      reduction: per mesh (``schedule.stage_mesh`` index), the seconds of its one
+        reduction of all its stages' parameter gradients per step (module doc);
+        empty: no per-step reduction (none priced, or each runs inside a backward).
     """
 
     stages: tuple[StageSeconds, ...]
     activation: tuple[float, ...]
     gradient: tuple[float, ...]
+    reduction: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _check_seconds("TaskDurations.activation", self.activation)
         _check_seconds("TaskDurations.gradient", self.gradient)
+        _check_seconds("TaskDurations.reduction", self.reduction)
         if len(self.activation) != len(self.gradient):
             raise ValueError(f"TaskDurations.gradient: expected one per edge ({len(self.activation)}), "
                              f"got {len(self.gradient)}")
@@ -107,14 +120,19 @@ class SimulatedStep:
     """A simulated step.
 
     Attributes:
-      step_seconds: from the first task's start to the last one's end.
-      bubble_fraction: ``1 - busy / (P * step_seconds)``, ``busy`` the compute
-        seconds summed over stages, ``P`` the meshes: the share of mesh time spent idle or
-        held by a transfer (0 for a step of no time).
+      step_seconds: from the first task's start to the last one's (or per-step
+        reduction's) end.
+      bubble_fraction: ``1 - busy / (P * step_seconds)``, ``busy`` the seconds of compute
+        tasks and per-step reductions summed over meshes, ``P`` the meshes: the share of
+        mesh time spent idle or held by a transfer (0 for a step of no time). A reduction
+        counts as busy either way it runs: inside a backward or once per step.
       peak_live_activations: per stage, most micro-batches whose forward
         residuals are held at once.
       peak_weight_states: per stage, most weight passes waiting at once.
       timeline: every task's event, ``source="simulated"``.
+      reductions: per mesh, ``(start, end)`` of its per-step gradient reduction on
+        ``Lane(COMPUTE, mesh)``, on the timeline's clock; empty when
+        ``TaskDurations.reduction`` is.
     """
 
     step_seconds: float
@@ -122,6 +140,7 @@ class SimulatedStep:
     peak_live_activations: tuple[int, ...]
     peak_weight_states: tuple[int, ...]
     timeline: Timeline
+    reductions: tuple[tuple[float, float], ...]
 
 
 def _link(task: Task, schedule: PipelineSchedule) -> Lane:
@@ -149,14 +168,31 @@ def _check_sizes(schedule: PipelineSchedule, durations: TaskDurations) -> None:
     if len(durations.activation) != len(schedule.edges):
         raise ValueError(f"durations: {len(durations.activation)} edges' transfer seconds for a schedule "
                          f"of {len(schedule.edges)} edges")
+    if durations.reduction and len(durations.reduction) != schedule.num_meshes:
+        raise ValueError(f"durations.reduction: expected one per mesh ({schedule.num_meshes}) or none, "
+                         f"got {len(durations.reduction)}")
 
 
-def _events(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool) -> list[TimelineEvent]:
-    """Every task of the launch order, timed in one walk (module doc)."""
+def _last_gradient_tasks(schedule: PipelineSchedule) -> dict[int, int]:
+    """Per mesh, the position in ``schedule.order`` of its last ``B`` or ``W``: where its per-step
+    reduction is launched."""
+    last = {}
+    for position, task in enumerate(schedule.order):
+        if task.kind in (B, W):
+            last[schedule.stage_mesh[task.where]] = position
+    return last
+
+
+def _events(schedule: PipelineSchedule, durations: TaskDurations,
+            overlap: bool) -> tuple[list[TimelineEvent], dict[int, tuple[float, float]]]:
+    """Every task of the launch order, timed in one walk, and per mesh its per-step reduction's
+    ``(start, end)`` (module doc; none when ``durations.reduction`` is empty)."""
     end: dict[Task, float] = {}
     free: dict[Lane, float] = {}
     events = []
-    for task in schedule.order:
+    reduce_after = {p: mesh for mesh, p in _last_gradient_tasks(schedule).items()} if durations.reduction else {}
+    reductions = {}
+    for position, task in enumerate(schedule.order):
         held = _held_lanes(task, schedule, overlap)
         ready = [end[d] for d in task_dependencies(task, schedule.edges, schedule.split_backward)]
         start = max(ready + [free.get(lane, 0.0) for lane in held])
@@ -164,7 +200,14 @@ def _events(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool)
         for lane in held:
             free[lane] = end[task]
         events.append(TimelineEvent(task, _event_lane(task, schedule), start, end[task]))
-    return events
+        if position in reduce_after:
+            # Launched right behind the gradient task on its lane, so it starts as that task
+            # ends, and whatever the mesh runs next (a blocking transfer) waits for it.
+            mesh = reduce_after[position]
+            lane = Lane(LaneKind.COMPUTE, mesh)
+            reductions[mesh] = (free[lane], free[lane] + durations.reduction[mesh])
+            free[lane] = reductions[mesh][1]
+    return events, reductions
 
 
 def _peaks(events: Iterable[TimelineEvent], num_stages: int, opens: TaskKind, closes: TaskKind) -> tuple[int, ...]:
@@ -191,12 +234,18 @@ def simulate(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool
     transfer as a collective that blocks both its stages.
 
     Raises:
-      ValueError: ``durations`` not sized to ``schedule``'s stages and edges.
+      ValueError: ``durations`` not sized to ``schedule``'s stages, edges and (its
+        ``reduction``, unless empty) meshes.
     """
     _check_sizes(schedule, durations)
-    timeline = timeline_of(_events(schedule, durations, overlap), "simulated")
-    step = timeline.makespan
-    busy = sum(e.end - e.start for e in timeline.events if e.task.kind.is_compute)
+    events, reduction_spans = _events(schedule, durations, overlap)
+    timeline = timeline_of(events, "simulated")
+    # Every mesh runs a backward of each of its stages, so each has a reduction once any is priced.
+    reductions = tuple((start - timeline.origin, end - timeline.origin)
+                       for start, end in (reduction_spans[m] for m in range(len(durations.reduction))))
+    step = max([timeline.makespan] + [end for _, end in reductions])
+    busy = (sum(e.end - e.start for e in timeline.events if e.task.kind.is_compute)
+            + sum(end - start for start, end in reductions))
     S = schedule.num_stages
     return SimulatedStep(
         step_seconds=step,
@@ -204,6 +253,7 @@ def simulate(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool
         peak_live_activations=_peaks(timeline.events, S, F, I if schedule.split_backward else B),
         peak_weight_states=_peaks(timeline.events, S, I, W),
         timeline=timeline,
+        reductions=reductions,
     )
 
 
