@@ -157,9 +157,20 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     else:
         state_updates = None
         replaced = state_counterparts(in_tree, out_tree)
+
+    def replica_loss(count: int) -> Any:
+        # A stage run as ``count`` data-parallel replicas computes each on its share of a micro-batch.
+        if micro_batch_size % count:
+            raise ValueError(f"micro-batches of {micro_batch_size} examples do not split into {count} replicas")
+        replica, _ = _trace(fun, method, traced, [
+            jax.ShapeDtypeStruct((micro_batch_size // count, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x),
+                                 leaf_dtype(x)) for i, x in enumerate(leaves)], args)
+        return find_grad_call(name, replica, nnx_arguments).params["loss_jaxpr"]
+
     compiled = compile_pipeline(
         outer, params, micro_batching, leaves, partition_specs(args), frozenset(batch_leaves), replaced,
         devices, method.pipeline_options(micro_batch_size), functools.partial(_check_num_stages, method),
+        replica_loss,
     )
     if method.single_program and compiled.graph.num_stages == 1 and M == 1:
         return CompiledStep(_single_program(compiled, outer, out_tree, method), state_updates)

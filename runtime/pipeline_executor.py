@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from meshpar.passes.pipeline.edge_transfer import Direction, MoveKey
 from meshpar.passes.pipeline.micro_batching import AuxReduction
 from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline
-from meshpar.passes.pipeline.stage_graph import RefKind
+from meshpar.passes.pipeline.pipeline_program import ReduceGradients
 from meshpar.passes.pipeline.step_program import (
     AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, PlaceInputs, ReduceGradient, RunCompute, RunMove,
     RunPipeline,
@@ -96,15 +96,19 @@ class PipelineExecutable:
                 compiled.stage_output_shardings[stage.index],
                 [in_ct[e] for e in program.stages[stage.index].cotangent_in_edges],
                 self.stage_meshes[stage.index], micro_batching.loss_seed,
+                compiled.gradients.stages[stage.index],
             )
             for stage in graph.stages
         ]
+        self.gradients = compiled.gradients
         self.edges = graph.edges()
         # Per program.transfers entry, its prepared move.
         self.transfer_moves = tuple(self._move(t.move_key) for t in program.transfers)
         several = jax.process_count() > 1
+        reducers = {mesh: self._reducer(mesh, ins.stages) for mesh, instructions in enumerate(program.instructions)
+                    for ins in instructions if isinstance(ins, ReduceGradients)}
         self._interpreter = ProgramInterpreter(
-            program, self.executables, self.transfer_moves, self.mesh_local, watch=several,
+            program, self.executables, self.transfer_moves, reducers, self.mesh_local, watch=several,
             launch_window=LAUNCH_WINDOW if several else None, timeout_s=timeout_s)
         self._fetches = {(s, op.position): self._move(op.fetch.move_key)
                          for s, ops in enumerate(layout.stage_operands) for op in ops if op.fetch}
@@ -125,9 +129,6 @@ class PipelineExecutable:
         self._packs = {mv: _packer(layout.outer_moves[mv].src) for mv in packed}
         self._unpacks = {mv: _unpacker([split.avals[r] for r in mv.values],
                                        [layout.value_shardings[(r, mv.dst)] for r in mv.values]) for mv in packed}
-        # Per stage, its parameters' shapes and dtypes (Stage.param_inputs order).
-        self._param_avals = [[a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
-                             for stage in graph.stages]
         # Per stage, the most micro-batches whose forward residuals were alive
         # at once during the last step (what the schedule costs in memory), and
         # the most weight passes waiting at once; 0 on other processes' meshes.
@@ -160,6 +161,21 @@ class PipelineExecutable:
             return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
         return on_mesh(jax.jit(run), self.meshes[compute.mesh])
+
+    def _reducer(self, mesh: int, stages: Sequence[int]) -> Callable:
+        """``stages``' accumulators reduced on ``mesh``: replicas' partial sums summed
+        over the data axis (one all-reduce for all of them), each cast to its parameter's dtype
+        and laid out as its gradient is read (``data_replicas.StageAccumulation.reduced``)."""
+        plans = [self.gradients.stages[s] for s in stages]
+
+        def reduce_gradients(grads):
+            return [[(g.sum(0) if plan.replicas is not None else g).astype(dtype) for g, (_, dtype) in
+                     zip(accumulators, plan.reduced)] for accumulators, plan in zip(grads, plans)]
+
+        shardings = [[sharding for sharding, _ in plan.reduced] for plan in plans]
+        # Not donated: a (D, *param) accumulator cannot hold its (*param) sum, and the step drops
+        # the accumulators right after.
+        return on_mesh(jax.jit(reduce_gradients, out_shardings=shardings), self.meshes[mesh])
 
     def describe(self) -> str:
         """Stages, meshes, shardings, each move's executor and plan, and the schedule."""
@@ -348,13 +364,9 @@ class PipelineExecutable:
         return out
 
     def _zero_grads(self) -> list[list[jax.Array] | None]:
-        grads: list[list[jax.Array] | None] = []
-        for stage, shardings, avals in zip(self.graph.stages, self.layout.grad_shardings, self._param_avals):
-            if not self.local[stage.index]:
-                grads.append(None)
-                continue
-            grads.append([jnp.zeros(a.shape, a.dtype, device=sh) for a, sh in zip(avals, shardings)])
-        return grads
+        """Per stage here, its gradient accumulators (``data_replicas.Accumulator``), zero."""
+        return [[jnp.zeros(a.shape, a.dtype, device=a.sharding) for a in plan.accumulators]
+                if self.local[s] else None for s, plan in enumerate(self.gradients.stages)]
 
 
 @dataclasses.dataclass

@@ -15,15 +15,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from meshpar.passes.pipeline.edge_transfer import Direction
 from meshpar.passes.pipeline.pipeline_program import (
-    BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, RunBackward, RunBackwardInput,
-    RunBackwardWeight, RunForward, Send,
+    BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, ReduceGradients, RunBackward,
+    RunBackwardInput, RunBackwardWeight, RunForward, Send,
 )
 from meshpar.runtime.coordination import Arrival, CoordinationError, not_delivered, raise_lost_peer, senders, wait_ready
 from meshpar.runtime.remote import absent
@@ -33,6 +33,8 @@ from meshpar.runtime.step_trace import StepRecorder
 __all__ = ["InstructionError", "StageInputs", "ProgramRun", "ProgramInterpreter"]
 
 Move = Callable[[jax.Array], jax.Array]
+# A mesh's gradient reduction: its reduced stages' accumulators in, their reduced gradients out.
+Reducer = Callable[[list[list[jax.Array]]], list[list[jax.Array]]]
 Launched = tuple[jax.Array, ...]  # what a handler launched: the arrays its instruction produced
 
 
@@ -76,6 +78,8 @@ class ProgramInterpreter:
       program: the verified program.
       executables: per stage.
       moves: per ``program.transfers`` entry, the callable that moves it.
+      reducers: per mesh with a ``ReduceGradients``, the callable that reduces its stages'
+        accumulators, in the instruction's stage order.
       local: per mesh, whether this process owns a device of it.
       watch: record values arriving from other processes (multi-process runs).
       launch_window: at most this many launches not yet finished before the next launch waits
@@ -96,12 +100,14 @@ class ProgramInterpreter:
         program: PipelineProgram,
         executables: Sequence[StageExecutables],
         moves: Sequence[Move],
+        reducers: Mapping[int, Reducer],
         local: Sequence[bool],
         watch: bool,
         launch_window: int | None = None,
         timeout_s: float = 120.0,
     ) -> None:
         self.program, self.executables, self.moves = program, tuple(executables), tuple(moves)
+        self.reducers = dict(reducers)
         self.local, self.watch = tuple(local), watch
         self.launch_window, self.timeout_s = launch_window, timeout_s
         self._handlers: dict[type, Callable[[int, Any, _State], Launched]] = {
@@ -112,6 +118,7 @@ class ProgramInterpreter:
             Send: self._send,
             Recv: self._recv,
             Free: self._free,
+            ReduceGradients: self._reduce_gradients,
         }
         self._sequence: list[tuple[int, Instruction]] = program.launch_sequence()
         self._senders = tuple(senders(t.src) for t in program.transfers)
@@ -228,6 +235,14 @@ class ProgramInterpreter:
                 value, f"{what} of act{producer}.{transfer.slot} stage {transfer.src_stage} -> {transfer.dst_stage}, "
                        f"micro-batch {ins.micro_batch}", self._senders[ins.transfer]))
         return ()
+
+    def _reduce_gradients(self, mesh: int, ins: ReduceGradients, state: _State) -> Launched:
+        if not self.local[mesh]:
+            return ()
+        reduced = self.reducers[mesh]([state.grads[s] for s in ins.stages])
+        for s, grads in zip(ins.stages, reduced):
+            state.grads[s] = grads
+        return tuple(g for grads in reduced for g in grads)
 
     def _free(self, mesh: int, ins: Free, state: _State) -> Launched:
         if state.buffers.pop(ins.buffer, None) is None:

@@ -19,18 +19,28 @@ The functions take operands grouped as the program's buffers hold them:
 - ``backward_weight(weight_state, grads) -> grads``.
 
 Activations and outputs are in wire format (``passes.wire_format``: keys as key data).
+
+A stage run as data-parallel replicas (``passes.pipeline.data_replicas.StageReplicas``) keeps
+these signatures at the micro-batch's shapes: inside, its per-replica parts run as a
+``shard_map`` over the data axis, each device on its replica's block of the micro-batch, so
+each replica's parameter cotangents stay its own partial sums.
+Residuals and weight state are led by the replica count, and so are ``grads``
+(``(D, *param)``, reduced once per step by the mesh's ``ReduceGradients``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
 from jax._src import core
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from meshpar.passes.pipeline.data_replicas import StageAccumulation, StageReplicas
+from meshpar.passes.pipeline.micro_batching import AuxReduction
 from meshpar.passes.pipeline.pipeline_program import StageIO
 from meshpar.passes.pipeline.stage_graph import RefKind, Stage
 from meshpar.passes.pipeline.stage_parts import StageParts
@@ -79,9 +89,18 @@ def compile_stage(
     input_cotangent_shardings: Sequence[NamedSharding],
     mesh: Mesh,
     loss_seed: float,
+    accumulation: StageAccumulation | None = None,
 ) -> StageExecutables:
     """Jits ``parts`` for ``stage`` on ``mesh``; outputs and input cotangents are constrained to
-    the shardings their transfers expect."""
+    the shardings their transfers expect, accumulated gradients to their accumulators' (so
+    every micro-batch's pass reads them as the first did, and compiles once). With
+    ``accumulation.replicas``, runs its per-replica parts side by side instead (module doc);
+    ``loss_seed`` is then the replicas'."""
+    replicas = accumulation.replicas if accumulation is not None else None
+    accumulators = [a.sharding for a in accumulation.accumulators] if accumulation is not None else None
+    if replicas is not None:
+        parts, loss_seed = replicas.parts, replicas.loss_seed
+    split = _Replication(replicas, mesh)
     fixed_pos = [o.position for o in operands if not o.per_micro_batch]
     batch_pos = [o.position for o in operands if o.per_micro_batch]
     act_pos = [k for k, r in enumerate(stage.inputs) if r.kind is RefKind.ACT]
@@ -102,10 +121,17 @@ def compile_stage(
                 args[k] = value
         for k in act_pos:
             args[k] = from_wire(args[k], in_avals[k])
-        outs = forward_fn(*[args[k] for k in parts.diff_inputs], *[args[k] for k in parts.other_inputs])
-        results = [jax.lax.with_sharding_constraint(to_wire(o), s)
-                   for o, s in zip(outs[: parts.num_outputs], output_shardings)]
+        positions = (*parts.diff_inputs, *parts.other_inputs)
+        values, axes = zip(*(split.input(args[k], k) for k in positions)) if positions else ((), ())
+        outs = split.map(forward_fn, list(axes), [*map(split.output_axis, range(parts.num_outputs)),
+                                                  *[STACKED] * parts.num_residuals])(*values)
+        outputs = [split.output(o, k) for k, o in enumerate(outs[: parts.num_outputs])]
+        results = [jax.lax.with_sharding_constraint(to_wire(o), s) for o, s in zip(outputs, output_shardings)]
         return results, list(outs[parts.num_outputs :])
+
+    # The received cotangents meet the replicas as their outputs left them.
+    cotangent_axes = [split.output_axis(slot) for slot in parts.diff_outputs for e in io.out_edges[slot]
+                      if e not in io.no_cotangent]
 
     def output_cotangents(cotangents):
         flat = iter(cotangents)
@@ -120,20 +146,32 @@ def compile_stage(
             out.append(total)
         return out
 
+    act_axes = [split.input_axis(k) for k in parts.act_inputs]
+
     def constrain(input_cts):
         return [jax.lax.with_sharding_constraint(c, s) for c, s in zip(input_cts, input_cotangent_shardings)]
 
+    def accumulate(grads, cts):
+        # Narrower cotangents (bfloat16) add into wider accumulators (data_replicas.accumulation_dtype).
+        sums = [g + c.astype(g.dtype) for g, c in zip(grads, cts)]
+        if accumulators is None:
+            return sums
+        return [jax.lax.with_sharding_constraint(g, sh) for g, sh in zip(sums, accumulators)]
+
     def backward(residuals, cotangents, grads):
-        cts = backward_fn(*residuals, *output_cotangents(cotangents))
-        return constrain(cts[:num_acts]), [g + c for g, c in zip(grads, cts[num_acts:])]
+        outs = split.map(lambda r, c: backward_fn(*r, *output_cotangents(c)), [STACKED, cotangent_axes],
+                         [*act_axes, *[STACKED] * parts.num_param_cotangents])(residuals, cotangents)
+        return constrain(outs[:num_acts]), accumulate(grads, outs[num_acts:])
 
     def backward_input(residuals, cotangents):
-        outs = input_fn(*residuals, *output_cotangents(cotangents))
+        outs = split.map(lambda r, c: input_fn(*r, *output_cotangents(c)), [STACKED, cotangent_axes],
+                         [*act_axes, *[STACKED] * parts.num_weight_state])(residuals, cotangents)
         state = outs[num_acts:]
         return constrain(outs[:num_acts]), [v for v, k in zip(state, state_from_residual) if k is None]
 
     def backward_weight(weight_state, grads):
-        return [g + c for g, c in zip(grads, weight_fn(*weight_state))]
+        return accumulate(grads, split.map(lambda w: weight_fn(*w), [STACKED],
+                                           [STACKED] * parts.num_param_cotangents)(weight_state))
 
     return StageExecutables(
         on_mesh(jax.jit(forward), mesh),
@@ -142,3 +180,95 @@ def compile_stage(
         on_mesh(jax.jit(backward_weight, donate_argnums=(1,)), mesh),
         state_from_residual,
     )
+
+
+class _Stacked:
+    """A value the replicas hold one each of, led by the replica count (residuals, weight
+    state, accumulated gradients, keys folded per replica)."""
+
+
+STACKED = _Stacked()
+# How a value meets the replicas: ``None`` every replica reads it whole, an ``int`` it splits
+# along that dimension into the replicas' contiguous blocks (replica r the r-th), or STACKED.
+Axis = Union[int, None, _Stacked]
+
+
+class _Replication:
+    """How a stage's values meet its replicas (``StageReplicas``); with none, the identity.
+
+    The replicas run as a ``shard_map`` over the data axis only (each device computing its
+    replica on its block; the other mesh axes stay automatic, so tensor parallelism inside a
+    replica is partitioned as before), not as a ``vmap``: batching would rewrite every
+    convolution of a backward into a grouped one, which XLA's SPMD partitioner (JAX 0.10)
+    miscompiles once the groups are sharded.
+    """
+
+    def __init__(self, replicas: StageReplicas | None, mesh: Mesh) -> None:
+        self.replicas, self.mesh = replicas, mesh
+
+    def _spec(self, axis: Axis) -> P:
+        if axis is None:
+            return P()
+        if isinstance(axis, _Stacked):
+            return P(self.replicas.axis)
+        return P(*[None] * axis, self.replicas.axis)
+
+    def map(self, fn: Callable, in_axes: Sequence[Axis | Sequence[Axis]], out_axes: Sequence[Axis]) -> Callable:
+        """``fn`` run per replica, or ``fn`` itself: argument ``i`` meets the replicas as
+        ``in_axes[i]`` (one axis for all its leaves, or one per element of a list argument),
+        output ``j`` as ``out_axes[j]``."""
+        if self.replicas is None:
+            return fn
+
+        def mapped(*args):
+            leaves, tree = jax.tree.flatten(list(args))
+            axes = [a for arg, axis in zip(args, in_axes) for a in _leaf_axes(arg, axis)]
+
+            def body(*blocks):
+                blocks = [b[0] if isinstance(a, _Stacked) else b for b, a in zip(blocks, axes)]
+                outs = fn(*jax.tree.unflatten(tree, blocks))
+                return [o[None] if isinstance(a, _Stacked) else o for o, a in zip(outs, out_axes)]
+
+            return jax.shard_map(body, mesh=self.mesh, in_specs=tuple(self._spec(a) for a in axes),
+                                 out_specs=[self._spec(a) for a in out_axes], axis_names={self.replicas.axis},
+                                 check_vma=False)(*leaves)
+
+        return mapped
+
+    def input_axis(self, k: int) -> Axis:
+        """How stage input ``k`` meets the replicas (keys folded per replica are stacked)."""
+        if self.replicas is None:
+            return None
+        return STACKED if k in self.replicas.folded_keys else self.replicas.input_dims[k]
+
+    def output_axis(self, slot: int) -> Axis:
+        """How output ``slot`` leaves the replicas: split along its dimension, else one per replica."""
+        if self.replicas is None:
+            return None
+        dim = self.replicas.output_dims[slot]
+        return STACKED if dim is None else dim
+
+    def input(self, x: jax.Array, k: int) -> tuple[jax.Array, Axis]:
+        """Stage input ``k`` as the replicas read it, and how."""
+        if self.replicas is not None and k in self.replicas.folded_keys:
+            # Replicas are micro-batches side by side: each draws from its own fold of the key.
+            return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(x, jnp.arange(self.replicas.count)), STACKED
+        return x, self.input_axis(k)
+
+    def output(self, x: jax.Array, slot: int) -> jax.Array:
+        """Output ``slot``'s micro-batch value from the replicas' (``StageReplicas.output_combine``)."""
+        if self.replicas is None:
+            return x
+        how = self.replicas.output_combine[slot]
+        if how is None:
+            return x
+        if how is AuxReduction.LAST:
+            return x[-1]
+        return x.mean(0) if how is AuxReduction.MEAN else x.sum(0)
+
+
+def _leaf_axes(arg: Any, axis: Axis | Sequence[Axis]) -> list[Axis]:
+    """Per leaf of ``arg``, its axis: ``axis`` for all, or per element of a list argument."""
+    if isinstance(axis, (list, tuple)):
+        return [a for element, ax in zip(arg, axis) for a in _leaf_axes(element, ax)]
+    return [axis] * len(jax.tree.leaves(arg))

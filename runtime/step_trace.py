@@ -49,7 +49,8 @@ import jax.numpy as jnp
 
 from meshpar.passes.pipeline.edge_transfer import Direction
 from meshpar.passes.pipeline.pipeline_program import (
-    Instruction, PipelineProgram, RunBackward, RunBackwardInput, RunBackwardWeight, RunForward, Send,
+    Instruction, PipelineProgram, ReduceGradients, RunBackward, RunBackwardInput, RunBackwardWeight, RunForward,
+    Send,
 )
 from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
 from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
@@ -197,6 +198,8 @@ class StepRecorder:
             kind = TaskKind.SEND_ACT if transfer.direction is Direction.ACTIVATION else TaskKind.SEND_GRAD
             return (Task(kind, transfer.edge, instruction.micro_batch),
                     Lane(LaneKind.LINK, home[transfer.src_stage], home[transfer.dst_stage]))
+        if isinstance(instruction, ReduceGradients):
+            return None  # no schedule task: the simulator prices it beside the timeline
         kind = _COMPUTE_KINDS[type(instruction)]
         return Task(kind, instruction.stage, instruction.micro_batch), Lane(LaneKind.COMPUTE, mesh)
 

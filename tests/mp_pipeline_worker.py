@@ -93,6 +93,18 @@ for schedule, weight_delay in (("eager_1f1b", True), ("zb_h1", False), ("1f1b", 
     check_mlp_step(run)
     print(f"process {pid}: {schedule} with weight_delay={weight_delay} matches", flush=True)
 
+# Gradients reduced once per step (the default: both stages run as 2 replicas, one reduction
+# per mesh) and per micro-batch, across processes, with M = 1, 2 and 8.
+for M in (1, 2, 8):
+    for reduction in ("per_step", "per_micro_batch"):
+        run_m = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
+            num_micro_batches=M, num_stages=2, stage_mesh_shape=(2, 2), gradient_reduction=reduction))
+        check_mlp_step(run_m)
+        replicas = [g.replicas.count if g.replicas else 1
+                    for g in run_m.get_executable(mlp_state, mlp_batch).gradients.stages]
+        assert replicas == ([2, 2] if reduction == "per_step" else [1, 1]), replicas
+        print(f"process {pid}: gradient_reduction={reduction} M={M} matches", flush=True)
+
 # One traced step of the last of those: each process writes its own trace, with its own
 # stage's compute and the transfers it receives (stage i's mesh is process i's).
 run.trace(os.path.join(tempfile.gettempdir(), f"mp_pipeline_trace_{port}.json"), mlp_state, mlp_batch)

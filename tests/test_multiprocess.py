@@ -79,6 +79,9 @@ def test_pipeline_across_two_processes():
     for schedule in ("eager_1f1b with weight_delay=True", "zb_h1 with weight_delay=False", "1f1b with weight_delay=auto"):
         assert all(f"{schedule} matches" in r.stdout for r in results), output
     assert all("global-norm clipping match" in r.stdout for r in results), output
+    for M in (1, 2, 8):
+        for reduction in ("per_step", "per_micro_batch"):
+            assert all(f"gradient_reduction={reduction} M={M} matches" in r.stdout for r in results), output
     assert all("signal transfers ran" in r.stdout for r in results), output
     assert all("trace has only its own stage's compute" in r.stdout for r in results), output
     assert "skipped peer detected" in results[0].stdout, output

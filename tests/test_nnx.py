@@ -2,6 +2,8 @@
 place) against nnx.jit on one device, NNX partitioning metadata honoured, dropout Rngs folded
 per micro-batch, BatchNorm statistics, and the errors for the styles that cannot pipeline."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,7 +69,10 @@ def test_nnx_value_and_grad_outside_a_pipeline_equals_nnx():
 def test_nnx_dropout_draws_per_micro_batch_keys_and_advances_the_stream_once():
     batch = nnx_batch()
     model, optimizer = make_model(dropout=0.5)
-    loss = meshpar.parallelize(train_step, method=METHOD)(model, optimizer, batch)
+    # Each micro-batch whole on its mesh (run as data-parallel replicas, each replica would
+    # fold its index in too: tests/test_gradient_reduction.py).
+    method = dataclasses.replace(METHOD, gradient_reduction="per_micro_batch")
+    loss = meshpar.parallelize(train_step, method=method)(model, optimizer, batch)
 
     # Reference: micro-batch m draws from the stream key folded with m, as jax.random.fold_in.
     start, _ = make_model(dropout=0.5)

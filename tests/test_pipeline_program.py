@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from meshpar.passes.pipeline.edge_transfer import Direction, EdgeTransfer, TransferKind
-from meshpar.passes.pipeline.pipeline_program import (BufferKind, Free, Recv, RunBackward, RunBackwardInput, RunBackwardWeight,
-                                             RunForward, Send, lower_to_program, stage_io,
-                                             verify_pipeline_program as verify)
+from meshpar.passes.pipeline.pipeline_program import (BufferKind, Free, Recv, ReduceGradients, RunBackward,
+                                                      RunBackwardInput, RunBackwardWeight, RunForward, Send,
+                                                      lower_to_program, stage_io,
+                                                      verify_pipeline_program as verify)
 from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.pipeline.pipeline_tasks import TaskKind
 from meshpar.passes.verification import PlanVerificationError
@@ -26,7 +27,7 @@ def _u_shape(S):  # as in test_pipeline_schedule: adjacent stages plus skips i -
     return _chain(S) + [(i, S - 1 - i) for i in range(S // 2) if S - 1 - i > i + 1]
 
 
-def _build(name, S, M, edges, delays=None, slots="distinct", num_meshes=None):
+def _build(name, S, M, edges, delays=None, slots="distinct", num_meshes=None, reduced=frozenset()):
     """slots: "distinct" (one output slot per out-edge), "shared" (all out-edges from slot 0),
     "extra" (like distinct, but the last stage has an unread slot 0 and the loss in slot 1)."""
     quads, num_out = [], [1] * S
@@ -42,7 +43,7 @@ def _build(name, S, M, edges, delays=None, slots="distinct", num_meshes=None):
                  for e, (p, c, slot, _) in enumerate(quads)
                  for d, (a, b) in ((Direction.ACTIVATION, (p, c)), (Direction.COTANGENT, (c, p)))]
     stages = stage_io(S, quads, (S - 1, loss_slot), num_out)
-    return lower_to_program(make_schedule(name, S, M, edges, delays, num_meshes), stages, transfers), quads
+    return lower_to_program(make_schedule(name, S, M, edges, delays, num_meshes), stages, transfers, reduced), quads
 
 
 def _interpret(program, quads):
@@ -208,3 +209,43 @@ def test_interleaved_program_runs_with_several_stages_per_mesh(P, v, rounds, edg
                     live -= 1
                 held = max(held, live)
             assert peak[BufferKind.RESIDUALS][s] == held
+
+
+@pytest.mark.parametrize("name, S, M, num_meshes, reduced", [
+    ("1f1b", 3, 4, None, {0, 1, 2}), ("zb_h1", 3, 4, None, {0, 2}), ("gpipe", 2, 1, None, {1}),
+    ("interleaved_1f1b", 4, 4, 2, {0, 1, 2, 3}), ("interleaved_1f1b", 4, 4, 2, {1})])
+def test_each_mesh_reduces_its_stages_once_right_after_their_last_gradient_pass(name, S, M, num_meshes, reduced):
+    program, _ = _build(name, S, M, _chain(S), num_meshes=num_meshes, reduced=frozenset(reduced))
+    home = program.schedule.stage_mesh
+    for mesh, instructions in enumerate(program.instructions):
+        mine = sorted(s for s in reduced if home[s] == mesh)
+        at = [k for k, ins in enumerate(instructions) if isinstance(ins, ReduceGradients)]
+        if not mine:
+            assert at == []
+            continue
+        (k,) = at
+        assert instructions[k].stages == tuple(mine)
+        gradient = [j for j, ins in enumerate(instructions)
+                    if isinstance(ins, (RunBackward, RunBackwardWeight)) and ins.stage in mine]
+        # After the last gradient pass of its stages, with only frees and transfers in between.
+        assert gradient and max(gradient) < k
+        assert all(isinstance(ins, (Free, Send, Recv)) for ins in instructions[max(gradient) + 1:k])
+        assert len(gradient) == M * len(mine)
+
+
+def test_the_verifier_rejects_a_missing_misplaced_or_stray_reduction():
+    program, _ = _build("1f1b", 2, 4, _chain(2), reduced=frozenset({0, 1}))
+    verify(program, frozenset({0, 1}))
+    with pytest.raises(PlanVerificationError, match="mesh 0: gradient reduction of stages 0, but none"):
+        verify(program, frozenset({1}))
+    plain, _ = _build("1f1b", 2, 4, _chain(2))
+    with pytest.raises(PlanVerificationError, match=re.escape("mesh 0: not one gradient reduction of stages (0,)")):
+        verify(plain, frozenset({0, 1}))
+    # The reduction moved before the mesh's last backward: that backward accumulates too late.
+    mesh0 = list(program.instructions[0])
+    k = next(j for j, ins in enumerate(mesh0) if isinstance(ins, ReduceGradients))
+    last = max(j for j, ins in enumerate(mesh0) if isinstance(ins, RunBackward))
+    mesh0.insert(last, mesh0.pop(k))
+    moved = dataclasses.replace(program, instructions=(tuple(mesh0), *program.instructions[1:]))
+    with pytest.raises(PlanVerificationError, match="accumulates after the step's gradient reduction"):
+        verify(moved, frozenset({0, 1}))

@@ -83,7 +83,7 @@ def _run(program, local=None, fail_at=None):
 
     local = [True] * program.schedule.num_meshes if local is None else local
     home = program.schedule.stage_mesh
-    interpreter = ProgramInterpreter(program, stages, [move(k) for k in range(len(program.transfers))], local,
+    interpreter = ProgramInterpreter(program, stages, [move(k) for k in range(len(program.transfers))], {}, local,
                                      watch=False)
     inputs = [StageInputs((), tuple((m,) for m in range(M))) if local[home[s]] else None for s in range(S)]
     grads = [[np.float64(0)] if local[home[s]] else None for s in range(S)]

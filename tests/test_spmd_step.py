@@ -55,7 +55,9 @@ def test_one_stage_one_micro_batch_is_one_program_equal_to_jit_and_to_the_pipeli
     batch, key = _batch(), jax.random.key(3)
     state = _state(batch)
     single = meshpar.parallelize(_step, method=_method())
-    piped = meshpar.parallelize(_step, method=_method(single_program=False))
+    # Its micro-batch whole on the mesh, as the single program computes it (as replicas, each
+    # would fold its replica index into the key too).
+    piped = meshpar.parallelize(_step, method=_method(single_program=False, gradient_reduction="per_micro_batch"))
     # The pipeline folds micro-batch 0's index into the key: so does the reference.
     reference = jax.jit(lambda s, b, k: _step(s, b, jax.random.fold_in(k, 0)))
     ref, one, two = state, state, state

@@ -4,6 +4,8 @@ micro-batch, loss reductions and masked means, and updates combining several mes
 (global-norm clipping). Where micro-batching changes the semantics (BatchNorm statistics, keys
 folded per micro-batch) the reference is jax.jit run per micro-batch and combined as documented."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -313,7 +315,10 @@ def test_flax_dropout_rngs_draw_per_micro_batch_keys():
         grads = jax.tree.map(lambda *g: sum(g) / M, *[r[1] for r in runs])
         return state.apply_gradients(grads=grads), sum(r[0] for r in runs) / M
 
-    par, par_loss = meshpar.parallelize(step, method=METHOD)(state, batch, key)
+    # Each micro-batch whole on its mesh: as data-parallel replicas each would fold its replica
+    # index in too (tests/test_gradient_reduction.py).
+    method = dataclasses.replace(METHOD, gradient_reduction="per_micro_batch")
+    par, par_loss = meshpar.parallelize(step, method=method)(state, batch, key)
     ref, ref_loss = reference(state, batch, key)
     np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(par.params, ref.params)

@@ -2,7 +2,8 @@
 
 ``describe_pipeline`` is what ``ParallelizedStep.get_executable(...).describe()`` returns: the
 schedule, each stage's mesh and parameter shardings, every boundary move with its executor
-and plan (``MoveTable``), how micro-batches combine, and what runs around the pipeline.
+and plan (``MoveTable``), how micro-batches combine, how each stage's gradients accumulate and
+reduce (``data_replicas``), and what runs around the pipeline.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def describe_pipeline(compiled: Any) -> str:
     aux = ", ".join(f"aux{k} {r.value}" for k, r in enumerate(mb.aux))
     lines.append(f"  micro-batches combine: loss and gradients by {mb.reduction}" + (f"; {aux}" if aux else "")
                  + (f"; {len(mb.fold_keys)} PRNG key(s) folded with the micro-batch index" if mb.fold_keys else ""))
+    lines += _gradient_lines(compiled)
     for phase, steps in (("before the pipeline", compiled.split.before), ("after it", compiled.split.after)):
         computes = [st for st in steps if isinstance(st, OuterCompute)]
         moves = [st for st in steps if isinstance(st, OuterMove)]
@@ -75,3 +77,21 @@ def _values_str(split: Any, values: Sequence[Any]) -> str:
     if len(values) <= 3:
         return ", ".join(f"{v} {split.avals[v].str_short()}" for v in values)
     return f"{len(values)} values ({split.avals[values[0]].str_short()}, ...)"
+
+
+def _gradient_lines(compiled: Any) -> list[str]:
+    """Per stage with parameters, how its gradients accumulate and where they are reduced."""
+    lines = []
+    for stage, g in zip(compiled.graph.stages, compiled.gradients.stages):
+        if not g.accumulators:
+            continue
+        dtypes = sorted({str(a.dtype) for a in g.accumulators})
+        if g.replicas is not None:
+            how = (f"{g.replicas.count} data-parallel replicas over {g.replicas.axis!r}, each accumulating its "
+                   f"own examples' partial sums; reduced once per step")
+        elif g.per_micro_batch:
+            how = f"reduced in every micro-batch's backward ({g.per_micro_batch})"
+        else:
+            how = "nothing to reduce (one device on the data axis)"
+        lines.append(f"  gradients of stage {stage.index}: {how}; accumulated in {', '.join(dtypes)}")
+    return lines

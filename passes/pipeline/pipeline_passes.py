@@ -11,18 +11,21 @@ pass that made it):
    mesh, with the moves between meshes -> ``StepSplit``;
 4. ``layout_step``: where every value lives -> ``StepLayout``;
 5. ``stage_parts``: each stage's forward, backward and split backward jaxprs;
+   ``plan_data_replicas``: how each stage's parameter gradients accumulate and reduce
+   (once per step: the stage run as data-parallel replicas) -> ``DataReplicas``;
 6. ``plan_edge_transfers``: how each boundary value moves, both ways ->
    ``EdgeTransfer``s (``LOCAL`` between stages on one mesh);
 7. ``plan_moves``: every value crossing meshes (boundary values, parameter
    fetches, gradients, the moves around the pipeline) planned, lowered by its
    executor and verified -> ``MoveTable``;
 8. ``estimate_durations`` and ``weight_delays``: task durations from the cost
-   model, and each mesh's weight-pass delay chosen by simulating the
-   schedule with them (``schedule_simulator``);
+   model (each stage's gradient reduction priced as ``plan_data_replicas`` runs it),
+   and each mesh's weight-pass delay chosen by simulating the schedule with them
+   (``schedule_simulator``);
 9. ``make_schedule``: the typed tasks per mesh and the networkx dependency
    graph (checked acyclic) -> ``PipelineSchedule``;
-10. ``lower_to_program``: per-mesh instructions over typed buffers ->
-    ``PipelineProgram``;
+10. ``lower_to_program``: per-mesh instructions over typed buffers, each mesh's
+    gradient reduction among them -> ``PipelineProgram``;
 11. ``lower_step``: the whole step around it (inputs placed, the work before and
     after the pipeline, micro-batches combined, gradients reduced on their
     owners' meshes, outputs assembled) -> ``StepProgram``.
@@ -40,7 +43,7 @@ from typing import Any, TypeVar
 from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..simulation.cost_model import estimate_durations
+from ..simulation.cost_model import estimate_durations, stage_gradients
 from .edge_transfer import Direction, EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
 from .mesh_assignment import place_stages
 from .pipeline_options import PipelineOptions
@@ -50,6 +53,8 @@ from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
 from ..simulation.schedule_simulator import TaskDurations
 from .layer_clustering import insert_layer_markers
 from .stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
+from .data_replicas import DataReplicas, plan_data_replicas, verify_data_replicas
+from .drop_mesh_axis import drop_mesh_axis
 from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout, layout_step, verify_step_layout
@@ -85,6 +90,7 @@ class CompiledPipeline:
     micro_batch_size: int
     step: StepProgram
     stage_output_shardings: tuple[tuple[NamedSharding, ...], ...]
+    gradients: DataReplicas
 
     @property
     def stage_meshes(self) -> tuple[Mesh, ...]:
@@ -112,16 +118,27 @@ def compile_pipeline(
     devices: Sequence[Any],
     options: PipelineOptions,
     check_stages: Callable[[StageGraph], None] = lambda graph: None,
+    replica_loss: Callable[[int], core.ClosedJaxpr] | None = None,
 ) -> CompiledPipeline:
     """Runs the passes (module doc) on a traced step ``outer`` (at the whole batch's shapes) whose
     gradient equation, traced per micro-batch, has ``grad_params``, combining micro-batches as
     ``micro_batching`` says; ``counterparts`` gives per step output leaf the input leaf it replaces
     in the state (``state_counterparts``), placed where that input lives; ``check_stages``
-    validates the stage graph against the user's options."""
-    loss = grad_params["loss_jaxpr"]
-    if options.placement.auto_layers is not None:
-        loss = insert_layer_markers(loss, options.placement.auto_layers)
-    graph = _run("split_stages", lambda: split_stages(loss, grad_params["num_diff"], options.placement.cut_points), verify_stage_graph)
+    validates the stage graph against the user's options. ``replica_loss(D)`` is the loss jaxpr
+    traced at ``1 / D`` of a micro-batch (it may raise), for stages run as ``D`` data-parallel
+    replicas (``data_replicas``); ``None``: every stage reduces per micro-batch."""
+
+    def cut(loss: core.ClosedJaxpr) -> StageGraph:
+        if options.placement.auto_layers is not None:
+            loss = insert_layer_markers(loss, options.placement.auto_layers)
+        return split_stages(loss, grad_params["num_diff"], options.placement.cut_points)
+
+    def replica_graph(count: int) -> StageGraph:
+        if replica_loss is None:
+            raise ValueError("the step was not traced per replica")
+        return cut(drop_mesh_axis(replica_loss(count), options.placement.data_axis))
+
+    graph = _run("split_stages", lambda: cut(grad_params["loss_jaxpr"]), verify_stage_graph)
     check_stages(graph)
     S = graph.num_stages
     axis_names = (options.placement.data_axis, options.placement.model_axis)
@@ -152,6 +169,9 @@ def compile_pipeline(
         _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s, graph.differentiated_slots(s.index)), lambda p, s=s: verify_stage_parts(s, p))
         for s in graph.stages
     )
+    gradients = _run("plan_data_replicas", lambda: plan_data_replicas(
+        graph, parts, layout, meshes, home, micro_batching, options.gradients, options.placement.data_axis,
+        replica_graph), lambda plan: verify_data_replicas(plan, graph, meshes, home))
     edges = graph.edges()
     triples = [(p, c, ref.slot) for p, c, ref in edges]
     transfers = _run("plan_edge_transfers", lambda: plan_edge_transfers(
@@ -164,8 +184,9 @@ def compile_pipeline(
         transfer_options.resharding, transfer_options.balancer, transfer_options.cluster)),
         lambda table: verify_move_table(table, keys))
     schedule_edges = [(p, c) for p, c, _ in edges]
-    durations = estimate_durations(parts, placed.stage_meshes, transfers, len(edges), options.transfers.inter_host_bandwidth,
-                                   options.transfers.intra_host_bandwidth)
+    inter, intra = options.transfers.inter_host_bandwidth, options.transfers.intra_host_bandwidth
+    durations = estimate_durations(parts, placed.stage_meshes, transfers, len(edges), inter, intra, gradients=stage_gradients(
+        gradients.stages, meshes, home, options.placement.data_axis, inter, intra))
     # A collective program holds both meshes; any other move runs beside their compute.
     overlap = not all(t.kind is TransferKind.COLLECTIVE for t in transfers)
     delays = weight_delays(options.schedule.weight_delay, options.schedule.name, options.schedule.num_micro_batches,
@@ -184,7 +205,9 @@ def compile_pipeline(
         frozenset(e for e, (p, _, ref) in enumerate(edges)
                   if ref.slot not in graph.differentiated_slots(p)),
     )
-    program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers), verify_pipeline_program)
+    reduced = gradients.reduced_stages()
+    program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers, reduced),
+                   lambda p: verify_pipeline_program(p, reduced))
     step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes),
                 lambda sp: verify_step_program(sp, split, graph, program))
     # A stage output leaves as its first move takes it; one no later stage reads (the loss, an
@@ -194,7 +217,7 @@ def compile_pipeline(
         tuple(leaving.get((s.index, k), NamedSharding(meshes[home[s.index]], P())) for k in range(len(s.outputs)))
         for s in graph.stages)
     return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching, moves,
-                            options.micro_batch_size, step, output_shardings)
+                            options.micro_batch_size, step, output_shardings, gradients)
 
 
 def step_moves(transfers: Sequence[EdgeTransfer], layout: StepLayout) -> list[MoveKey]:

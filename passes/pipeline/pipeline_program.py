@@ -2,7 +2,8 @@
 
 Each mesh gets a list of instructions: run a part of one of the stages it
 hosts (``PipelineSchedule.stage_mesh``) for a micro-batch, send or receive
-one boundary value, free a buffer. Buffers are
+one boundary value, free a buffer, reduce its stages' accumulated parameter
+gradients once per step (``ReduceGradients``). Buffers are
 ``BufferId``s, never strings; every value a transfer moves, with its
 shardings and its kind of move, was decided before this pass
 (``edge_transfer.plan_edge_transfers``). ``PipelineProgram.order`` merges the
@@ -37,7 +38,8 @@ from .pipeline_tasks import Task, TaskKind
 
 __all__ = [
     "BufferKind", "BufferId", "StageIO", "RunForward", "RunBackward", "RunBackwardInput", "RunBackwardWeight",
-    "Send", "Recv", "Free", "Instruction", "PipelineProgram", "lower_to_program", "verify_pipeline_program",
+    "Send", "Recv", "Free", "ReduceGradients", "Instruction", "PipelineProgram", "lower_to_program",
+    "verify_pipeline_program",
 ]
 
 
@@ -178,7 +180,19 @@ class Free:
         return f"free of {self.buffer}"
 
 
-Instruction = Union[RunForward, RunBackward, RunBackwardInput, RunBackwardWeight, Send, Recv, Free]
+@dataclasses.dataclass(frozen=True)
+class ReduceGradients:
+    """The step's one reduction of ``stages``' accumulated parameter gradients on their mesh
+    (over its data axis, ``data_replicas``), launched right after the mesh's last gradient pass
+    of any of them, so it runs beside the other meshes' remaining work."""
+
+    stages: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"gradient reduction of stages {', '.join(map(str, self.stages))}"
+
+
+Instruction = Union[RunForward, RunBackward, RunBackwardInput, RunBackwardWeight, Send, Recv, Free, ReduceGradients]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,9 +253,12 @@ def _output(io: StageIO, s: int, slot: int, m: int) -> BufferId:
     return BufferId(BufferKind.RESULT if slot in io.kept_slots else BufferKind.ACTIVATION, s, m, slot)
 
 
-def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], transfers: Sequence[EdgeTransfer]) -> PipelineProgram:
+def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], transfers: Sequence[EdgeTransfer],
+                     reduced_stages: frozenset[int] = frozenset()) -> PipelineProgram:
     """Each task of ``schedule``'s launch order becomes instructions on the meshes it touches,
-    followed by the frees of the buffers it used last."""
+    followed by the frees of the buffers it used last; each mesh hosting a stage of
+    ``reduced_stages`` reduces those of them it hosts with one ``ReduceGradients``, right after
+    their last gradient pass (``RunBackward`` or ``RunBackwardWeight``)."""
     stages, transfers = tuple(stages), tuple(transfers)
     by_edge = {(t.edge, t.direction): k for k, t in enumerate(transfers)}
     home = schedule.stage_mesh
@@ -252,6 +269,13 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
         order.append((mesh, len(lists[mesh])))
         lists[mesh].append(ins)
 
+    # A mesh's reduction goes behind its reduced stages' last gradient pass, found ahead of time.
+    last_gradient: dict[int, Task] = {}
+    for t in schedule.order:
+        if t.kind in (TaskKind.BACKWARD, TaskKind.BACKWARD_WEIGHT) and t.where in reduced_stages:
+            last_gradient[home[t.where]] = t
+    reduce_after = {t: tuple(sorted(s for s in reduced_stages if home[s] == mesh))
+                    for mesh, t in last_gradient.items()}
     # An activation is freed after its last send, found ahead of time.
     last_send: dict[BufferId, Task] = {}
     for t in schedule.order:
@@ -301,12 +325,14 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
             emit(home[transfer.dst_stage], Recv(k, m, dst))
             if direction is Direction.COTANGENT or last_send.get(src) == t:
                 emit(home[transfer.src_stage], Free(src))
+        if t in reduce_after:
+            emit(home[s], ReduceGradients(reduce_after[t]))
     results = tuple(
         BufferId(BufferKind.RESULT, s, m, slot)
         for s, io in enumerate(stages) for slot in io.kept_slots for m in range(schedule.num_micro_batches)
     )
     program = PipelineProgram(schedule, stages, transfers, tuple(map(tuple, lists)), tuple(order), results)
-    verify_pipeline_program(program)
+    verify_pipeline_program(program, reduced_stages)
     return program
 
 
@@ -323,6 +349,8 @@ def _reads_writes(ins: Instruction) -> tuple[tuple[BufferId, ...], tuple[BufferI
         return (ins.buffer,), ()
     if isinstance(ins, Recv):
         return (), (ins.buffer,)
+    if isinstance(ins, ReduceGradients):
+        return (), ()
     return (ins.buffer,), ()
 
 
@@ -353,12 +381,34 @@ def _wiring_error(program: PipelineProgram, mesh: int, ins: Instruction) -> str 
     return None
 
 
-def verify_pipeline_program(program: PipelineProgram) -> None:
+def _reduction_error(program: PipelineProgram, reduced_stages: frozenset[int]) -> str | None:
+    """Whether each mesh reduces exactly its stages of ``reduced_stages``, once, after every
+    gradient pass of them."""
+    home = program.schedule.stage_mesh
+    for mesh, instructions in enumerate(program.instructions):
+        want = tuple(sorted(s for s in reduced_stages if home[s] == mesh))
+        at = [k for k, ins in enumerate(instructions) if isinstance(ins, ReduceGradients)]
+        if not want:
+            if at:
+                return f"mesh {mesh}: {instructions[at[0]]}, but none of its stages is reduced per step"
+            continue
+        if len(at) != 1 or instructions[at[0]].stages != want:
+            return f"mesh {mesh}: not one gradient reduction of stages {want}"
+        late = [ins for ins in instructions[at[0]:] if isinstance(ins, (RunBackward, RunBackwardWeight))
+                and ins.stage in want]
+        if late:
+            return f"mesh {mesh}: {late[0]} accumulates after the step's gradient reduction"
+    return None
+
+
+def verify_pipeline_program(program: PipelineProgram, reduced_stages: frozenset[int] = frozenset()) -> None:
     """Per mesh: every instruction wired to its stage's buffers (``StageIO``); every buffer
     written once before it is read, read while live, freed once, and none left live but the
     results. Every send has one receive on the transfer's other mesh,
     after it in the launch order, which lists every instruction once in each mesh's order (so
-    no process waits for a value nobody has sent yet: no deadlock).
+    no process waits for a value nobody has sent yet: no deadlock). Each mesh hosting stages
+    of ``reduced_stages`` reduces them in one ``ReduceGradients`` after all their gradient
+    passes; no other mesh reduces.
 
     Raises:
       PlanVerificationError: naming the mesh, instruction and buffer.
@@ -406,6 +456,9 @@ def verify_pipeline_program(program: PipelineProgram) -> None:
             ever[mesh].add(b)
     if set(sent) != received:
         raise PlanVerificationError(f"sends never received: {sorted(set(sent) - received)}")
+    reduction = _reduction_error(program, frozenset(reduced_stages))
+    if reduction:
+        raise PlanVerificationError(reduction)
     left = {(mesh, b) for mesh, bs in enumerate(live) for b in bs}
     expected = {(program.schedule.stage_mesh[b.index], b) for b in program.results}
     if left != expected:

@@ -1,0 +1,322 @@
+"""Pass: how each stage's parameter gradients accumulate over a step and reduce over its mesh's
+data axis, once per step where it can.
+
+A stage's programs are SPMD over its mesh. Compiled over the whole micro-batch, every backward
+ends in an all-reduce of the full parameter gradients over the data axis: a parameter read by
+examples on every device has a gradient that is a sum over devices, and each backward is its
+own program, so no compiler ever sees two of them to merge (JaxPP's
+``docs/unreduced_gradients.md`` describes the same problem). Instead, a stage whose mesh has
+``D > 1`` devices on the data axis runs as ``D`` *replicas* side by side: its forward and
+backward run inside a ``shard_map`` manual over the data axis, each device computing its
+replica on its ``micro_batch / D`` examples (the mesh's other axes stay automatic, so
+tensor parallelism inside a replica is partitioned as before). A replica's
+parameter cotangent is then its own partial sum, held by its own devices; they accumulate
+unreduced over the micro-batches in a ``(D, *param)`` accumulator, and the mesh reduces them
+once per step (``pipeline_program.ReduceGradients``), right after its last weight gradient.
+
+Replicas are micro-batches computed side by side, so a stage runs as replicas when the step
+splits over them as it splits over micro-batches: traced at ``micro_batch / D`` examples
+(``replica_graph``), its structure is the same, every value it reads or makes either follows
+the batch along one dimension or does not depend on it, and no reduction over the examples
+feeds back into a value that follows the batch (batch statistics: each replica would
+normalise by its own examples; ``_batch_reductions``). The loss of a replica is combined like
+a micro-batch's (its cotangent seed is the micro-batch's over ``D`` for a mean), as are aux
+values. Keys folded per micro-batch are folded again with the replica index: replica ``r``
+of micro-batch ``m`` draws from ``fold_in(fold_in(key, m), r)``, so each device draws its own
+dropout masks, as in any data-parallel program (the draws depend on ``D``). A stage that
+does not split so keeps the per-micro-batch reduction, and ``describe()`` says why.
+
+Every stage's accumulator is in ``accumulation_dtype`` for narrower floating parameters
+(bfloat16, float16); the reduction, or a cast where there is nothing to reduce, gives the
+gradient the parameter's dtype again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ..verification import PlanVerificationError
+from .drop_mesh_axis import manual_mesh_axis, spec_without
+from .micro_batching import AuxReduction, MicroBatching
+from .pipeline_options import GradientOptions
+from .stage_graph import RefKind, StageGraph, subjaxprs
+from .stage_parts import StageParts, stage_parts, verify_stage_parts
+from .step_layout import StepLayout
+
+__all__ = ["Accumulator", "StageReplicas", "StageAccumulation", "DataReplicas", "plan_data_replicas",
+           "verify_data_replicas"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReplicas:
+    """A stage run as ``count`` replicas over mesh axis ``axis``.
+
+    Attributes:
+      parts: the stage's compute parts traced per replica (``micro_batch / count`` examples).
+      input_dims: per stage input (``Stage.inputs`` order), the dimension its micro-batch value
+        splits along into the replicas' (contiguous blocks, replica ``r`` the ``r``-th); ``None``:
+        every replica reads the whole value.
+      folded_keys: input positions that are keys folded per micro-batch; replica ``r`` reads
+        ``fold_in(key, r)``.
+      output_dims: per output slot, the dimension the replicas' values concatenate along;
+        ``None``: each replica makes one whole value (the loss, an aux value), which
+        ``output_combine`` combines.
+      output_combine: per output slot, how the replicas' whole values combine into the
+        micro-batch's, as micro-batches' do (the loss by its reduction, an aux value by its
+        own; ``LAST`` for a value nothing reads); ``None`` where ``output_dims`` has a dimension.
+      loss_seed: the cotangent seed of a replica's loss.
+    """
+
+    count: int
+    axis: str
+    parts: StageParts
+    input_dims: tuple[int | None, ...]
+    folded_keys: frozenset[int]
+    output_dims: tuple[int | None, ...]
+    output_combine: tuple[AuxReduction | None, ...]
+    loss_seed: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulator:
+    """A parameter gradient's accumulator over a step's micro-batches: ``shape`` is the
+    parameter's, led by the replica count for a stage run as replicas."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: NamedSharding
+
+
+@dataclasses.dataclass(frozen=True)
+class StageAccumulation:
+    """How one stage's parameter gradients accumulate and reduce.
+
+    Attributes:
+      replicas: how the stage runs as replicas; ``None``: over the whole micro-batch, each
+        backward reducing its own gradients (``per_micro_batch`` says why).
+      accumulators: per parameter input (``Stage.param_inputs`` order).
+      reduced: per parameter input, the reduced gradient's sharding and dtype (the layout's
+        ``grad_shardings``, the parameter's dtype).
+      per_micro_batch: why the stage reduces per micro-batch ("" when it does not, or has no
+        parameters).
+    """
+
+    replicas: StageReplicas | None
+    accumulators: tuple[Accumulator, ...]
+    reduced: tuple[tuple[NamedSharding, np.dtype], ...]
+    per_micro_batch: str = ""
+
+    @property
+    def needs_reduction(self) -> bool:
+        """Whether the accumulators need a program at the end of the step (a replica sum or a cast)."""
+        return self.replicas is not None or any(
+            a.dtype != dtype for a, (_, dtype) in zip(self.accumulators, self.reduced))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataReplicas:
+    """Per stage, its ``StageAccumulation``."""
+
+    stages: tuple[StageAccumulation, ...]
+
+    def reduced_stages(self) -> frozenset[int]:
+        """The stages whose accumulators a ``ReduceGradients`` instruction reduces."""
+        return frozenset(s for s, g in enumerate(self.stages) if g.needs_reduction)
+
+
+class _NoSplit(Exception):
+    """A stage that does not split into replicas; the message says why."""
+
+
+def _split_dim(micro: core.AbstractValue, replica: core.AbstractValue, count: int, what: str) -> int | None:
+    """The one dimension ``micro`` splits along into ``count`` values shaped ``replica``; ``None``
+    when they are alike (the value does not follow the batch)."""
+    if micro.dtype != replica.dtype or len(micro.shape) != len(replica.shape):
+        raise _NoSplit(f"{what} is {micro.str_short()} per micro-batch but {replica.str_short()} per replica")
+    differ = [d for d, (a, b) in enumerate(zip(micro.shape, replica.shape)) if a != b]
+    if not differ:
+        return None
+    if len(differ) == 1 and micro.shape[differ[0]] == count * replica.shape[differ[0]]:
+        return differ[0]
+    raise _NoSplit(f"{what} is {micro.str_short()} per micro-batch but {replica.str_short()} per replica, "
+                   f"not a split into {count}")
+
+
+def _follows(micro: core.Atom, replica: core.Atom) -> bool:
+    """Whether a value's shape changes with the examples it is computed on."""
+    return not isinstance(micro, core.Literal) and getattr(micro.aval, "shape", ()) != getattr(replica.aval, "shape", ())
+
+
+def _batch_reductions(micro: core.Jaxpr, replica: core.Jaxpr) -> set[core.Var]:
+    """The values of ``micro`` (the stage traced per micro-batch; ``replica`` the same traced per
+    replica) that reduce over its examples, and what is computed from them.
+
+    An equation reading a value that follows the batch and making one that does not reduces
+    over the examples (a mean, a batch statistic). Such a value may only reach outputs combined
+    like micro-batches' (the loss); were it to reach a value that follows the batch again, the
+    examples would be coupled (batch normalisation) and each replica, normalising by its own
+    examples, would compute something else than the micro-batch.
+
+    Raises:
+      _NoSplit: the traces differ in structure, or examples are coupled (naming the primitive).
+    """
+    if len(micro.eqns) != len(replica.eqns):
+        raise _NoSplit("traced per replica, its equations differ from the micro-batch's")
+    reduced: set[core.Var] = set()
+    for em, er in zip(micro.eqns, replica.eqns):
+        if em.primitive is not er.primitive or len(em.outvars) != len(er.outvars):
+            raise _NoSplit("traced per replica, its equations differ from the micro-batch's")
+        for jm, jr in zip(subjaxprs(em), subjaxprs(er)):
+            _batch_reductions(jm, jr)
+        outs = [_follows(a, b) for a, b in zip(em.outvars, er.outvars)]
+        if any(isinstance(v, core.Var) and v in reduced for v in em.invars):
+            if any(outs):
+                raise _NoSplit(f"its examples are coupled: {em.primitive} makes a value that follows the batch "
+                               f"from a reduction over it (batch statistics)")
+            reduced.update(em.outvars)
+        elif any(_follows(a, b) for a, b in zip(em.invars, er.invars)):
+            reduced.update(v for v, follows in zip(em.outvars, outs) if not follows)
+    return reduced
+
+
+def accumulation_dtype(param: np.dtype, options: GradientOptions) -> np.dtype:
+    """The accumulator dtype of a parameter of dtype ``param``."""
+    wider = jnp.issubdtype(param, jnp.floating) and np.dtype(param).itemsize < np.dtype(options.accumulation_dtype).itemsize
+    return np.dtype(options.accumulation_dtype) if wider else np.dtype(param)
+
+
+def _stage_replicas(s: int, graph: StageGraph, replica: StageGraph, parts: StageParts, layout: StepLayout,
+                    micro_batching: MicroBatching, count: int, axis: str) -> StageReplicas:
+    stage, other = graph.stages[s], replica.stages[s]
+    if other.inputs != stage.inputs or len(other.outputs) != len(stage.outputs):
+        raise _NoSplit("traced per replica, its inputs or outputs differ from the micro-batch's")
+    replica_parts = stage_parts(other, graph.differentiated_slots(s))
+    verify_stage_parts(other, replica_parts)
+    replica_parts = dataclasses.replace(replica_parts, **{
+        f: manual_mesh_axis(getattr(replica_parts, f), axis)
+        for f in ("forward", "backward", "backward_input", "backward_weight")})
+    same = ("diff_inputs", "other_inputs", "act_inputs", "param_inputs", "diff_outputs", "num_outputs")
+    if any(getattr(parts, f) != getattr(replica_parts, f) for f in same):
+        raise _NoSplit("traced per replica, its differentiated inputs or outputs differ from the micro-batch's")
+    operands = {op.position: op for op in layout.stage_operands[s]}
+    input_dims, folded = [], set()
+    for k, (ref, mi, re) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals, other.jaxpr.in_avals)):
+        dim = _split_dim(mi, re, count, f"input {k} ({ref})")
+        op = operands.get(k)
+        if op is not None and op.fold_key:
+            folded.add(k)
+        follows = ref.kind is RefKind.ACT or (op is not None and op.per_micro_batch and not op.fold_key)
+        if follows != (dim is not None):
+            raise _NoSplit(f"input {k} ({ref}) {'does not follow' if follows else 'follows'} the batch per replica")
+        input_dims.append(dim)
+    reduced = _batch_reductions(stage.jaxpr.jaxpr, other.jaxpr.jaxpr)
+    consumed = {ref.slot for p, _, ref in graph.edges() if p == s}
+    loss_slot = graph.loss.slot if graph.loss.index == s else None
+    aux = {ref.slot: how for ref, how in zip(graph.aux, micro_batching.aux) if ref.index == s}
+    loss_combine = AuxReduction.MEAN if micro_batching.reduction == "mean" else AuxReduction.SUM
+    output_dims, output_combine = [], []
+    for k, (mi, re) in enumerate(zip(stage.jaxpr.out_avals, other.jaxpr.out_avals)):
+        dim = _split_dim(mi, re, count, f"output {k}")
+        combine = None
+        if dim is None:
+            if k in consumed:
+                raise _NoSplit(f"output {k}, which a later stage reads, does not follow the batch")
+            combine = loss_combine if k == loss_slot else aux.get(k, AuxReduction.LAST)
+            if combine is AuxReduction.CONCAT:
+                raise _NoSplit(f"output {k}, an aux value concatenated over micro-batches, does not follow the "
+                               f"batch")
+            if (combine is AuxReduction.LAST and k in aux and isinstance(stage.jaxpr.jaxpr.outvars[k], core.Var)
+                    and stage.jaxpr.jaxpr.outvars[k] in reduced):
+                raise _NoSplit(f"output {k}, an aux value taken from the last micro-batch, reduces over the "
+                               f"examples")
+        output_dims.append(dim)
+        output_combine.append(combine)
+    # A replica's loss is one term of the micro-batch's mean over D replicas (or of its sum).
+    seed = micro_batching.loss_seed / count if loss_combine is AuxReduction.MEAN else micro_batching.loss_seed
+    return StageReplicas(count, axis, replica_parts, tuple(input_dims), frozenset(folded), tuple(output_dims),
+                         tuple(output_combine), seed)
+
+
+def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: StepLayout, meshes: Sequence[Mesh],
+                       home: Sequence[int], micro_batching: MicroBatching, options: GradientOptions, axis: str,
+                       replica_graph: Callable[[int], StageGraph]) -> DataReplicas:
+    """Each stage's ``StageAccumulation`` (module doc). ``replica_graph(D)`` is the stage graph of the
+    step traced at ``micro_batch / D`` examples, its sharding annotations without ``axis``; it
+    may raise (a step that does not trace at that size), and those stages then reduce per
+    micro-batch."""
+    graphs: dict[int, StageGraph | str] = {}
+    out = []
+    for stage, stage_parts_, shardings in zip(graph.stages, parts, layout.grad_shardings):
+        mesh = meshes[home[stage.index]]
+        count = dict(mesh.shape).get(axis, 1)
+        avals = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
+        reduced = tuple((sh, np.dtype(a.dtype)) for a, sh in zip(avals, shardings))
+        replicas, why = None, ""
+        if not avals or count == 1:
+            pass  # nothing to reduce over the data axis
+        elif options.gradient_reduction == "per_micro_batch":
+            why = "gradient_reduction='per_micro_batch'"
+        else:
+            if count not in graphs:
+                try:
+                    graphs[count] = replica_graph(count)
+                except Exception as e:  # the step does not trace at that size; the stage stays whole
+                    graphs[count] = f"the step does not trace at {count} replicas: {e}"
+            traced = graphs[count]
+            try:
+                if isinstance(traced, str):
+                    raise _NoSplit(traced)
+                if traced.num_stages != graph.num_stages:
+                    raise _NoSplit(f"traced per replica it has {traced.num_stages} stages, not {graph.num_stages}")
+                replicas = _stage_replicas(stage.index, graph, traced, stage_parts_, layout, micro_batching, count,
+                                           axis)
+            except _NoSplit as e:
+                why = str(e)
+        accumulators = []
+        for a, sh in zip(avals, shardings):
+            dtype = accumulation_dtype(np.dtype(a.dtype), options)
+            if replicas is None:
+                accumulators.append(Accumulator(tuple(a.shape), dtype, sh))
+            else:
+                # Replica r's partial sums on replica r's devices; the other axes as the parameter's.
+                spec = tuple(spec_without(sh.spec, axis)) + (None,) * (len(a.shape) - len(sh.spec))
+                accumulators.append(Accumulator((count, *a.shape), dtype, NamedSharding(sh.mesh, P(axis, *spec))))
+        out.append(StageAccumulation(replicas, tuple(accumulators), reduced, why))
+    return DataReplicas(tuple(out))
+
+
+def verify_data_replicas(plan: DataReplicas, graph: StageGraph, meshes: Sequence[Mesh], home: Sequence[int]) -> None:
+    """One ``StageAccumulation`` per stage, one accumulator per parameter input; a stage run as
+    replicas has one per device of its mesh's data axis, its accumulators led by that count
+    and sharded over that axis, and its parts the same interface as the micro-batch's.
+
+    Raises:
+      PlanVerificationError: naming the stage.
+    """
+    if len(plan.stages) != graph.num_stages:
+        raise PlanVerificationError(f"{len(plan.stages)} stages planned, the graph has {graph.num_stages}")
+    for stage, g in zip(graph.stages, plan.stages):
+        params = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
+        if len(g.accumulators) != len(params) or len(g.reduced) != len(params):
+            raise PlanVerificationError(f"stage {stage.index}: not one accumulator per parameter input")
+        r = g.replicas
+        if r is None:
+            if any(a.shape != tuple(p.shape) for a, p in zip(g.accumulators, params)):
+                raise PlanVerificationError(f"stage {stage.index}: an accumulator is not shaped as its parameter")
+            continue
+        mesh = meshes[home[stage.index]]
+        if dict(mesh.shape).get(r.axis) != r.count:
+            raise PlanVerificationError(f"stage {stage.index}: {r.count} replicas on a mesh of {dict(mesh.shape)}")
+        if (len(r.input_dims) != len(stage.inputs) or len(r.output_dims) != len(stage.outputs)
+                or any((d is None) == (c is None) for d, c in zip(r.output_dims, r.output_combine))):
+            raise PlanVerificationError(f"stage {stage.index}: replica dimensions do not match its inputs and outputs")
+        for a, p in zip(g.accumulators, params):
+            if a.shape != (r.count, *p.shape) or a.sharding.spec[0] != r.axis:
+                raise PlanVerificationError(f"stage {stage.index}: an accumulator is not one per replica over {r.axis!r}")
