@@ -242,7 +242,8 @@ def run_simulated(args, emit) -> None:
                 continue
             start = time.perf_counter()
             try:
-                plans = PLANNERS[planner](profile, cluster, hardware, budget, None, None, ("1f1b", "eager_1f1b"))
+                plans = PLANNERS[planner](profile, cluster, hardware, budget, None, None, ("1f1b", "eager_1f1b"),
+                                          "per_step")
             except NoPlanFits as e:
                 emit({"part": "simulated", "model": "gpt96", "config": f"{cluster_name} x{cluster.num_devices}",
                       "source": f"pick:{planner}", "error": str(e), "planning_s": time.perf_counter() - start})

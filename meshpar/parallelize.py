@@ -141,6 +141,6 @@ class ParallelizedStep:
             self.fun, *args, devices=m.devices, cluster=m.cluster, batch_argnums=m.batch_argnums,
             num_stages=None if m.num_stages in (AUTO, None) else m.num_stages,
             num_micro_batches=None if m.num_micro_batches == AUTO else m.num_micro_batches,
-            schedules=(m.schedule,))
+            schedules=(m.schedule,), gradient_reduction=m.gradient_reduction)
         self.method = self.plan.method_with(m)
         print(f"meshpar.parallelize({getattr(self.fun, '__name__', 'step')}): {self.plan.describe()}", flush=True)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from meshpar.passes.pipeline.pipeline_options import GRADIENT_REDUCTIONS
 from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.batch_arguments import batch_size
@@ -42,9 +43,10 @@ __all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware"
            "compiled_tensor_parallel"]
 
 def _amp(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: float | None, stages: int | None,
-         micro: int | None, schedules: Sequence[str]) -> list[PipelinePlan]:
+         micro: int | None, schedules: Sequence[str], gradient_reduction: str) -> list[PipelinePlan]:
     """AMP's search (``passes.planner_amp``) as ``PipelinePlan``s: its plans with Megatron's
-    placement (the stage meshes meshpar cuts), priced by AMP's own model, 1F1B. AMP knows a
+    placement (the stage meshes meshpar cuts), priced by AMP's own model, 1F1B, whose gradient
+    synchronisation is its paper's whatever ``gradient_reduction`` the runtime uses. AMP knows a
     device by its FLOP/s: the calibrated rate (``Hardware.compute_scale``), as meshpar's own."""
     try:
         found = amp_search(profile, cluster, hardware.device_flops / hardware.compute_scale, budget)
@@ -63,9 +65,11 @@ def _amp(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: fl
 
 
 def _galvatron(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: float | None,
-               stages: int | None, micro: int | None, schedules: Sequence[str]) -> list[PipelinePlan]:
+               stages: int | None, micro: int | None, schedules: Sequence[str],
+               gradient_reduction: str) -> list[PipelinePlan]:
     """Galvatron-BMW's search (``passes.planner_galvatron``) as ``PipelinePlan``s, priced by its
-    own model (Eq. 9), 1F1B-Flush as the paper runs it. Its per-layer strategies collapse to one
+    own model (Eq. 9), 1F1B-Flush as the paper runs it (its gradient synchronisation too,
+    whatever ``gradient_reduction`` the runtime uses). Its per-layer strategies collapse to one
     ``(data, model)`` shape per stage (``GalvatronPlan.stage_shapes``): meshpar gives a stage
     one mesh. Devices run at the calibrated rate, as for meshpar's own planner."""
     try:
@@ -84,13 +88,16 @@ def _galvatron(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budg
     return plans
 
 
-# name -> (profile, cluster, hardware, memory budget, fixed stages, fixed micro-batches, schedules) -> plans
+# name -> (profile, cluster, hardware, memory budget, fixed stages, fixed micro-batches, schedules,
+# gradient reduction) -> plans. meshpar's own planner prices the reduction as the runtime runs
+# it; the baselines price what their papers model.
 PLANNERS: dict[str, Callable[..., list[PipelinePlan]]] = {
-    "meshpar": lambda profile, cluster, hardware, budget, stages, micro, schedules: search(
-        profile, cluster, hardware, budget, schedules=schedules, num_stages=stages, num_micro_batches=micro),
+    "meshpar": lambda profile, cluster, hardware, budget, stages, micro, schedules, reduction: search(
+        profile, cluster, hardware, budget, schedules=schedules, num_stages=stages, num_micro_batches=micro,
+        gradient_reduction=reduction),
     "amp": _amp,
     "galvatron": _galvatron,
-    "alpa_dp": lambda profile, cluster, hardware, budget, stages, micro, schedules: alpa_search(
+    "alpa_dp": lambda profile, cluster, hardware, budget, stages, micro, schedules, reduction: alpa_search(
         profile, cluster, hardware, budget, num_stages=stages, num_micro_batches=micro),
 }
 
@@ -291,6 +298,7 @@ def plan_parallelism(
     num_stages: int | None = None,
     num_micro_batches: int | None = None,
     schedules: Sequence[str] = ("1f1b", "eager_1f1b"),
+    gradient_reduction: str = "per_step",
 ) -> ParallelismPlan:
     """Chooses how to run ``step`` on ``devices``: which stage markers cut, each stage's mesh and
     (data, model) shape, micro-batches and schedule.
@@ -308,13 +316,17 @@ def plan_parallelism(
         step itself run as plain data parallelism (``calibrate``).
       num_stages, num_micro_batches: fix one instead of planning it.
       schedules: the schedules to choose among.
+      gradient_reduction: how the plan's step reduces gradients over the data axis
+        (``PipeshardParallel.gradient_reduction``), priced as it runs.
 
     Raises:
-      ValueError: an unknown ``planner``; ``passes.planner_meshpar.NoPlanFits`` when no plan fits
+      ValueError: an unknown ``planner`` or ``gradient_reduction``; ``passes.planner_meshpar.NoPlanFits`` when no plan fits
         ``memory_budget_bytes`` (naming the least memory any plan needs).
     """
     if planner not in PLANNERS:
         raise ValueError(f"planner: expected one of {sorted(PLANNERS)}, got {planner!r}")
+    if gradient_reduction not in GRADIENT_REDUCTIONS:
+        raise ValueError(f"gradient_reduction: expected one of {GRADIENT_REDUCTIONS}, got {gradient_reduction!r}")
     if memory_budget_bytes is not None and not memory_budget_bytes > 0:
         raise ValueError(f"memory_budget_bytes: expected a positive number of bytes or None, got {memory_budget_bytes!r}")
     # A meshpar.parallelize step carries its function and method (parallelize plans through this
@@ -332,7 +344,7 @@ def plan_parallelism(
                              profile)
     start = time.perf_counter()
     plans = PLANNERS[planner](profile, cluster, hardware, memory_budget_bytes, num_stages, num_micro_batches,
-                              tuple(schedules))
+                              tuple(schedules), gradient_reduction)
     return ParallelismPlan(plans[0], tuple(plans[1:]), profile, devices, cluster, time.perf_counter() - start,
                            tuple(batch_argnums))
 

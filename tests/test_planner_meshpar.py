@@ -205,6 +205,12 @@ def test_plan_parallelism_runs_as_planned_and_equals_jit():
     assert parallel.get_executable(state, batch).graph.num_stages == 2
     with pytest.raises(ValueError, match="planner: expected one of"):
         plan_parallelism(step, state, batch, planner="oracle")
+    with pytest.raises(ValueError, match="gradient_reduction: expected one of"):
+        plan_parallelism(step, state, batch, gradient_reduction="never")
+    # Priced as the runtime runs it: per micro-batch every plan takes at least as long, so the best does.
+    slower = plan_parallelism(step, state, batch, hardware=HW, num_stages=2, num_micro_batches=4,
+                              gradient_reduction="per_micro_batch")
+    assert slower.best.predicted_step_s >= plan.best.predicted_step_s
 
 
 def test_auto_plans_on_the_first_call_and_equals_jit(capsys):
