@@ -2,8 +2,10 @@
 count and data-axis size against jax.jit on one device; the compiled programs' collectives read
 from XLA's own HLO dump; accumulation dtype; when a stage keeps the per-micro-batch reduction."""
 
+import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,8 +23,10 @@ from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.mlp import MLP
 from examples.train_step import supervised_step
 from examples.u_transformer import UTransformer, ut_batch, ut_loss
+from meshpar.passes.pipeline.data_replicas import verify_data_replicas
 from meshpar.passes.pipeline.pipeline_program import ReduceGradients
 from meshpar.passes.planning.hlo_collectives import CollectiveKind, collective_groups
+from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import assert_trees_close, make_state, mse, run_both
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -277,6 +281,30 @@ def test_a_stage_that_does_not_split_keeps_the_per_micro_batch_reduction_and_say
     why = "traced per replica, its equations differ from the micro-batch's"
     assert executable.gradients.stages[1].per_micro_batch == why
     assert f"gradients of stage 1: reduced in every micro-batch's backward ({why})" in executable.describe()
+
+
+def test_the_verifier_names_the_stage_whose_plan_is_broken():
+    batch = {"x": np.ones((16, 6), np.float32), "y": np.ones((16, 4), np.float32)}
+    state = make_state(MLP(features=(8, 4), num_stages=2), batch["x"][:1])
+    parallel = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(
+        num_micro_batches=2, stage_mesh_shape=(2, 1), devices=jax.devices()[:4]))
+    executable = parallel.get_executable(state, batch)
+    plan, graph, meshes, home = executable.gradients, executable.graph, executable.meshes, executable.home
+    verify_data_replicas(plan, graph, meshes, home)
+    stage = plan.stages[1]
+    whole = dataclasses.replace(stage.accumulators[0], shape=stage.accumulators[0].shape[1:])
+    broken = [
+        (dataclasses.replace(plan, stages=plan.stages[:1]), "1 stages planned, the graph has 2"),
+        (dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(
+            stage, accumulators=(whole, *stage.accumulators[1:])))), "stage 1: an accumulator is not one per replica"),
+        (dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(
+            stage, replicas=dataclasses.replace(stage.replicas, count=4)))), "stage 1: 4 replicas on a mesh of"),
+        (dataclasses.replace(plan, stages=(plan.stages[0], dataclasses.replace(stage, accumulators=()))),
+         "stage 1: not one accumulator per parameter input"),
+    ]
+    for bad, message in broken:
+        with pytest.raises(PlanVerificationError, match=re.escape(message)):
+            verify_data_replicas(bad, graph, meshes, home)
 
 
 def test_describe_says_how_each_stage_reduces():

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -294,8 +293,8 @@ def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: S
 
 def verify_data_replicas(plan: DataReplicas, graph: StageGraph, meshes: Sequence[Mesh], home: Sequence[int]) -> None:
     """One ``StageAccumulation`` per stage, one accumulator per parameter input; a stage run as
-    replicas has one per device of its mesh's data axis, its accumulators led by that count
-    and sharded over that axis, and its parts the same interface as the micro-batch's.
+    replicas has one per device of its mesh's data axis, a dimension or a combination per
+    output, and its accumulators led by that count and sharded over that axis.
 
     Raises:
       PlanVerificationError: naming the stage.
