@@ -254,7 +254,10 @@ class PipelineExecutable:
     def _combine_micro_batches(self, ins: CombineMicroBatches, state: _StepState) -> None:
         if not self.mesh_local[ins.mesh]:
             return
-        combined = from_wire(_combine([state.run.results[b] for b in ins.buffers], ins.how), ins.aval)
+        parts = [state.run.results[b] for b in ins.buffers]
+        if ins.per_replica:
+            parts = [_combine_leading(part, ins.how) for part in parts]
+        combined = from_wire(_combine(parts, ins.how), ins.aval)
         state.values[(ins.value, ins.mesh)] = combined if ins.sharding is None else jax.device_put(combined,
                                                                                                    ins.sharding)
 
@@ -394,6 +397,13 @@ def _combine(parts: Sequence[jax.Array], how: AuxReduction) -> jax.Array:
     for part in parts[1:]:
         total = total + part
     return total / len(parts) if how is AuxReduction.MEAN else total
+
+
+def _combine_leading(values: jax.Array, how: AuxReduction) -> jax.Array:
+    """One value per replica (the leading dimension) combined as ``how`` combines micro-batches'."""
+    if how is AuxReduction.LAST:
+        return values[-1]
+    return values.mean(0) if how is AuxReduction.MEAN else values.sum(0)
 
 
 def _packer(sharding: NamedSharding) -> Callable:

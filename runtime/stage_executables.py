@@ -40,7 +40,6 @@ from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.pipeline.data_replicas import StageAccumulation, StageReplicas
-from meshpar.passes.pipeline.micro_batching import AuxReduction
 from meshpar.passes.pipeline.pipeline_program import StageIO
 from meshpar.passes.pipeline.stage_graph import RefKind, Stage
 from meshpar.passes.pipeline.stage_parts import StageParts
@@ -125,8 +124,8 @@ def compile_stage(
         values, axes = zip(*(split.input(args[k], k) for k in positions)) if positions else ((), ())
         outs = split.map(forward_fn, list(axes), [*map(split.output_axis, range(parts.num_outputs)),
                                                   *[STACKED] * parts.num_residuals])(*values)
-        outputs = [split.output(o, k) for k, o in enumerate(outs[: parts.num_outputs])]
-        results = [jax.lax.with_sharding_constraint(to_wire(o), s) for o, s in zip(outputs, output_shardings)]
+        results = [to_wire(o) if split.stacked(k) else jax.lax.with_sharding_constraint(to_wire(o), s)
+                   for k, (o, s) in enumerate(zip(outs[: parts.num_outputs], output_shardings))]
         return results, list(outs[parts.num_outputs :])
 
     # The received cotangents meet the replicas as their outputs left them.
@@ -255,16 +254,11 @@ class _Replication:
             return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(x, jnp.arange(self.replicas.count)), STACKED
         return x, self.input_axis(k)
 
-    def output(self, x: jax.Array, slot: int) -> jax.Array:
-        """Output ``slot``'s micro-batch value from the replicas' (``StageReplicas.output_combine``)."""
-        if self.replicas is None:
-            return x
-        how = self.replicas.output_combine[slot]
-        if how is None:
-            return x
-        if how is AuxReduction.LAST:
-            return x[-1]
-        return x.mean(0) if how is AuxReduction.MEAN else x.sum(0)
+    def stacked(self, slot: int) -> bool:
+        """Whether output ``slot`` leaves one value per replica (the loss, an aux value): the step
+        combines them with the micro-batches' (``CombineMicroBatches``), so no forward waits on
+        the other replicas' devices."""
+        return self.replicas is not None and self.replicas.output_dims[slot] is None
 
 
 def _leaf_axes(arg: Any, axis: Axis | Sequence[Axis]) -> list[Axis]:

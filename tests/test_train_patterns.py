@@ -86,9 +86,18 @@ def test_aux_reduction_sum_and_errors():
     state = _state(TwoStages(), batch["x"])
     _, (_, _, aux), _ = _run(_aux_step({"mse": meshpar.AuxReduction.SUM, "hits": "sum", "pred": "concat",
                                         "peak": "mean"}), state, batch, steps=1)
-    per_mb = [float(jnp.mean((state.apply_fn({"params": state.params}, _micro(batch, m)["x"]) - _micro(batch, m)["y"]) ** 2))
-              for m in range(M)]
-    np.testing.assert_allclose(float(aux["mse"]), sum(per_mb), rtol=1e-5)
+
+    def block_mses(num_blocks):
+        size = len(batch["x"]) // num_blocks
+        return [float(jnp.mean((state.apply_fn({"params": state.params}, batch["x"][b * size:(b + 1) * size])
+                                - batch["y"][b * size:(b + 1) * size]) ** 2)) for b in range(num_blocks)]
+
+    # METHOD's meshes run each stage as 2 data-parallel replicas, and each replica's block
+    # combines as a micro-batch does (README): the sum is over M * 2 blocks.
+    np.testing.assert_allclose(float(aux["mse"]), sum(block_mses(2 * M)), rtol=1e-5)
+    whole = meshpar.parallelize(_aux_step({"mse": "sum"}), method=dataclasses.replace(
+        METHOD, gradient_reduction="per_micro_batch"))(state, batch)
+    np.testing.assert_allclose(float(whole[2]["mse"]), sum(block_mses(M)), rtol=1e-5)
     with pytest.raises(ValueError, match="aux_reduction: aux leaf .* combine it with 'concat'") as error:
         meshpar.parallelize(_aux_step({"pred": "mean"}), method=METHOD)(state, batch)
     assert "test_train_patterns.py:" in str(error.value), "the error names the user's value_and_grad call"

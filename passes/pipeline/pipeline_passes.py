@@ -208,7 +208,7 @@ def compile_pipeline(
     reduced = gradients.reduced_stages()
     program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers, reduced),
                    lambda p: verify_pipeline_program(p, reduced))
-    step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes),
+    step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes, gradients),
                 lambda sp: verify_step_program(sp, split, graph, program))
     # A stage output leaves as its first move takes it; one no later stage reads (the loss, an
     # aux value) stays replicated on the stage's mesh.

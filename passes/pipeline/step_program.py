@@ -33,6 +33,7 @@ from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..verification import PlanVerificationError
+from .data_replicas import DataReplicas
 from .micro_batching import AuxReduction, MicroBatching
 from .pipeline_program import BufferId, BufferKind, PipelineProgram
 from .stage_graph import RefKind, StageGraph
@@ -82,7 +83,9 @@ class RunPipeline:
 class CombineMicroBatches:
     """``value`` (the loss or an aux value) on ``mesh``: the result buffers of every micro-batch
     combined as ``how`` says, then read as ``aval`` from its wire form and laid out as
-    ``sharding`` (``None``: as combined)."""
+    ``sharding`` (``None``: as combined). ``per_replica``: each buffer holds one value per
+    data-parallel replica of its stage (``data_replicas``), led by the replica count, which
+    combine first, as micro-batches do."""
 
     value: OuterRef
     buffers: tuple[BufferId, ...]
@@ -90,6 +93,7 @@ class CombineMicroBatches:
     how: AuxReduction
     aval: core.AbstractValue
     sharding: NamedSharding | None
+    per_replica: bool = False
 
     def __str__(self) -> str:
         return f"{self.how.value} of {self.value} over {len(self.buffers)} micro-batches on mesh {self.mesh}"
@@ -148,10 +152,16 @@ def _outer(step: Any) -> StepInstruction:
 
 
 def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program: PipelineProgram,
-               micro_batching: MicroBatching, meshes: Sequence[Mesh]) -> StepProgram:
+               micro_batching: MicroBatching, meshes: Sequence[Mesh], gradients: DataReplicas) -> StepProgram:
     """The step around ``program``: its reductions are ``micro_batching``'s (the loss by its
-    ``reduction``, each aux value by its own), every sharding is ``layout``'s (a value it leaves
-    free replicated on its mesh)."""
+    ``reduction``, each aux value by its own, over micro-batches and the replicas of
+    ``gradients``), every sharding is ``layout``'s (a value it leaves free replicated on its
+    mesh)."""
+
+    def per_replica(stage: int, slot: int) -> bool:
+        replicas = gradients.stages[stage].replicas
+        return replicas is not None and replicas.output_dims[slot] is None
+
     home = program.schedule.stage_mesh
     M = program.schedule.num_micro_batches
     ins: list[StepInstruction] = [PlaceInputs(), *map(_outer, split.before), FeedStages(), RunPipeline()]
@@ -159,12 +169,12 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
     ins.append(CombineMicroBatches(
         OuterRef(OuterKind.LOSS), tuple(BufferId(BufferKind.RESULT, loss.index, m, loss.slot) for m in range(M)),
         home[loss.index], AuxReduction.MEAN if micro_batching.reduction == "mean" else AuxReduction.SUM,
-        split.avals[OuterRef(OuterKind.LOSS)], None))
+        split.avals[OuterRef(OuterKind.LOSS)], None, per_replica(loss.index, loss.slot)))
     for k, (ref, how) in enumerate(zip(graph.aux, micro_batching.aux)):
         aux = OuterRef(OuterKind.AUX, k)
         ins.append(CombineMicroBatches(
             aux, tuple(BufferId(BufferKind.RESULT, ref.index, m, ref.slot) for m in range(M)), home[ref.index], how,
-            split.avals[aux], layout.value_shardings.get((aux, home[ref.index]))))
+            split.avals[aux], layout.value_shardings.get((aux, home[ref.index])), per_replica(ref.index, ref.slot)))
     for stage, moves, shardings in zip(graph.stages, layout.gradient_moves, layout.grad_shardings):
         avals = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
         for n, k in enumerate(stage.param_inputs):
