@@ -37,6 +37,10 @@ Child side (before any other JAX call), run as a module from the repo root::
     from benchmarks.emulated_cluster import initialize_from_env
     initialize_from_env()
 
+A child runs inside its host's namespace, so :func:`interface_counters` reads
+its own host's link (``HOST_INTERFACE``): the bytes it sent and received over
+the emulated network, headers included.
+
 ``benchmarks/resharding/real_worker.py`` is a complete child.
 """
 
@@ -69,7 +73,9 @@ __all__ = [
     "ClusterRunError",
     "ClusterTimeoutError",
     "EmulatedCluster",
+    "HOST_INTERFACE",
     "initialize_from_env",
+    "interface_counters",
 ]
 
 ENV_PROCESS_ID = "MESHPAR_PROCESS_ID"
@@ -78,6 +84,8 @@ ENV_COORDINATOR = "MESHPAR_COORDINATOR"
 ENV_DEVICES_PER_HOST = "MESHPAR_DEVICES_PER_HOST"
 ENV_INIT_TIMEOUT_S = "MESHPAR_INIT_TIMEOUT_S"
 
+# Each host's end of its link; every byte it exchanges with another host crosses it.
+HOST_INTERFACE = "eth0"
 _SUBNET = "10.213.0."  # a /24 that exists only inside this cluster's namespaces
 _MAX_HOSTS = 253
 _COORDINATOR_BASE_PORT = 12300
@@ -147,6 +155,28 @@ def initialize_from_env() -> None:
         process_id,
         initialization_timeout=init_timeout_s,
     )
+
+
+def interface_counters(interface: str = HOST_INTERFACE, sys_class_net: str = "/sys/class/net") -> dict[str, int]:
+    """``{"tx_bytes", "rx_bytes"}``: bytes ``interface`` has sent and received since it was made,
+    as the kernel counts them (whole frames: Ethernet, IP and TCP headers included).
+
+    Inside a host's namespace (a child of :meth:`EmulatedCluster.run`) the default is that host's
+    link. Monotonic while the interface exists: the bytes of an interval are the difference of
+    two reads.
+
+    Raises:
+      OSError: no such interface (outside an emulated host, ``eth0`` may not exist).
+      ValueError: a counter file that does not hold one non-negative integer.
+    """
+    out = {}
+    for name in ("tx_bytes", "rx_bytes"):
+        with open(os.path.join(sys_class_net, interface, "statistics", name)) as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise ValueError(f"{interface} {name}: expected a byte count, got {text!r}")
+        out[name] = int(text)
+    return out
 
 
 class EmulatedCluster:
@@ -294,12 +324,13 @@ class EmulatedCluster:
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             # Created directly inside the two namespaces so the interface
             # names never pass through (and collide in) the root namespace.
-            _sh("ip", "-n", ns, "link", "add", "name", "eth0", "type", "veth", "peer", "name", f"h{i}", "netns", br)
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
-            _sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *_tbf_args(self.link_gbit))
+            _sh("ip", "-n", ns, "link", "add", "name", HOST_INTERFACE, "type", "veth",
+                "peer", "name", f"h{i}", "netns", br)
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", HOST_INTERFACE)
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", HOST_INTERFACE, "root", *_tbf_args(self.link_gbit))
             _sh("tc", "-n", br, "qdisc", "add", "dev", f"h{i}", "root", *_tbf_args(self.link_gbit))
             _sh("ip", "-n", br, "link", "set", f"h{i}", "master", "br0", "up")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", ns, "link", "set", HOST_INTERFACE, "up")
 
     def _add_namespace(self, ns: str) -> None:
         _sh("ip", "netns", "add", ns)

@@ -1,16 +1,22 @@
-"""End-to-end pipeline benchmark: the paper's Fig. 7 and Fig. 9 methods, measured and simulated.
+"""End-to-end pipeline benchmark: the paper's Fig. 7 and Fig. 9 methods, and issue 22's gradient
+reductions, measured and simulated.
 
     python -m benchmarks.pipeline [--link-gbit G] [--repeat N] [--cases C ...] [--methods M ...]
         [--json PATH] [--png DIR] [--no-emulated] [--no-single-process]
 
-Runs every case of ``benchmarks.pipeline_cases`` (GPT at (2, 2, 2) and
-(4, 1, 2), U-Transformer at (4, 1, 2)) with every method (``send_recv``,
-``alpa``, ``broadcast``, ``overlap``, ``ours``, ``zb_h1``, ``interleaved``,
-``upper_bound``; see that module) on
+Runs every case of ``benchmarks.pipeline_cases`` with each of its methods
+(``--methods`` narrows them): GPT at (2, 2, 2) and (4, 1, 2) and the
+U-Transformer at (4, 1, 2) with the paper's ``send_recv``, ``alpa``,
+``broadcast``, ``overlap``, ``ours``, ``zb_h1``, ``interleaved`` and
+``upper_bound``; the tied-embedding GPT at (2, 2, 2) on 4 hosts x 2 devices
+with ``per_step`` and ``per_micro_batch`` gradient reduction (see that
+module), on
 
-- ``emulated``: 2 emulated hosts x 4 CPU devices, one process each, links
-  shaped to ``G`` Gbit/s (default 0.25: the links, not the two cores, are
-  the bottleneck, as NICs are on a real cluster); needs root;
+- ``emulated``: the case's emulated hosts (2 x 4 CPU devices for the
+  paper's cases, 4 x 2 for ``gpt_tied``), one process each, links shaped
+  to ``G`` Gbit/s (default 0.25: the links, not the two cores, are the
+  bottleneck, as NICs are on a real cluster); one cluster per host shape;
+  needs root;
 - ``single_process``: 8 CPU devices in one process (transfers are
   ``jax.device_put``; ``send_recv`` and ``alpa`` would repeat ``overlap``).
 
@@ -25,11 +31,45 @@ for 1F1B: the busiest link's transfer time per step over the busiest mesh's
 compute time per step. ``interleaved`` rows have no target: ``targets``
 prints their speed over ``upper_bound``'s for information.
 
+Gradient reduction (``gpt_tied``: each stage mesh's data axis spans two
+hosts, its model axis stays inside one, so all of a data-axis reduction
+crosses the links, and nothing else a stage computes does):
+
+- link bytes per step: the sum over hosts of what each host's link sent
+  (its interface's ``tx_bytes``, read by the workers inside their
+  namespaces around the timed steps), over the steps. Every byte between
+  two hosts leaves one host's link once, so this counts it once;
+- moves: the payload per step of the moves between meshes, from the plans
+  the step ran (``pipeline_worker.move_link_bytes``): the boundary
+  activations and cotangents per micro-batch, the tied embedding fetched to
+  the last stage and its gradient sent back per step. Counted from the plans,
+  not measured: the counters cannot tell which flow a byte was;
+- gradients = link bytes - moves. What is not a move's payload counts as
+  gradient traffic: the moves' headers and transport framing and the
+  coordination service's barriers (a few percent and KBs) land there, so the
+  figure errs high, against its target, never in its favour;
+- one reduction: what reducing every stage's parameter gradients once sends
+  over the links: per data-axis ring of ``D`` devices each sends
+  ``2 (D - 1) / D`` of its gradient bytes to the next, counted when that
+  one is on another host (``reduction_host_bytes``). ``gradients / one
+  reduction`` is about 1 for ``per_step`` and ``M`` for ``per_micro_batch``;
+- reductions per step: those bytes at the measured link rate, on each
+  mesh's busiest host link (``M`` of them per step for a stage reducing in
+  every backward, one for a stage the program reduces once per step); the
+  prediction adds a per-step reduction to the simulator as
+  ``TaskDurations.reduction``, priced so because no trace records it (a
+  per-micro-batch one is inside the measured backward already). The
+  simulator models the pipeline program alone: the tied embedding's fetch
+  before it, its gradient's move back after the reduction and the update
+  are in the measured step, not in the prediction.
+
 Records (``--json``), one per (cluster, case, method)::
 
     {"model", "config", "method", "cluster", "measured_step_s", "predicted_step_s", "samples_per_s",
      "step_times_s", "over_upper_bound", "prediction_error", "transfer_share", "num_stages",
-     "num_meshes", "link_gbit", ...}
+     "num_meshes", "link_gbit", "gradient_reduction", "link_bytes_per_step", "move_link_bytes",
+     "gradient_link_bytes", "one_reduction_bytes", "gradient_over_one_reduction", "reduction_s",
+     "mesh_task_s", ...}
 
 ``--png DIR`` draws the measured 1F1B (``overlap``) and eager-1F1B
 (``ours``) timelines of one case (``--png-case``) per cluster, and the
@@ -49,14 +89,20 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 
-from benchmarks.pipeline_cases import CASES, METHODS
+from benchmarks.pipeline_cases import CASES, GRADIENT_METHODS, METHODS, Case
 from benchmarks.worker_records import ProgressPrinter, read_records, worker_env, write_json
 
-__all__ = ["aggregate", "main", "table", "targets"]
+__all__ = ["aggregate", "gradient_table", "main", "reduction_host_bytes", "table", "targets"]
 
 TARGET_OVER_UPPER_BOUND = 0.95
 TARGET_OVER_ALPA_UT = 1.3
 TARGET_PREDICTION_ERROR = 0.15
+# Gradient reduction (issue 22): per_step's gradient link bytes within this factor of one
+# reduction either way, its step at most this share of per_micro_batch's, and the case sized so
+# per_micro_batch's reductions are at least this share of its step.
+TARGET_GRADIENT_BYTES = 1.1
+TARGET_PER_STEP_OVER_PER_MICRO_BATCH = 0.75
+TARGET_REDUCTION_SHARE = 0.30
 PLOT_METHODS = ("overlap", "ours")
 # Rows without a target of their own: targets() prints them for information only.
 INFO_METHODS = ("interleaved",)
@@ -102,9 +148,10 @@ def _schedule(spec: dict):
     return schedule
 
 
-def _durations(first: dict, schedule, trace_dir: str):
+def _durations(first: dict, schedule, trace_dir: str, reduction: Sequence[float] = ()):
     """Measured isolated compute per stage (several per mesh with virtual stages), the planner's
-    transfer estimates per edge."""
+    transfer estimates per edge, and ``reduction``: per mesh, its per-step gradient reduction's
+    seconds (empty: none)."""
     from meshpar.passes.simulation.schedule_simulator import TaskDurations, stage_seconds_from
 
     timeline = merged_timeline(trace_dir, first["serialized_trace"], "measured, serialized", schedule)
@@ -113,7 +160,15 @@ def _durations(first: dict, schedule, trace_dir: str):
     act, grad = [0.0] * num_edges, [0.0] * num_edges
     for t in first["transfers"]:
         (act if t["activation"] else grad)[t["edge"]] += t["seconds"]
-    return TaskDurations(tuple(stages), tuple(act), tuple(grad))
+    return TaskDurations(tuple(stages), tuple(act), tuple(grad), tuple(reduction))
+
+
+def _mesh_compute(durations, schedule) -> list[float]:
+    """Per mesh, the seconds per step of the compute tasks of every stage it runs."""
+    compute = [0.0] * schedule.num_meshes
+    for s, seconds in enumerate(durations.stages):
+        compute[schedule.stage_mesh[s]] += schedule.num_micro_batches * (seconds.forward + seconds.backward)
+    return compute
 
 
 def _share(durations, schedule) -> float:
@@ -130,14 +185,72 @@ def _share(durations, schedule) -> float:
             continue
         links[(mesh[p], mesh[c])] = links.get((mesh[p], mesh[c]), 0.0) + M * durations.activation[e]
         links[(mesh[c], mesh[p])] = links.get((mesh[c], mesh[p]), 0.0) + M * durations.gradient[e]
-    compute = [0.0] * schedule.num_meshes
-    for s, seconds in enumerate(durations.stages):
-        compute[mesh[s]] += M * (seconds.forward + seconds.backward)
-    return max(links.values(), default=0.0) / max(compute)
+    return max(links.values(), default=0.0) / max(_mesh_compute(durations, schedule))
 
 
-def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes: int) -> list[dict]:
-    """One record per (case, method) every process reported, with the simulator's prediction."""
+def reduction_host_bytes(stage: dict) -> dict[int, float]:
+    """Per host, the bytes its link sends in one all-reduce of a stage's parameter gradients over
+    its mesh's data axis (``stage``: a worker's ``gradient_stages`` entry).
+
+    A ring all-reduce (reduce-scatter, then all-gather) of ``D`` devices: each sends
+    ``2 (D - 1) / D`` of its ``device_bytes`` to the next device of its ring in data order, over
+    a link when that one is on another host. One ring per position on the mesh's other axes
+    (each model-axis device reduces its own shard with its data-axis peers)."""
+    out: dict[int, float] = {}
+    for ring in stage["rings"]:
+        D = len(ring)
+        for i, host in enumerate(ring):
+            if host != ring[(i + 1) % D]:
+                out[host] = out.get(host, 0.0) + 2 * (D - 1) / D * stage["device_bytes"]
+    return out
+
+
+def _gradient_accounting(group: Sequence[dict], num_micro_batches: int, num_meshes: int,
+                         link_rate_Bps: float) -> tuple[dict, list[float]]:
+    """What a method's gradient reductions cost per step, and what its links carried (module doc).
+
+    ``reduction_s``: per mesh, seconds per step of its reductions at ``link_rate_Bps`` on its
+    busiest host link, ``M`` per step for a stage reducing in every backward, one for a stage of
+    ``per_step_stages``. Byte counts per step; ``None`` where the workers recorded none (one
+    process has no links; records from before the accounting). Returned beside the fields: per
+    mesh, the seconds of its one per-step reduction for the simulator (empty when no stage
+    reduces once per step)."""
+    first = group[0]
+    stages = first.get("gradients") or []
+    per_step = set(first.get("per_step_stages") or [])
+    reduction_s, per_step_s = [0.0] * num_meshes, [0.0] * num_meshes
+    one = 0.0
+    for stage in stages:
+        hosts = reduction_host_bytes(stage)
+        one += sum(hosts.values())
+        seconds = max(hosts.values(), default=0.0) / link_rate_Bps
+        reduction_s[stage["mesh"]] += seconds * (1 if stage["stage"] in per_step else num_micro_batches)
+        if stage["stage"] in per_step:
+            per_step_s[stage["mesh"]] += seconds
+    counted = [g.get("link_bytes") for g in group]
+    link, received = None, None
+    if all(counted):
+        link = sum(c["tx_bytes"] / c["steps"] for c in counted)
+        received = sum(c["rx_bytes"] / c["steps"] for c in counted)
+    moves = first.get("move_link_bytes")
+    gradient = link - moves if link is not None and moves is not None else None
+    return {
+        "gradient_reduction": first.get("gradient_reduction"),
+        "per_step_stages": sorted(per_step),
+        "link_bytes_per_step": link,
+        "link_rx_bytes_per_step": received,
+        "move_link_bytes": moves,
+        "gradient_link_bytes": gradient,
+        "one_reduction_bytes": one if stages else None,
+        "gradient_over_one_reduction": gradient / one if gradient is not None and one > 0 else None,
+        "reduction_s": reduction_s,
+    }, per_step_s if per_step else []
+
+
+def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes: int,
+              link_rate_Bps: float) -> list[dict]:
+    """One record per (case, method) every process reported, with the simulator's prediction and
+    the gradient accounting (``link_rate_Bps``: bytes/s of the links the reductions run over)."""
     from meshpar.passes.simulation.schedule_simulator import simulate
 
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -154,7 +267,9 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
         per_step = [max(g["step_times_s"][i] for g in group) for i in range(n)]
         measured = statistics.median(per_step)
         schedule = _schedule(first["schedule"])
-        durations = _durations(first, schedule, trace_dir)
+        gradients, per_step_reduction = _gradient_accounting(group, schedule.num_micro_batches, schedule.num_meshes,
+                                                             link_rate_Bps)
+        durations = _durations(first, schedule, trace_dir, per_step_reduction)
         simulated = simulate(schedule, durations, overlap=first["overlap"])
         losses = [g["loss"] for g in group if g["loss"] is not None]
         records.append({
@@ -164,6 +279,8 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
             "prediction_error": simulated.step_seconds / measured - 1,
             "predicted_bubble": simulated.bubble_fraction,
             "transfer_share": _share(durations, schedule),
+            # Per mesh: a reduction inside each backward is part of these measured seconds.
+            "mesh_task_s": _mesh_compute(durations, schedule),
             "stage_seconds": [vars(s) for s in durations.stages],
             "transfer_seconds": {"activation": list(durations.activation), "gradient": list(durations.gradient)},
             "weight_delays": first["schedule"]["weight_delays"],
@@ -173,6 +290,7 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
                                       for s in range(schedule.num_stages)],
             "compile_s": max(g["compile_s"] for g in group),
             "loss": losses[0] if losses else None,
+            **gradients,
         })
     bound = {(r["case"], r["cluster"]): r["measured_step_s"] for r in records if r["method"] == "upper_bound"}
     for r in records:
@@ -200,8 +318,63 @@ def table(records: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _mb(num_bytes: float | None) -> str:
+    return "-" if num_bytes is None else f"{num_bytes / 1e6:.1f}"
+
+
+def gradient_table(records: Sequence[dict]) -> str:
+    """Markdown: one row per (cluster, case, method) of ``GRADIENT_METHODS``, the step split into
+    the busiest mesh's serialized tasks and its gradient reductions at the link rate, and what the
+    links carried per step (MB = 1e6 bytes; module doc)."""
+    lines = ["| cluster | case | method | step (ms) | predicted (ms) | error | mesh tasks (ms) | reductions (ms) | "
+             "reductions / step | link MB/step | moves MB/step | gradients MB/step | one reduction (MB) | "
+             "gradients / one reduction |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        if r["method"] not in GRADIENT_METHODS:
+            continue
+        reductions = max(r["reduction_s"])
+        ratio = r["gradient_over_one_reduction"]
+        lines.append(
+            f"| {r['cluster']} | {r['case']} | {r['method']} | {r['measured_step_s'] * 1e3:.0f} | "
+            f"{r['predicted_step_s'] * 1e3:.0f} | {r['prediction_error'] * 100:+.0f}% | "
+            f"{max(r['mesh_task_s']) * 1e3:.0f} | {reductions * 1e3:.0f} | "
+            f"{reductions / r['measured_step_s'] * 100:.0f}% | {_mb(r['link_bytes_per_step'])} | "
+            f"{_mb(r['move_link_bytes'])} | {_mb(r['gradient_link_bytes'])} | {_mb(r['one_reduction_bytes'])} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+    return "\n".join(lines)
+
+
+def _gradient_targets(case: Case, per_step: dict, per_micro_batch: dict) -> list[tuple[bool, str]]:
+    """Issue 22's targets on one case's two emulated gradient rows: ``(met, text)`` each."""
+    out = []
+    share = max(per_micro_batch["reduction_s"]) / per_micro_batch["measured_step_s"]
+    out.append((share >= TARGET_REDUCTION_SHARE,
+                f"{case.name}: per_micro_batch's gradient reductions {share * 100:.0f}% of its step "
+                f"(sized for >= {TARGET_REDUCTION_SHARE * 100:.0f}%)"))
+    ratio = per_step["gradient_over_one_reduction"]
+    if ratio is not None:
+        out.append((1 / TARGET_GRADIENT_BYTES <= ratio <= TARGET_GRADIENT_BYTES,
+                    f"{case.name}: per_step's gradient link bytes {ratio:.2f}x one reduction per step "
+                    f"(target within {TARGET_GRADIENT_BYTES}x)"))
+    speed = per_step["measured_step_s"] / per_micro_batch["measured_step_s"]
+    out.append((speed <= TARGET_PER_STEP_OVER_PER_MICRO_BATCH,
+                f"{case.name}: per_step's step {speed:.2f}x per_micro_batch's "
+                f"(target <= {TARGET_PER_STEP_OVER_PER_MICRO_BATCH})"))
+    worst = max(abs(per_step["prediction_error"]), abs(per_micro_batch["prediction_error"]))
+    out.append((worst <= TARGET_PREDICTION_ERROR,
+                f"{case.name}: simulator {per_step['prediction_error'] * 100:+.0f}% on per_step, "
+                f"{per_micro_batch['prediction_error'] * 100:+.0f}% on per_micro_batch "
+                f"(target within {TARGET_PREDICTION_ERROR * 100:.0f}%)"))
+    return out
+
+
 def targets(records: Sequence[dict]) -> list[str]:
-    """The issue's targets, on the emulated cluster; one line each, ``met`` or ``MISSED``.
+    """The issues' targets, on the emulated cluster; one line each, ``met`` or ``MISSED``.
+
+    Gradient reduction (a case with ``per_step`` and ``per_micro_batch`` rows): the case is
+    sized so per-micro-batch reductions are a real share of the step, ``per_step``'s gradient
+    link bytes are one reduction's, its step is faster, and the simulator predicts both.
 
     ``INFO_METHODS`` (``interleaved``) have no target: a line ``info`` each gives their speed
     over ``upper_bound``'s and their prediction error, and the simulator's target leaves them
@@ -229,6 +402,10 @@ def targets(records: Sequence[dict]) -> list[str]:
         if ours and overlap:
             ratio = overlap["measured_step_s"] / ours["measured_step_s"]
             line(ratio >= 1, f"{case.name}: ours {ratio:.2f}x overlap (target >= 1)")
+        per_step, per_micro_batch = get("per_step"), get("per_micro_batch")
+        if per_step and per_micro_batch:
+            for ok, text in _gradient_targets(case, per_step, per_micro_batch):
+                line(ok, text)
         for method in INFO_METHODS:
             r = get(method)
             if r and bound:
@@ -266,9 +443,14 @@ def _progress(prefix: str) -> Callable[[list[dict], float], list[str]]:
     return report
 
 
-def _worker_argv(args: argparse.Namespace, out: str, traces: str, rate: float) -> list[str]:
+def _selected(args: argparse.Namespace) -> list[Case]:
+    """The ``--cases`` that run at least one of the ``--methods``, in ``CASES`` order."""
+    return [c for c in CASES if c.name in args.cases and set(c.methods) & set(args.methods)]
+
+
+def _worker_argv(args: argparse.Namespace, cases: Sequence[Case], out: str, traces: str, rate: float) -> list[str]:
     argv = ["-m", "benchmarks.pipeline_worker", "--out", out, "--trace-dir", traces, "--link-rate", repr(rate),
-            "--repeat", str(args.repeat), "--timeout", repr(args.step_timeout), "--cases", *args.cases,
+            "--repeat", str(args.repeat), "--timeout", repr(args.step_timeout), "--cases", *[c.name for c in cases],
             "--methods", *args.methods]
     if args.png:
         argv += ["--trace-methods", *PLOT_METHODS]
@@ -280,6 +462,7 @@ def _env() -> dict[str, str]:
 
 
 def _run_emulated(args: argparse.Namespace, traces: str, start: float) -> tuple[list[dict], list[str]]:
+    """One emulated cluster per host shape of the selected cases, one after another."""
     from benchmarks.emulated_cluster import EmulatedCluster
 
     traces = os.path.join(traces, "emulated")
@@ -287,18 +470,26 @@ def _run_emulated(args: argparse.Namespace, traces: str, start: float) -> tuple[
     ok, why = EmulatedCluster.available()
     if not ok:
         return [], [f"emulated cluster unavailable: {why}"]
-    print(f"emulated cluster: 2 hosts x 4 CPU devices, {args.link_gbit:g} Gbit/s tbf-shaped links", flush=True)
-    with EmulatedCluster(2, 4, args.link_gbit, timeout_s=args.timeout) as cluster:
-        rate = cluster.measure_link_rate(0, 1)
-        print(f"measured link rate host0 -> host1: {rate / 1e6:.1f} MB/s", flush=True)
-        with tempfile.TemporaryDirectory(prefix="meshpar-pipeline-") as out:
-            errors = cluster.run_reporting(_worker_argv(args, out, traces, rate), env=_env(), timeout_s=args.timeout,
-                                           progress=ProgressPrinter(out, _progress("emulated "), start), what="emulated pipeline run")
-            lines = read_records(out)
-    errors += [f"emulated, process {r['process']}: {r['error']}" for r in lines if r.get("kind") == "error"]
-    records = aggregate(lines, traces, "emulated", 2)
-    for r in records:
-        r.update(link_gbit=args.link_gbit, link_rate_Bps=rate)
+    records: list[dict] = []
+    errors: list[str] = []
+    cases = _selected(args)
+    for hosts, per_host in dict.fromkeys(c.hosts for c in cases):
+        on_these = [c for c in cases if c.hosts == (hosts, per_host)]
+        print(f"emulated cluster: {hosts} hosts x {per_host} CPU devices, {args.link_gbit:g} Gbit/s tbf-shaped links",
+              flush=True)
+        with EmulatedCluster(hosts, per_host, args.link_gbit, timeout_s=args.timeout) as cluster:
+            rate = cluster.measure_link_rate(0, 1)
+            print(f"measured link rate host0 -> host1: {rate / 1e6:.1f} MB/s", flush=True)
+            with tempfile.TemporaryDirectory(prefix="meshpar-pipeline-") as out:
+                errors += cluster.run_reporting(_worker_argv(args, on_these, out, traces, rate), env=_env(),
+                                                timeout_s=args.timeout, what="emulated pipeline run",
+                                                progress=ProgressPrinter(out, _progress("emulated "), start))
+                lines = read_records(out)
+        errors += [f"emulated, process {r['process']}: {r['error']}" for r in lines if r.get("kind") == "error"]
+        got = aggregate(lines, traces, "emulated", hosts, rate)
+        for r in got:
+            r.update(link_gbit=args.link_gbit, link_rate_Bps=rate)
+        records += got
     return records, errors
 
 
@@ -312,7 +503,8 @@ def _run_single(args: argparse.Namespace, traces: str, start: float) -> tuple[li
         progress = ProgressPrinter(out, _progress("single_process "), start)
         progress.start()
         try:
-            proc = subprocess.run([sys.executable, *_worker_argv(args, out, traces, rate), "--single-process"],
+            proc = subprocess.run([sys.executable, *_worker_argv(args, _selected(args), out, traces, rate),
+                                   "--single-process"],
                                   env={**os.environ, **_env()}, timeout=args.timeout, capture_output=True, text=True)
         except subprocess.TimeoutExpired:
             return [], [f"single-process run overran {args.timeout:g} s"]
@@ -322,7 +514,7 @@ def _run_single(args: argparse.Namespace, traces: str, start: float) -> tuple[li
             progress.poll()
         lines = read_records(out)
     errors = [] if proc.returncode == 0 else [f"single-process run failed:\n{proc.stderr[-3000:]}"]
-    records = aggregate(lines, traces, "single_process", 1)
+    records = aggregate(lines, traces, "single_process", 1, rate)
     for r in records:
         r.update(link_gbit=None, link_rate_Bps=None)
     return records, errors
@@ -370,8 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=[m.name for m in METHODS], choices=[m.name for m in METHODS])
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="write timeline figures into this directory")
-    parser.add_argument("--png-case", default=CASES[-1].name, choices=[c.name for c in CASES],
-                        help=f"the case whose timelines --png draws (default {CASES[-1].name})")
+    plottable = [c.name for c in CASES if set(PLOT_METHODS) <= set(c.methods)]
+    parser.add_argument("--png-case", default=plottable[-1], choices=plottable,
+                        help=f"the case whose timelines --png draws (default {plottable[-1]})")
     parser.add_argument("--trace-dir", help="keep every traced step's Chrome trace here (default: discarded)")
     parser.add_argument("--no-emulated", action="store_true", help="skip the emulated cluster")
     parser.add_argument("--no-single-process", action="store_true", help="skip the single-process rows")
@@ -398,6 +591,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {cluster} {case}: {share * 100:.0f}%")
             print("\nStep time: median over steps of the slower process; predicted by the schedule simulator.\n")
             print(table(records))
+            if any(r["method"] in GRADIENT_METHODS for r in records):
+                print("\nGradient reduction: the busiest mesh's serialized tasks per step (a reduction in every "
+                      "backward included) and its gradient reductions per step at the link rate; bytes per step "
+                      "over all hosts' links (interface tx counters), the planned moves' payload, the rest as "
+                      "gradients, and one reduction of every stage's gradients.\n")
+                print(gradient_table(records))
             print("\nTargets (emulated cluster):")
             print("\n".join(targets(records)))
         if args.png and records:

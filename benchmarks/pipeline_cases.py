@@ -11,10 +11,23 @@ links' token-bucket burst):
   communication matters;
 - ``u_transformer`` at ``(4, 1, 2)``: a U-Net Transformer cut in two (four
   under ``interleaved``), so the bottleneck path and all three long skips
-  cross the stage boundary.
+  cross the stage boundary;
+- ``gpt_tied`` at ``(2, 2, 2)`` on 4 emulated hosts x 2 devices: a GPT with
+  tied input/output embeddings (the embedding on stage 0, the head reading
+  it on stage 1), one wide block per stage (``d_model`` 256, vocabulary
+  512), so each device holds about 2 MB of parameter gradients and a
+  micro-batch (8 sequences of 64 tokens) computes little: reducing them
+  over a 0.25 Gbit/s link in every micro-batch is about half the step.
 
 A case's ``pipeline`` is its number of meshes, each of ``data x model``
-devices; every method but ``interleaved`` runs one stage per mesh.
+devices; every method but ``interleaved`` runs one stage per mesh. Meshes
+are cut host-major (``PipeshardParallel(stage_mesh_shape=(data, model))``
+orders devices by process, then id), so on ``hosts = (4, 2)`` mesh 0 is
+hosts 0 and 1 and mesh 1 hosts 2 and 3, each mesh's data axis running
+across its two hosts and its model axis inside one: every byte of a data
+axis reduction crosses a link. On ``(2, 4)`` each mesh is one host.
+A case compares its own ``methods``: the paper's cases the paper's methods,
+``gpt_tied`` the two gradient reductions.
 
 Methods (the paper's Fig. 7 and Fig. 9), each a ``PipeshardParallel``
 configuration:
@@ -31,6 +44,17 @@ zb_h1         broadcast         zb_h1             (its own)       auto
 interleaved   broadcast         interleaved_1f1b  no              auto
 upper_bound   signal            eager_1f1b        auto            auto
 ============  ================  ================  ==============  ==========
+
+and the gradient reductions (issue 22), ``overlap``'s configuration but for
+``gradient_reduction``, which the others leave at the library's default
+(``"per_step"``):
+
+===============  ===============================================
+method           gradient reduction over each mesh's data axis
+===============  ===============================================
+per_step         once per step, of the accumulated partial sums
+per_micro_batch  in every micro-batch's backward
+===============  ===============================================
 
 ``collective`` runs each transfer as one program over both meshes, so it
 holds both meshes' devices until it ends (the paper's baselines do not
@@ -56,22 +80,34 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Case", "CASES", "Method", "METHODS", "SINGLE_PROCESS_METHODS", "build_step"]
+__all__ = ["Case", "CASES", "GRADIENT_METHODS", "Method", "METHODS", "PAPER_HOSTS", "PAPER_METHODS",
+           "SINGLE_PROCESS_METHODS", "build_step"]
+
+
+# The emulated cluster of the paper's cases: (hosts, CPU devices per host).
+PAPER_HOSTS = (2, 4)
+PAPER_METHODS = ("send_recv", "alpa", "broadcast", "overlap", "ours", "zb_h1", "interleaved", "upper_bound")
+GRADIENT_METHODS = ("per_step", "per_micro_batch")
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A model at one ``(data, model, pipeline)`` configuration; ``batch`` examples per step in
-    ``micro_batches`` micro-batches."""
+    ``micro_batches`` micro-batches, on an emulated cluster of ``hosts = (hosts, devices per
+    host)``, run with each of ``methods`` (``Method`` names)."""
 
     model: str
     config: tuple[int, int, int]
     batch: int
     micro_batches: int
+    hosts: tuple[int, int] = PAPER_HOSTS
+    methods: tuple[str, ...] = PAPER_METHODS
 
     @property
     def name(self) -> str:
-        return f"{self.model} {self.config}"
+        """``gpt (2, 2, 2)``; on other than the paper's hosts ``gpt_tied (2, 2, 2) 4x2 hosts``."""
+        base = f"{self.model} {self.config}"
+        return base if self.hosts == PAPER_HOSTS else f"{base} {self.hosts[0]}x{self.hosts[1]} hosts"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +121,14 @@ class Method:
     weight_delay: bool | str
     executor: str
     stages_per_mesh: int = 1
+    gradient_reduction: str = "per_step"
 
 
 CASES = (
     Case("gpt", (2, 2, 2), batch=256, micro_batches=4),
     Case("gpt", (4, 1, 2), batch=256, micro_batches=4),
     Case("u_transformer", (4, 1, 2), batch=32, micro_batches=4),
+    Case("gpt_tied", (2, 2, 2), batch=64, micro_batches=8, hosts=(4, 2), methods=GRADIENT_METHODS),
 )
 
 METHODS = (
@@ -102,6 +140,8 @@ METHODS = (
     Method("zb_h1", "broadcast", "zb_h1", False, "auto"),
     Method("interleaved", "broadcast", "interleaved_1f1b", False, "auto", stages_per_mesh=2),
     Method("upper_bound", "signal", "eager_1f1b", "auto", "auto"),
+    Method("per_step", "broadcast", "1f1b", False, "auto", gradient_reduction="per_step"),
+    Method("per_micro_batch", "broadcast", "1f1b", False, "auto", gradient_reduction="per_micro_batch"),
 )
 
 # In one process every "auto" transfer is a jax.device_put, so the resharding
@@ -109,6 +149,7 @@ METHODS = (
 SINGLE_PROCESS_METHODS = tuple(m for m in METHODS if m.name not in ("send_recv", "alpa"))
 
 GPT_SIZE = dict(vocab_size=128, seq_len=64, d_model=64, num_heads=4, num_layers=4)
+GPT_TIED_SIZE = dict(vocab_size=512, seq_len=64, d_model=256, num_heads=4, num_layers=2, tie_embeddings=True)
 UT_SIZE = dict(channels=(32, 64, 128, 128), num_heads=4, bottleneck_depth=2)
 UT_HW = 32
 
@@ -128,10 +169,10 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
 
     data, model_axis, meshes = case.config
     stages = meshes * method.stages_per_mesh
-    if case.model == "gpt":
+    if case.model in ("gpt", "gpt_tied"):
         from examples.gpt import GPT, gpt_batch, gpt_loss
 
-        net = GPT(num_stages=stages, **GPT_SIZE)
+        net = GPT(num_stages=stages, **(GPT_SIZE if case.model == "gpt" else GPT_TIED_SIZE))
         batch = gpt_batch(0, case.batch, net.seq_len, net.vocab_size)
         loss_of = gpt_loss
     elif case.model == "u_transformer":
@@ -141,7 +182,7 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
         batch = ut_batch(0, case.batch, UT_HW)
         loss_of = ut_loss
     else:
-        raise ValueError(f"case.model: expected 'gpt' or 'u_transformer', got {case.model!r}")
+        raise ValueError(f"case.model: expected 'gpt', 'gpt_tied' or 'u_transformer', got {case.model!r}")
     params = net.init(jax.random.PRNGKey(0), batch["x"][:1])
     state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adam(1e-3))
 
@@ -150,5 +191,6 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
         stage_mesh_shape=(data, model_axis),
         schedule=method.schedule, weight_delay=method.weight_delay, resharding=method.resharding,
         balancer="ensemble", executor=method.executor, cluster=cluster, timeout_s=timeout_s,
+        gradient_reduction=method.gradient_reduction,
     )
     return meshpar.parallelize(supervised_step(loss_of), method=parallel), state, batch

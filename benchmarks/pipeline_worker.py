@@ -1,11 +1,17 @@
 """One process of ``python -m benchmarks.pipeline`` (the child side).
 
-Either one host of an emulated cluster (started by ``EmulatedCluster(2, 4, G)
-.run(["-m", "benchmarks.pipeline_worker", ...])``, joined through
-:func:`benchmarks.emulated_cluster.initialize_from_env`, pinned to a core of
-its own), or, with
-``--single-process``, one process with 8 CPU devices that it splits into two
-emulated hosts of 4 for the planner.
+Either one host of an emulated cluster (started by ``EmulatedCluster(H, D, G)
+.run(["-m", "benchmarks.pipeline_worker", ...])`` with the ``hosts = (H, D)``
+of every case it is given, joined through
+:func:`benchmarks.emulated_cluster.initialize_from_env`, pinned to one core),
+or, with ``--single-process``, one process with 8 CPU devices that it splits
+into each case's emulated hosts for the planner.
+
+Pinning: with more hosts than cores, consecutive hosts share a core
+(``process * cores // processes``). Meshes are cut host-major, so the hosts
+sharing a core are one stage mesh's: a mesh computes on its own core,
+whether it runs alone (the serialized step) or beside the others, and the
+isolated task times are the pipeline's.
 
 Per case (``benchmarks.pipeline_cases.CASES``) and method (``METHODS``):
 
@@ -24,9 +30,22 @@ Each process appends JSON lines to ``<--out>/p<process>.jsonl``, flushed per
 record: ``{"kind": "method", ...}`` with its step times, the compiled
 schedule (to rebuild it for the simulator: its stages, its meshes and which
 mesh runs each stage, edges, per-mesh weight delays; ``schedule_spec``), the
-per-stage peak of live micro-batches, and the planner's estimate of every
-transfer, ``{"kind": "done"}``, or ``{"kind": "error", ...}`` before
-exiting non-zero. Every multi-process wait is bounded by ``--timeout``.
+per-stage peak of live micro-batches, the planner's estimate of every
+transfer, and for the gradient accounting (``benchmarks.pipeline``):
+
+- ``link_bytes``: ``{"tx_bytes", "rx_bytes", "steps"}``, what this host's
+  link carried over the timed steps (its interface counters, read after the
+  first step's barrier and after a barrier behind the last step), ``None``
+  in one process;
+- ``gradients``: per stage, its parameter gradient bytes on each device and
+  its mesh's data-axis rings (``gradient_stages``);
+- ``per_step_stages``: the stages whose gradients the program reduces once
+  per step (a ``ReduceGradients``); the others reduce inside each backward;
+- ``move_link_bytes``: payload bytes per step the planned moves send from
+  one host to another (``move_link_bytes``);
+
+then ``{"kind": "done"}``, or ``{"kind": "error", ...}`` before exiting
+non-zero. Every multi-process wait is bounded by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -37,9 +56,13 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 from benchmarks.pipeline_cases import CASES, METHODS, SINGLE_PROCESS_METHODS, build_step
 from benchmarks.worker_records import RecordWriter
+
+# The stage meshes' data axis (``PipeshardParallel``'s default ``data_axis``, as ``build_step`` leaves it).
+DATA_AXIS = "data"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -69,14 +92,15 @@ def main(argv: list[str] | None = None) -> int:
 
         jax.config.update("jax_num_cpu_devices", 8)
     else:
-        from benchmarks.emulated_cluster import ENV_PROCESS_ID, initialize_from_env
+        from benchmarks.emulated_cluster import ENV_NUM_PROCESSES, ENV_PROCESS_ID, initialize_from_env
 
-        # Each emulated host computes on its own core, as real hosts do: left to share the
-        # machine's cores, a host computing alone runs up to twice as fast as when both do,
-        # and isolated task times would not be the pipeline's. Before the backend starts, so
-        # XLA sizes its thread pool to the one core.
+        # Each emulated host computes on one core, as real hosts do: left to share the
+        # machine's cores, a host computing alone runs up to twice as fast as when all do,
+        # and isolated task times would not be the pipeline's. Hosts sharing a core are one
+        # mesh's (module doc). Before the backend starts, so XLA sizes its thread pool to it.
         cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[int(os.environ[ENV_PROCESS_ID]) % len(cores)]})
+        me, hosts = int(os.environ[ENV_PROCESS_ID]), int(os.environ[ENV_NUM_PROCESSES])
+        os.sched_setaffinity(0, {cores[me * len(cores) // hosts]})
         initialize_from_env()
     import jax
 
@@ -124,18 +148,84 @@ def _transfer_estimates(executable, method, cluster) -> list[dict]:
     return out
 
 
+def gradient_stages(executable, host_of: Callable[[int], int]) -> list[dict]:
+    """Per stage, what one reduction of its parameter gradients over its mesh's data axis moves.
+
+    ``device_bytes``: the bytes of the stage's parameter gradients each device of its mesh holds
+    (the shards of its ``ReduceGradient``s: every parameter it reads, each sharded as the
+    stage's accumulator; the tied embedding counts on both stages that read it). ``rings``: per
+    position on the mesh's other axes, the hosts (``host_of`` a device id) of its data-axis
+    devices in data order, the ring one all-reduce runs on. ``mesh``: the stage's mesh."""
+    import numpy as np
+
+    from meshpar.passes.pipeline.step_program import ReduceGradient
+
+    device_bytes = [0] * executable.graph.num_stages
+    for ins in executable.step_program:
+        if isinstance(ins, ReduceGradient):
+            device_bytes[ins.stage] += ins.aval.dtype.itemsize * math.prod(ins.sharding.shard_shape(ins.aval.shape))
+    out = []
+    for stage, mesh in enumerate(executable.stage_meshes):
+        by_data = np.moveaxis(mesh.devices, mesh.axis_names.index(DATA_AXIS), -1)
+        rings = [[host_of(d.id) for d in ring] for ring in by_data.reshape(-1, by_data.shape[-1])]
+        out.append({"stage": stage, "mesh": executable.home[stage], "device_bytes": device_bytes[stage],
+                    "rings": rings})
+    return out
+
+
+def per_step_stages(executable) -> list[int]:
+    """The stages whose gradients the pipeline program reduces once per step: those of its
+    ``ReduceGradients``; every other stage's backward reduces its micro-batch's itself."""
+    from meshpar.passes.pipeline.pipeline_program import ReduceGradients
+
+    return sorted(s for instructions in executable.program.instructions for ins in instructions
+                  if isinstance(ins, ReduceGradients) for s in ins.stages)
+
+
+def move_link_bytes(executable, host_of: Callable[[int], int]) -> int | None:
+    """Payload bytes per step the step's planned moves send from one host (``host_of`` a device
+    id) to another.
+
+    Every move a step makes: each boundary transfer once per micro-batch, each parameter fetched
+    from its owner's mesh, each gradient sent back there and each move around the pipeline
+    once. A point-to-point move sends exactly its hop program's pieces (``hop_program``: no
+    byte twice), each hop between two hosts once; ``jax.device_put`` and local moves stay in
+    one process, so on one host. ``None`` when a move runs as a collective program, whose pieces
+    are padded to one static shape: its bytes are not the plan's."""
+    from meshpar.passes.pipeline.edge_transfer import TransferKind
+    from meshpar.passes.pipeline.step_program import ReduceGradient
+    from meshpar.passes.resharding.hop_program import HopProgram
+
+    M = executable.num_micro_batches
+    uses = [(t.move_key, M) for t in executable.program.transfers]
+    uses += [(op.fetch.move_key, 1) for ops in executable.layout.stage_operands for op in ops if op.fetch]
+    uses += [(ins.move.move_key, 1) for ins in executable.step_program
+             if isinstance(ins, ReduceGradient) and ins.move is not None]
+    uses += [(vm.move_key, 1) for vm in executable.layout.outer_moves.values()]
+    total = 0
+    for key, times in uses:
+        planned = executable.moves.of(key)
+        planned = planned.carry or planned  # a signal's byte rides its carrier
+        if planned.key.kind is TransferKind.COLLECTIVE:
+            return None
+        if isinstance(planned.program, HopProgram):
+            pieces = planned.program.piece_shapes
+            total += times * planned.key.dtype.itemsize * sum(
+                math.prod(pieces[h.piece]) for step in planned.program.steps for h in step
+                if host_of(h.src_device) != host_of(h.dst_device))
+    return total
+
+
 def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     import jax
 
     import meshpar
+    from benchmarks.emulated_cluster import interface_counters
     from meshpar.passes.pipeline.edge_transfer import TransferKind
     from meshpar.runtime.coordination import kv_client, wait_ready
 
     me, nproc = jax.process_index(), jax.process_count()
     devices = jax.devices()
-    # Two hosts of 4 devices: the real processes, or emulated inside one.
-    host_of = (lambda d: d.id // 4) if nproc == 1 else None
-    cluster = meshpar.Cluster.from_devices(devices, host_of=host_of, inter_host_bandwidth=args.link_rate)
     client = kv_client() if nproc > 1 else None
     counter = [0]
 
@@ -147,7 +237,13 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     cases = [c for c in CASES if c.name in args.cases]
     methods = [m for m in (SINGLE_PROCESS_METHODS if nproc == 1 else METHODS) if m.name in args.methods]
     for case in cases:
-        for method in methods:
+        hosts, per_host = case.hosts
+        if nproc > 1 and nproc != hosts:
+            raise ValueError(f"case {case.name!r} runs on {hosts} hosts, but this cluster has {nproc}")
+        # The case's hosts: the real processes, or emulated inside one.
+        host_of = (lambda d: d.id // per_host) if nproc == 1 else None
+        cluster = meshpar.Cluster.from_devices(devices, host_of=host_of, inter_host_bandwidth=args.link_rate)
+        for method in (m for m in methods if m.name in case.methods):
             tag = f"{slug(case.name)}-{method.name}"
             start = time.perf_counter()
             step, state, batch = build_step(case, method, cluster, args.timeout)
@@ -162,12 +258,19 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
             compile_s = time.perf_counter() - start
             barrier(f"{tag}/serialized")
             step.trace(os.path.join(args.trace_dir, f"{tag}-serialized.json"), state, batch, serialize=True)
-            times = []
+            times, before, link_bytes = [], None, None
             for i in range(args.repeat):
                 barrier(f"{tag}/{i}")
+                if before is None and nproc > 1:
+                    before = interface_counters()
                 t0 = time.perf_counter()
                 state, loss = run(state)
                 times.append(time.perf_counter() - t0)
+            if before is not None:
+                # Behind every process's last step: what the others sent here has all arrived.
+                barrier(f"{tag}/counted")
+                after = interface_counters()
+                link_bytes = {**{k: after[k] - before[k] for k in after}, "steps": args.repeat}
             if method.name in args.trace_methods:
                 barrier(f"{tag}/trace")
                 step.trace(os.path.join(args.trace_dir, f"{tag}.json"), state, batch)
@@ -183,6 +286,9 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
                 "transfers": _transfer_estimates(executable, method, cluster),
                 "peak_live_activations": executable.peak_live_activations,
                 "serialized_trace": f"{tag}-serialized.json",
+                "gradient_reduction": method.gradient_reduction, "link_bytes": link_bytes, "gradients": gradient_stages(executable, cluster.host_of),
+                "per_step_stages": per_step_stages(executable),
+                "move_link_bytes": move_link_bytes(executable, cluster.host_of),
             })
             print(f"process {me}: {case.name} {method.name}: compile+first step {compile_s:.1f} s, "
                   f"steps {[round(t * 1e3) for t in times]} ms", flush=True)

@@ -1,9 +1,12 @@
 """benchmarks.pipeline: aggregation, prediction and targets on synthetic worker output (one stage
-per mesh, and interleaved 1F1B's two per mesh), the interleaved row's step built on its meshes,
-and the CLI end to end in one process (the emulated-cluster run is ``slow``)."""
+per mesh, and interleaved 1F1B's two per mesh; the gradient reductions' link bytes), the
+interleaved row's step built on its meshes, the tied GPT's gradient and move bytes read off its
+compiled step, the hosts' interface counters, and the CLI end to end in one process (the
+emulated-cluster run is ``slow``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,7 +15,8 @@ import sys
 import pytest
 
 from benchmarks import pipeline
-from benchmarks.pipeline_cases import CASES, METHODS, SINGLE_PROCESS_METHODS
+from benchmarks.emulated_cluster import interface_counters
+from benchmarks.pipeline_cases import CASES, GRADIENT_METHODS, METHODS, PAPER_METHODS, SINGLE_PROCESS_METHODS
 from benchmarks.pipeline_worker import schedule_spec
 from meshpar.passes.pipeline.pipeline_schedule import make_schedule
 from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind
@@ -80,7 +84,7 @@ def test_aggregate_merges_processes_and_predicts_with_the_simulator(tmp_path):
         _serialized_traces(str(tmp_path), f"{method}-serialized.json", seconds)
         lines += [_line(p, method, times[p], overlap) for p in (0, 1)]
     lines.append(_line(0, "ours", [0.1]))  # only one process reported it: dropped
-    records = pipeline.aggregate(lines, str(tmp_path), "emulated", 2)
+    records = pipeline.aggregate(lines, str(tmp_path), "emulated", 2, 3e7)
     assert [r["method"] for r in records] == ["broadcast", "overlap", "upper_bound"]
     by = {r["method"]: r for r in records}
     # Per step the slower process, then the median.
@@ -117,7 +121,7 @@ def test_aggregate_simulates_the_interleaved_schedule_on_its_meshes(tmp_path):
     _serialized_traces(str(tmp_path), "upper_bound-serialized.json", [{F: 0.04, B: 0.08}, {F: 0.05, B: 0.11}])
     lines = [_interleaved_line(p, t, activation, gradient) for p, t in ((0, [0.8, 0.9, 0.85]), (1, [0.9, 0.8, 0.8]))]
     lines += [_line(p, "upper_bound", [0.72, 0.72, 0.72]) for p in (0, 1)]
-    records = pipeline.aggregate(lines, str(tmp_path), "emulated", 2)
+    records = pipeline.aggregate(lines, str(tmp_path), "emulated", 2, 3e7)
     # In METHODS' order: interleaved after zb_h1, before upper_bound.
     assert [r["method"] for r in records] == ["interleaved", "upper_bound"]
     by = {r["method"]: r for r in records}
@@ -183,9 +187,9 @@ def test_targets_compare_the_right_methods():
     assert pipeline.targets(records)[0].startswith("MISSED")
 
 
-def test_methods_are_the_papers():
+def test_methods_are_the_papers_and_the_gradient_reductions():
     assert [m.name for m in METHODS] == ["send_recv", "alpa", "broadcast", "overlap", "ours", "zb_h1", "interleaved",
-                                         "upper_bound"]
+                                         "upper_bound", "per_step", "per_micro_batch"]
     by = {m.name: m for m in METHODS}
     assert by["ours"].schedule == "eager_1f1b" and by["ours"].weight_delay == "auto"
     assert by["interleaved"].schedule == "interleaved_1f1b" and by["interleaved"].stages_per_mesh == 2
@@ -194,8 +198,16 @@ def test_methods_are_the_papers():
     assert by["upper_bound"].resharding == "signal"
     assert by["overlap"].executor == "auto" and by["broadcast"].executor == "collective"
     assert {m.name for m in SINGLE_PROCESS_METHODS} == set(by) - {"send_recv", "alpa"}
-    assert {(c.model, c.config) for c in CASES} == {
-        ("gpt", (2, 2, 2)), ("gpt", (4, 1, 2)), ("u_transformer", (4, 1, 2))}
+    # The gradient rows are overlap's configuration but for the reduction; the paper's rows keep
+    # the library's default.
+    for name in GRADIENT_METHODS:
+        assert dataclasses.replace(by[name], name="overlap", gradient_reduction="per_step") == by["overlap"]
+    assert by["per_micro_batch"].gradient_reduction == "per_micro_batch"
+    assert all(by[m].gradient_reduction == "per_step" for m in PAPER_METHODS)
+    assert {(c.model, c.config, c.hosts, c.methods) for c in CASES} == {
+        ("gpt", (2, 2, 2), (2, 4), PAPER_METHODS), ("gpt", (4, 1, 2), (2, 4), PAPER_METHODS),
+        ("u_transformer", (4, 1, 2), (2, 4), PAPER_METHODS), ("gpt_tied", (2, 2, 2), (4, 2), GRADIENT_METHODS)}
+    assert [c.name for c in CASES][-1] == "gpt_tied (2, 2, 2) 4x2 hosts"
 
 
 def test_cli_in_one_process_writes_records_and_timelines(tmp_path):
@@ -247,6 +259,169 @@ def test_interleaved_builds_four_stages_on_two_meshes():
     estimates = _transfer_estimates(executable, method, cluster)
     assert sorted({t["edge"] for t in estimates}) == list(range(len(schedule.edges)))
     assert all(t["seconds"] > 0 for t in estimates)
+
+
+GPT_TIED = "gpt_tied (2, 2, 2) 4x2 hosts"
+# Per stage, 1 MB of parameter gradients on each device; mesh 0 is hosts 0 and 1, mesh 1 hosts 2
+# and 3, each data-axis ring (one per model-axis device) across its mesh's two hosts. One
+# reduction: every device sends its 1 MB to its peer, 8 MB over the links.
+GRADIENTS = [{"stage": 0, "mesh": 0, "device_bytes": 1_000_000, "rings": [[0, 1], [0, 1]]},
+             {"stage": 1, "mesh": 1, "device_bytes": 1_000_000, "rings": [[2, 3], [2, 3]]}]
+
+
+def _gradient_line(process, method, times, sent_per_step, per_step_stages):
+    """A worker's record of a gradient row on 4 hosts: ``sent_per_step`` bytes out of its host's
+    link per step, 1 MB of planned moves per step in all (``None`` sent: one process, no link)."""
+    line = _line(process, method, times)
+    link = None if sent_per_step is None else {
+        "tx_bytes": sent_per_step * len(times), "rx_bytes": sent_per_step * len(times), "steps": len(times)}
+    line.update(case=GPT_TIED, model="gpt_tied", config=[2, 2, 2], gradient_reduction=method, link_bytes=link, gradients=GRADIENTS, per_step_stages=per_step_stages, move_link_bytes=1_000_000)
+    return line
+
+
+def test_reduction_host_bytes_follow_the_ring_across_hosts():
+    assert pipeline.reduction_host_bytes(GRADIENTS[0]) == {0: 2e6, 1: 2e6}
+    # A data axis inside one host, or of one device, sends nothing over a link.
+    assert pipeline.reduction_host_bytes({"device_bytes": 100, "rings": [[0, 0, 0, 0]]}) == {}
+    assert pipeline.reduction_host_bytes({"device_bytes": 100, "rings": [[0], [1]]}) == {}
+    # Four devices on two hosts: each sends 2 * 3/4 of its bytes to the next; two of the four
+    # ring edges cross.
+    assert pipeline.reduction_host_bytes({"device_bytes": 100, "rings": [[0, 0, 1, 1]]}) == {0: 150, 1: 150}
+
+
+def test_aggregate_accounts_the_gradient_link_bytes(tmp_path):
+    seconds = [{F: 0.02, B: 0.04}, {F: 0.03, B: 0.05}]
+    lines = []
+    # M = 4: per_micro_batch reduces 4 times per step (32 MB), per_step once (8 MB); 1 MB of
+    # moves either way, spread over the 4 hosts.
+    for method, times, sent, reduced in (("per_step", [0.6, 0.6], 9e6 / 4, [0, 1]),
+                                         ("per_micro_batch", [1.2, 1.2], 33e6 / 4, [])):
+        _serialized_traces(str(tmp_path), f"{method}-serialized.json", seconds)
+        lines += [_gradient_line(p, method, times, sent, reduced) for p in range(4)]
+    records = pipeline.aggregate(lines, str(tmp_path), "emulated", 4, 1e7)
+    assert [r["method"] for r in records] == ["per_step", "per_micro_batch"]
+    by = {r["method"]: r for r in records}
+    for method, link, ratio in (("per_step", 9e6, 1.0), ("per_micro_batch", 33e6, 4.0)):
+        r = by[method]
+        assert r["link_bytes_per_step"] == pytest.approx(link)
+        assert r["link_rx_bytes_per_step"] == pytest.approx(link)
+        assert r["gradient_link_bytes"] == pytest.approx(link - 1e6)
+        assert r["one_reduction_bytes"] == pytest.approx(8e6)
+        assert r["gradient_over_one_reduction"] == pytest.approx(ratio)
+        assert r["gradient_reduction"] == method
+    # A host sends 2 MB per reduction at 10 MB/s: 0.2 s, once or M times per step.
+    assert by["per_step"]["reduction_s"] == pytest.approx([0.2, 0.2])
+    assert by["per_micro_batch"]["reduction_s"] == pytest.approx([0.8, 0.8])
+    assert by["per_step"]["mesh_task_s"] == pytest.approx([4 * 0.06, 4 * 0.08])
+    # The per-step reduction joins the simulated step; a per-micro-batch one is in the measured
+    # backward already.
+    stages = (StageSeconds(0.02, 0.04, 0.02, 0.02), StageSeconds(0.03, 0.05, 0.025, 0.025))
+    schedule = make_schedule("1f1b", 2, 4, [(0, 1)])
+    with_reduction = simulate(schedule, TaskDurations(stages, (0.01,), (0.01,), (0.2, 0.2)), overlap=True)
+    without = simulate(schedule, TaskDurations(stages, (0.01,), (0.01,)), overlap=True)
+    assert by["per_step"]["predicted_step_s"] == pytest.approx(with_reduction.step_seconds)
+    assert by["per_micro_batch"]["predicted_step_s"] == pytest.approx(without.step_seconds)
+    assert with_reduction.step_seconds > without.step_seconds
+
+    text = pipeline.gradient_table(records)
+    assert f"| emulated | {GPT_TIED} | per_step | 600 |" in text
+    assert text.splitlines()[2].endswith("| 320 | 200 | 33% | 9.0 | 1.0 | 8.0 | 8.0 | 1.00 |")
+    assert text.splitlines()[3].endswith("| 320 | 800 | 67% | 33.0 | 1.0 | 32.0 | 8.0 | 4.00 |")
+    got = [t for t in pipeline.targets(records) if GPT_TIED in t]
+    assert got[:3] == [
+        f"met    {GPT_TIED}: per_micro_batch's gradient reductions 67% of its step (sized for >= 30%)",
+        f"met    {GPT_TIED}: per_step's gradient link bytes 1.00x one reduction per step (target within 1.1x)",
+        f"met    {GPT_TIED}: per_step's step 0.50x per_micro_batch's (target <= 0.75)",
+    ]
+    errors = (by["per_step"]["prediction_error"], by["per_micro_batch"]["prediction_error"])
+    assert got[3].endswith(f"simulator {errors[0] * 100:+.0f}% on per_step, {errors[1] * 100:+.0f}% on "
+                           "per_micro_batch (target within 15%)")
+    # The paper's rows are not in the gradient table.
+    assert len(text.splitlines()) == 4
+
+
+def test_gradient_rows_without_links_show_no_bytes(tmp_path):
+    _serialized_traces(str(tmp_path), "per_step-serialized.json", [{F: 0.02, B: 0.04}, {F: 0.03, B: 0.05}])
+    records = pipeline.aggregate([_gradient_line(0, "per_step", [0.5], None, [])], str(tmp_path),
+                                 "single_process", 1, 5e9)
+    r = records[0]
+    assert r["link_bytes_per_step"] is None and r["gradient_link_bytes"] is None
+    assert r["gradient_over_one_reduction"] is None
+    assert pipeline.gradient_table(records).splitlines()[2].endswith("| - | 1.0 | - | 8.0 | - |")
+    assert not [t for t in pipeline.targets(records) if GPT_TIED in t]
+
+
+def test_gradient_targets_miss_a_reduction_per_micro_batch():
+    def rec(method, step, ratio, reduction_s, error=0.0):
+        return {"cluster": "emulated", "case": GPT_TIED, "method": method, "measured_step_s": step,
+                "prediction_error": error, "gradient_over_one_reduction": ratio, "reduction_s": reduction_s}
+
+    # per_step still reducing in every micro-batch: 8 reductions' bytes, no faster.
+    got = pipeline.targets([rec("per_step", 2.1, 8.08, [1.16, 1.13], -0.11),
+                            rec("per_micro_batch", 2.12, 8.08, [1.16, 1.13], 0.2)])
+    assert got == [
+        f"met    {GPT_TIED}: per_micro_batch's gradient reductions 55% of its step (sized for >= 30%)",
+        f"MISSED {GPT_TIED}: per_step's gradient link bytes 8.08x one reduction per step (target within 1.1x)",
+        f"MISSED {GPT_TIED}: per_step's step 0.99x per_micro_batch's (target <= 0.75)",
+        f"MISSED {GPT_TIED}: simulator -11% on per_step, +20% on per_micro_batch (target within 15%)",
+        f"MISSED simulator within 20% of every emulated step (worst: {GPT_TIED} per_micro_batch; target <= 15%)",
+    ]
+    # Fewer bytes than one reduction is as wrong as more.
+    assert pipeline.targets([rec("per_step", 1.0, 0.5, [0.15, 0.15]), rec("per_micro_batch", 2.0, 8.0, [1.2, 1.2])])[1] \
+        .startswith("MISSED")
+
+
+def test_interface_counters_read_a_hosts_link(tmp_path):
+    stats = tmp_path / "eth0" / "statistics"
+    stats.mkdir(parents=True)
+    (stats / "tx_bytes").write_text("1234567\n")
+    (stats / "rx_bytes").write_text("89\n")
+    assert interface_counters(sys_class_net=str(tmp_path)) == {"tx_bytes": 1234567, "rx_bytes": 89}
+    (stats / "rx_bytes").write_text("-1\n")
+    with pytest.raises(ValueError, match="eth0 rx_bytes"):
+        interface_counters(sys_class_net=str(tmp_path))
+    with pytest.raises(OSError):
+        interface_counters("eth9", sys_class_net=str(tmp_path))
+
+
+def test_tied_gpt_reduces_across_hosts_and_moves_what_its_plans_say():
+    import flax.linen as nn
+    import jax
+    from jax.sharding import PartitionSpec
+
+    import meshpar
+    from benchmarks.pipeline_cases import build_step
+    from benchmarks.pipeline_worker import gradient_stages, move_link_bytes, per_step_stages
+
+    case = {c.name: c for c in CASES}[GPT_TIED]
+    # p2p moves in one process too, so each move has the hop program it runs on the cluster.
+    method = dataclasses.replace({m.name: m for m in METHODS}["per_micro_batch"], executor="p2p")
+    cluster = meshpar.Cluster.from_devices(jax.devices(), host_of=lambda d: d.id // 2, inter_host_bandwidth=3e7)
+    step, state, batch = build_step(case, method, cluster, 120.0)
+    executable = step.get_executable(state, batch)
+    assert per_step_stages(executable) == []
+    stages = gradient_stages(executable, cluster.host_of)
+    # Mesh 0 is hosts 0 and 1, mesh 1 hosts 2 and 3: the data axis crosses them, the model axis
+    # stays inside one.
+    assert [(g["stage"], g["mesh"], g["rings"]) for g in stages] == [(0, 0, [[0, 1], [0, 1]]),
+                                                                    (1, 1, [[2, 3], [2, 3]])]
+    specs = nn.get_partition_spec(state.params)["params"]
+    values = nn.meta.unbox(state.params)["params"]
+
+    def per_device(modules):
+        """Bytes on one device of ``modules``' parameters: half of those split over ``model``."""
+        return sum(v.nbytes // (2 if "model" in spec else 1) for m in modules
+                   for v, spec in zip(jax.tree.leaves(values[m]),
+                                      jax.tree.leaves(specs[m], is_leaf=lambda x: isinstance(x, PartitionSpec))))
+
+    # The tied embedding's gradient is reduced on both meshes that read it.
+    assert [g["device_bytes"] for g in stages] == [per_device(["pos_embed", "tok_embed", "block_0"]),
+                                                   per_device(["block_1", "ln_f", "tok_embed"])]
+    assert sum(sum(pipeline.reduction_host_bytes(g).values()) for g in stages) == pytest.approx(17_129_472)
+    # Per micro-batch a (8, 64, 256) float32 activation and its cotangent, each data half from one
+    # host to one host (8 x 2 x 512 KiB); per step the embedding (512 KiB) to hosts 2 and 3 and
+    # its gradient back to hosts 0 and 1.
+    assert move_link_bytes(executable, cluster.host_of) == 8 * 2 * 2**19 + 2 * 2 * 2**19
 
 
 @pytest.mark.slow
