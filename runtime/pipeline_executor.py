@@ -11,6 +11,7 @@ hot path plans, compiles and looks up nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.passes.pipeline.edge_transfer import Direction, MoveKey
 from meshpar.passes.pipeline.micro_batching import AuxReduction
@@ -30,7 +31,7 @@ from meshpar.passes.pipeline.step_program import (
 )
 from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef
 from meshpar.passes.pipeline.wire_format import from_wire
-from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals
+from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals, wait_ready
 from meshpar.runtime.move_handlers import Move, prepare_move
 from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, StageInputs
@@ -105,6 +106,8 @@ class PipelineExecutable:
         # Per program.transfers entry, its prepared move.
         self.transfer_moves = tuple(self._move(t.move_key) for t in program.transfers)
         several = jax.process_count() > 1
+        if several:
+            self._connect_meshes()
         reducers = {mesh: self._reducer(mesh, ins.stages) for mesh, instructions in enumerate(program.instructions)
                     for ins in instructions if isinstance(ins, ReduceGradients)}
         self._interpreter = ProgramInterpreter(
@@ -161,6 +164,26 @@ class PipelineExecutable:
             return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
         return on_mesh(jax.jit(run), self.meshes[compute.mesh])
+
+    def _connect_meshes(self) -> None:
+        """Every collective group of each mesh spanning processes, connected once, mesh by mesh.
+
+        XLA:CPU connects the devices of a collective group across processes (a gloo context)
+        at the first collective over it, a rendezvous that gives up after 30 s. Inside a step
+        the processes of a mesh run far apart by design (each runs ahead to the next value it
+        waits for), so a first collective there can time out while a peer is held up elsewhere
+        (measured on a mesh whose data axis spans hosts: BENCHMARKS.md). Here every process of
+        the mesh is at the same point.
+        """
+        for mesh, local in zip(self.meshes, self.mesh_local):
+            if not local or len({d.process_index for d in mesh.devices.flat}) == 1:
+                continue
+            ones = jnp.ones(mesh.devices.shape, jnp.float32, device=NamedSharding(mesh, P(*mesh.axis_names)))
+            # Reducing over each axis alone, then over all of them, touches every group a
+            # stage program, a move or a gradient reduction on this mesh can use.
+            sums = [on_mesh(jax.jit(functools.partial(jnp.sum, axis=axes), out_shardings=NamedSharding(mesh, P())),
+                            mesh)(ones) for axes in [*range(ones.ndim), None]]
+            wait_ready(sums, self.timeout_s, f"connecting the devices of mesh {dict(mesh.shape)} across processes")
 
     def _reducer(self, mesh: int, stages: Sequence[int]) -> Callable:
         """``stages``' accumulators reduced on ``mesh``: replicas' partial sums summed

@@ -105,6 +105,18 @@ for M in (1, 2, 8):
         assert replicas == ([2, 2] if reduction == "per_step" else [1, 1]), replicas
         print(f"process {pid}: gradient_reduction={reduction} M={M} matches", flush=True)
 
+# Stage meshes whose data axis spans both processes (one device of each per mesh): the
+# replicas' gradients are all-reduced across processes once per step (per micro-batch in the
+# other row), and the executor connects each mesh's devices before the first step.
+spanning = [jax.sharding.Mesh(np.array([jax.devices()[k], jax.devices()[4 + k]]).reshape(2, 1), ("data", "model"))
+            for k in (0, 1)]
+for reduction in ("per_step", "per_micro_batch"):
+    for _ in range(2):
+        run_m = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
+            num_micro_batches=4, stage_meshes=spanning, gradient_reduction=reduction))
+        check_mlp_step(run_m)
+    print(f"process {pid}: data axis across processes, gradient_reduction={reduction} matches", flush=True)
+
 # One traced step of the last of those: each process writes its own trace, with its own
 # stage's compute and the transfers it receives (stage i's mesh is process i's).
 run.trace(os.path.join(tempfile.gettempdir(), f"mp_pipeline_trace_{port}.json"), mlp_state, mlp_batch)

@@ -82,6 +82,9 @@ def test_pipeline_across_two_processes():
     for M in (1, 2, 8):
         for reduction in ("per_step", "per_micro_batch"):
             assert all(f"gradient_reduction={reduction} M={M} matches" in r.stdout for r in results), output
+    for reduction in ("per_step", "per_micro_batch"):
+        assert all(f"data axis across processes, gradient_reduction={reduction} matches" in r.stdout
+                   for r in results), output
     assert all("signal transfers ran" in r.stdout for r in results), output
     assert all("trace has only its own stage's compute" in r.stdout for r in results), output
     assert "skipped peer detected" in results[0].stdout, output
