@@ -11,6 +11,7 @@ evaluate it, so ``manual_mesh_axis`` marks the axis manual there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jax._src import core
@@ -32,30 +33,6 @@ def spec_without(spec: P, axis: str) -> P:
     return P(*entries)
 
 
-def _sharding_without(sharding: NamedSharding, axis: str) -> NamedSharding:
-    return NamedSharding(sharding.mesh, spec_without(sharding.spec, axis), memory_kind=sharding.memory_kind)
-
-
-def _param_without(value: Any, axis: str) -> Any:
-    if isinstance(value, NamedSharding):
-        return _sharding_without(value, axis)
-    if isinstance(value, core.ClosedJaxpr):
-        return core.ClosedJaxpr(_jaxpr_without(value.jaxpr, axis), value.consts)
-    if isinstance(value, core.Jaxpr):
-        return _jaxpr_without(value, axis)
-    if isinstance(value, tuple):
-        items = [_param_without(v, axis) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value  # untouched, named tuples (gather's dimension numbers) keep their type
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    return value
-
-
-def _jaxpr_without(jaxpr: core.Jaxpr, axis: str) -> core.Jaxpr:
-    eqns = [e.replace(params={k: _param_without(v, axis) for k, v in e.params.items()}) for e in jaxpr.eqns]
-    return jaxpr.replace(eqns=eqns)
-
-
 def _manual(mesh: Mesh | AbstractMesh, axis: str) -> AbstractMesh:
     abstract = mesh.abstract_mesh
     if abstract.empty or axis not in abstract.axis_names:
@@ -63,44 +40,67 @@ def _manual(mesh: Mesh | AbstractMesh, axis: str) -> AbstractMesh:
     return abstract.update_axis_types({axis: AxisType.Manual})
 
 
-def _param_manual(value: Any, axis: str) -> Any:
-    if isinstance(value, (Mesh, AbstractMesh)):
-        return _manual(value, axis)
-    if isinstance(value, NamedSharding):
-        return NamedSharding(_manual(value.mesh, axis), value.spec, memory_kind=value.memory_kind)
-    if isinstance(value, core.ClosedJaxpr):
-        return core.ClosedJaxpr(_jaxpr_manual(value.jaxpr, axis), value.consts)
-    if isinstance(value, core.Jaxpr):
-        return _jaxpr_manual(value, axis)
-    if isinstance(value, tuple):
-        items = [_param_manual(v, axis) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    return value
+class _Rewrite:
+    """One rewrite of a jaxpr's equation parameters (``leaf`` on each value that is not a jaxpr
+    or a tuple) and context meshes (``ctx_mesh``, or kept), nested jaxprs included."""
 
+    def __init__(self, leaf: Callable[[Any], Any], ctx_mesh: Callable[[AbstractMesh], AbstractMesh] | None) -> None:
+        self.leaf, self.ctx_mesh = leaf, ctx_mesh
 
-def _jaxpr_manual(jaxpr: core.Jaxpr, axis: str) -> core.Jaxpr:
-    eqns = []
-    for e in jaxpr.eqns:
-        ctx = e.ctx
-        # Evaluating an equation enters the mesh it was traced under (JAX 0.10): inside the
-        # shard_map that mesh must have the axis manual, as the values' types do.
-        ctx = core.JaxprEqnContext._create(ctx.compute_type, ctx.threefry_partitionable,
-                                           _manual(ctx.cur_abstract_mesh, axis), ctx.remove_size_one_mesh_axis,
-                                           ctx.xla_metadata)
-        eqns.append(e.replace(params={k: _param_manual(v, axis) for k, v in e.params.items()}, ctx=ctx))
-    return jaxpr.replace(eqns=eqns)
+    def param(self, value: Any) -> Any:
+        if isinstance(value, core.ClosedJaxpr):
+            return core.ClosedJaxpr(self.jaxpr(value.jaxpr), value.consts)
+        if isinstance(value, core.Jaxpr):
+            return self.jaxpr(value)
+        if isinstance(value, tuple):
+            items = [self.param(v) for v in value]
+            if all(a is b for a, b in zip(items, value)):
+                return value  # untouched, named tuples (gather's dimension numbers) keep their type
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        return self.leaf(value)
+
+    def jaxpr(self, jaxpr: core.Jaxpr) -> core.Jaxpr:
+        eqns = []
+        for e in jaxpr.eqns:
+            params = {k: self.param(v) for k, v in e.params.items()}
+            if self.ctx_mesh is None:
+                eqns.append(e.replace(params=params))
+                continue
+            ctx = e.ctx
+            # Evaluating an equation enters the mesh it was traced under (JAX 0.10): inside the
+            # shard_map that mesh must have the axis manual, as the values' types do.
+            ctx = core.JaxprEqnContext._create(ctx.compute_type, ctx.threefry_partitionable,
+                                               self.ctx_mesh(ctx.cur_abstract_mesh), ctx.remove_size_one_mesh_axis,
+                                               ctx.xla_metadata)
+            eqns.append(e.replace(params=params, ctx=ctx))
+        return jaxpr.replace(eqns=eqns)
+
+    def __call__(self, closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+        return core.ClosedJaxpr(self.jaxpr(closed.jaxpr), closed.consts)
 
 
 def drop_mesh_axis(closed: core.ClosedJaxpr, axis: str) -> core.ClosedJaxpr:
     """``closed`` with ``axis`` dropped from every ``NamedSharding`` its equations carry (sharding
     constraints, nested ``jit`` in/out shardings), nested jaxprs included."""
-    return core.ClosedJaxpr(_jaxpr_without(closed.jaxpr, axis), closed.consts)
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, NamedSharding):
+            return NamedSharding(value.mesh, spec_without(value.spec, axis), memory_kind=value.memory_kind)
+        return value
+
+    return _Rewrite(leaf, None)(closed)
 
 
 def manual_mesh_axis(closed: core.ClosedJaxpr, axis: str) -> core.ClosedJaxpr:
     """``closed`` to be evaluated inside a ``shard_map`` manual over ``axis`` (the replicas of
     ``data_replicas``): every equation's recorded context mesh, every nested jit's and every
     sharding's mesh with ``axis`` manual, nested jaxprs included."""
-    return core.ClosedJaxpr(_jaxpr_manual(closed.jaxpr, axis), closed.consts)
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, (Mesh, AbstractMesh)):
+            return _manual(value, axis)
+        if isinstance(value, NamedSharding):
+            return NamedSharding(_manual(value.mesh, axis), value.spec, memory_kind=value.memory_kind)
+        return value
+
+    return _Rewrite(leaf, lambda mesh: _manual(mesh, axis))(closed)
