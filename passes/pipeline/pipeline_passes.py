@@ -37,6 +37,7 @@ output broke the invariant.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -53,6 +54,7 @@ from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
 from ..simulation.schedule_simulator import TaskDurations
 from .layer_clustering import insert_layer_markers
 from .stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
+from .degenerate_stages import degenerate_stages
 from .data_replicas import DataReplicas, plan_data_replicas, verify_data_replicas
 from .drop_mesh_axis import drop_mesh_axis
 from .micro_batching import MicroBatching
@@ -140,6 +142,8 @@ def compile_pipeline(
 
     graph = _run("split_stages", lambda: cut(grad_params["loss_jaxpr"]), verify_stage_graph)
     check_stages(graph)
+    for stage in degenerate_stages(graph):
+        warnings.warn(f"meshpar: {stage}", stacklevel=2)
     S = graph.num_stages
     axis_names = (options.placement.data_axis, options.placement.model_axis)
     placed = place_stages(list(devices), S, options.schedule.name, options.schedule.num_micro_batches,
