@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from meshpar.passes.pipeline.pipeline_options import GRADIENT_REDUCTIONS
 from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.batch_arguments import batch_size
 from meshpar.grad_call import find_grad_call
 from meshpar.nnx_state import has_variables, partition_specs
+from meshpar.passes.pipeline.pipeline_options import GRADIENT_REDUCTIONS
 from meshpar.passes.simulation.cost_model import DEVICE_FLOPS
 from meshpar.passes.planning.hlo_collectives import all_reduce_equivalent_bytes
 from meshpar.passes.planning.layer_profile import ModelProfile
@@ -320,8 +320,8 @@ def plan_parallelism(
         (``PipeshardParallel.gradient_reduction``), priced as it runs.
 
     Raises:
-      ValueError: an unknown ``planner`` or ``gradient_reduction``; ``passes.planner_meshpar.NoPlanFits`` when no plan fits
-        ``memory_budget_bytes`` (naming the least memory any plan needs).
+      ValueError: an unknown ``planner`` or ``gradient_reduction``; ``passes.planner_meshpar.NoPlanFits``
+        when no plan fits ``memory_budget_bytes`` (naming the least memory any plan needs).
     """
     if planner not in PLANNERS:
         raise ValueError(f"planner: expected one of {sorted(PLANNERS)}, got {planner!r}")

@@ -116,11 +116,15 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     else:
         def traced(*ls: Any) -> Any:
             return fun(*jax.tree.unflatten(in_tree, ls))
-    micro, _ = _trace(fun, method, traced, [
-        jax.ShapeDtypeStruct((micro_batch_size, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), leaf_dtype(x))
-        for i, x in enumerate(leaves)], args)
-    outer, out_shapes = _trace(fun, method, traced, [jax.ShapeDtypeStruct(np.shape(x), leaf_dtype(x)) for x in leaves],
-                               args)
+
+    def trace_at(examples: int) -> tuple[Any, Any]:
+        """The step's jaxpr and output shapes with its batch leaves cut to ``examples``."""
+        return _trace(fun, method, traced, [
+            jax.ShapeDtypeStruct((examples, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), leaf_dtype(x))
+            for i, x in enumerate(leaves)], args)
+
+    micro, _ = trace_at(micro_batch_size)
+    outer, out_shapes = trace_at(batch_size)
     # 2. Everything else is the pass pipeline's: stages, meshes, layout,
     # stage parts, transfers, schedule and program, each verified.
     grad_micro, grad_whole = (find_grad_call(name, jaxpr, nnx_arguments) for jaxpr in (micro, outer))
@@ -134,9 +138,7 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     # batch would be read whole, replicated over the data axis: every device computing it).
     probe = M if M > 1 or batch_size == 1 else _smallest_factor(batch_size)
     if probe != M:
-        probed, _ = _trace(fun, method, traced, [
-            jax.ShapeDtypeStruct((batch_size // probe, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x),
-                                 leaf_dtype(x)) for i, x in enumerate(leaves)], args)
+        probed, _ = trace_at(batch_size // probe)
         grad_probe = find_grad_call(name, probed, nnx_arguments)
     else:
         grad_probe = grad_micro
@@ -162,9 +164,7 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
         # A stage run as ``count`` data-parallel replicas computes each on its share of a micro-batch.
         if micro_batch_size % count:
             raise ValueError(f"micro-batches of {micro_batch_size} examples do not split into {count} replicas")
-        replica, _ = _trace(fun, method, traced, [
-            jax.ShapeDtypeStruct((micro_batch_size // count, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x),
-                                 leaf_dtype(x)) for i, x in enumerate(leaves)], args)
+        replica, _ = trace_at(micro_batch_size // count)
         return find_grad_call(name, replica, nnx_arguments).params["loss_jaxpr"]
 
     compiled = compile_pipeline(

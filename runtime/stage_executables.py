@@ -244,8 +244,7 @@ class _Replication:
         """How output ``slot`` leaves the replicas: split along its dimension, else one per replica."""
         if self.replicas is None:
             return None
-        dim = self.replicas.output_dims[slot]
-        return STACKED if dim is None else dim
+        return STACKED if self.replicas.per_replica(slot) else self.replicas.output_dims[slot]
 
     def input(self, x: jax.Array, k: int) -> tuple[jax.Array, Axis]:
         """Stage input ``k`` as the replicas read it, and how."""
@@ -258,7 +257,7 @@ class _Replication:
         """Whether output ``slot`` leaves one value per replica (the loss, an aux value): the step
         combines them with the micro-batches' (``CombineMicroBatches``), so no forward waits on
         the other replicas' devices."""
-        return self.replicas is not None and self.replicas.output_dims[slot] is None
+        return self.replicas is not None and self.replicas.per_replica(slot)
 
 
 def _leaf_axes(arg: Any, axis: Axis | Sequence[Axis]) -> list[Axis]:

@@ -65,11 +65,8 @@ class StageReplicas:
       folded_keys: input positions that are keys folded per micro-batch; replica ``r`` reads
         ``fold_in(key, r)``.
       output_dims: per output slot, the dimension the replicas' values concatenate along;
-        ``None``: each replica makes one whole value (the loss, an aux value), which
-        ``output_combine`` combines.
-      output_combine: per output slot, how the replicas' whole values combine into the
-        micro-batch's, as micro-batches' do (the loss by its reduction, an aux value by its
-        own; ``LAST`` for a value nothing reads); ``None`` where ``output_dims`` has a dimension.
+        ``None``: each replica makes one whole value (the loss, an aux value), which the step
+        combines as it combines micro-batches' (``per_replica``).
       loss_seed: the cotangent seed of a replica's loss.
     """
 
@@ -79,8 +76,11 @@ class StageReplicas:
     input_dims: tuple[int | None, ...]
     folded_keys: frozenset[int]
     output_dims: tuple[int | None, ...]
-    output_combine: tuple[AuxReduction | None, ...]
     loss_seed: float
+
+    def per_replica(self, slot: int) -> bool:
+        """Whether output ``slot`` leaves one value per replica, led by the replica count."""
+        return self.output_dims[slot] is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,30 +217,25 @@ def _stage_replicas(s: int, graph: StageGraph, replica: StageGraph, parts: Stage
         input_dims.append(dim)
     reduced = _batch_reductions(stage.jaxpr.jaxpr, other.jaxpr.jaxpr)
     consumed = {ref.slot for p, _, ref in graph.edges() if p == s}
-    loss_slot = graph.loss.slot if graph.loss.index == s else None
     aux = {ref.slot: how for ref, how in zip(graph.aux, micro_batching.aux) if ref.index == s}
-    loss_combine = AuxReduction.MEAN if micro_batching.reduction == "mean" else AuxReduction.SUM
-    output_dims, output_combine = [], []
+    output_dims = []
     for k, (mi, re) in enumerate(zip(stage.jaxpr.out_avals, other.jaxpr.out_avals)):
         dim = _split_dim(mi, re, count, f"output {k}")
-        combine = None
         if dim is None:
             if k in consumed:
                 raise _NoSplit(f"output {k}, which a later stage reads, does not follow the batch")
-            combine = loss_combine if k == loss_slot else aux.get(k, AuxReduction.LAST)
-            if combine is AuxReduction.CONCAT:
+            how = aux.get(k)
+            if how is AuxReduction.CONCAT:
                 raise _NoSplit(f"output {k}, an aux value concatenated over micro-batches, does not follow the "
                                f"batch")
-            if (combine is AuxReduction.LAST and k in aux and isinstance(stage.jaxpr.jaxpr.outvars[k], core.Var)
-                    and stage.jaxpr.jaxpr.outvars[k] in reduced):
+            out = stage.jaxpr.jaxpr.outvars[k]
+            if how is AuxReduction.LAST and isinstance(out, core.Var) and out in reduced:
                 raise _NoSplit(f"output {k}, an aux value taken from the last micro-batch, reduces over the "
                                f"examples")
         output_dims.append(dim)
-        output_combine.append(combine)
     # A replica's loss is one term of the micro-batch's mean over D replicas (or of its sum).
-    seed = micro_batching.loss_seed / count if loss_combine is AuxReduction.MEAN else micro_batching.loss_seed
-    return StageReplicas(count, axis, replica_parts, tuple(input_dims), frozenset(folded), tuple(output_dims),
-                         tuple(output_combine), seed)
+    seed = micro_batching.loss_seed / count if micro_batching.reduction == "mean" else micro_batching.loss_seed
+    return StageReplicas(count, axis, replica_parts, tuple(input_dims), frozenset(folded), tuple(output_dims), seed)
 
 
 def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: StepLayout, meshes: Sequence[Mesh],
@@ -293,7 +288,7 @@ def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: S
 
 def verify_data_replicas(plan: DataReplicas, graph: StageGraph, meshes: Sequence[Mesh], home: Sequence[int]) -> None:
     """One ``StageAccumulation`` per stage, one accumulator per parameter input; a stage run as
-    replicas has one per device of its mesh's data axis, a dimension or a combination per
+    replicas has one per device of its mesh's data axis, a dimension or none per input and
     output, and its accumulators led by that count and sharded over that axis.
 
     Raises:
@@ -313,8 +308,7 @@ def verify_data_replicas(plan: DataReplicas, graph: StageGraph, meshes: Sequence
         mesh = meshes[home[stage.index]]
         if dict(mesh.shape).get(r.axis) != r.count:
             raise PlanVerificationError(f"stage {stage.index}: {r.count} replicas on a mesh of {dict(mesh.shape)}")
-        if (len(r.input_dims) != len(stage.inputs) or len(r.output_dims) != len(stage.outputs)
-                or any((d is None) == (c is None) for d, c in zip(r.output_dims, r.output_combine))):
+        if len(r.input_dims) != len(stage.inputs) or len(r.output_dims) != len(stage.outputs):
             raise PlanVerificationError(f"stage {stage.index}: replica dimensions do not match its inputs and outputs")
         for a, p in zip(g.accumulators, params):
             if a.shape != (r.count, *p.shape) or a.sharding.spec[0] != r.axis:

@@ -189,8 +189,9 @@ def compile_pipeline(
         lambda table: verify_move_table(table, keys))
     schedule_edges = [(p, c) for p, c, _ in edges]
     inter, intra = options.transfers.inter_host_bandwidth, options.transfers.intra_host_bandwidth
-    durations = estimate_durations(parts, placed.stage_meshes, transfers, len(edges), inter, intra, gradients=stage_gradients(
-        gradients.stages, meshes, home, options.placement.data_axis, inter, intra))
+    reductions = stage_gradients(gradients.stages, meshes, home, options.placement.data_axis, inter, intra)
+    durations = estimate_durations(parts, placed.stage_meshes, transfers, len(edges), inter, intra,
+                                   gradients=reductions)
     # A collective program holds both meshes; any other move runs beside their compute.
     overlap = not all(t.kind is TransferKind.COLLECTIVE for t in transfers)
     delays = weight_delays(options.schedule.weight_delay, options.schedule.name, options.schedule.num_micro_batches,

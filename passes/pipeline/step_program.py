@@ -160,7 +160,7 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
 
     def per_replica(stage: int, slot: int) -> bool:
         replicas = gradients.stages[stage].replicas
-        return replicas is not None and replicas.output_dims[slot] is None
+        return replicas is not None and replicas.per_replica(slot)
 
     home = program.schedule.stage_mesh
     M = program.schedule.num_micro_batches
