@@ -80,6 +80,33 @@ class GPTBlock(nn.Module):
         return x + _dense(d, ("model", None), "mlp_down")(h)
 
 
+class _ScanBody(nn.Module):
+    """One ``GPTBlock`` as an ``nn.scan`` body: carry in, carry out, nothing stacked out."""
+
+    num_heads: int
+    remat: bool
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray, _: None) -> tuple[jnp.ndarray, None]:
+        block = nn.remat(GPTBlock) if self.remat else GPTBlock
+        return block(self.num_heads, name="block")(x), None
+
+
+class _ScannedBlocks(nn.Module):
+    """``num_layers`` blocks stacked in one ``nn.scan``: each parameter leaf ``[num_layers, ...]``."""
+
+    num_heads: int
+    num_layers: int
+    remat: bool
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        scan = nn.scan(_ScanBody, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.num_layers,
+                       metadata_params={nn.PARTITION_NAME: None})
+        x, _ = scan(self.num_heads, self.remat, name="stack")(x, None)
+        return x
+
+
 class GPT(nn.Module):
     """GPT-style decoder: int32 tokens ``[B, T]`` -> float32 logits ``[B, T, vocab_size]``.
 
@@ -88,7 +115,11 @@ class GPT(nn.Module):
     final LayerNorm and the output projection in the last. With
     ``tie_embeddings`` the output projection is the token embedding's
     transpose (GPT-2's tied embeddings): one parameter read by the first and
-    the last stage, which sit on different meshes.
+    the last stage, which sit on different meshes. With ``scan_layers`` the
+    blocks are one ``nn.scan`` (parameters stacked ``[num_layers, ...]`` under
+    ``blocks/stack``, as large-model codebases write them; ``remat_blocks``
+    puts ``nn.remat`` inside the scanned body) and the model calls no marker:
+    meshpar cuts the scan itself (``num_stages``, ``auto_layers``, planning).
     """
 
     vocab_size: int = 64
@@ -98,6 +129,8 @@ class GPT(nn.Module):
     num_layers: int = 8
     num_stages: int = 1
     tie_embeddings: bool = False
+    scan_layers: bool = False
+    remat_blocks: bool = False
 
     @nn.compact
     def __call__(self, tokens: jnp.ndarray) -> jnp.ndarray:
@@ -108,7 +141,9 @@ class GPT(nn.Module):
         tok_embed = nn.Embed(self.vocab_size, self.d_model, name="tok_embed")
         x = tok_embed(tokens)
         x = x + nn.Embed(self.seq_len, self.d_model, name="pos_embed")(jnp.arange(t))
-        for i in range(self.num_layers):
+        if self.scan_layers:
+            x = _ScannedBlocks(self.num_heads, self.num_layers, self.remat_blocks, name="blocks")(x)
+        for i in range(0 if self.scan_layers else self.num_layers):
             x = GPTBlock(self.num_heads, name=f"block_{i}")(x)
             if i in ends:
                 mark_stage_boundary()

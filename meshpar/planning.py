@@ -276,8 +276,8 @@ def profile_step(fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int
     params = grad.params
     loss, auto = params["loss_jaxpr"], None
     if count_markers(loss) == 0:
-        auto = min(num_layers, max_layers(loss))
-        loss = insert_layer_markers(loss, auto)
+        auto = min(num_layers, max_layers(loss, params["num_diff"]))
+        loss = insert_layer_markers(loss, auto, params["num_diff"])
     graph = split_stages(loss, params["num_diff"])
     specs = partition_specs(tuple(args))
     leaf_of = {v: i for i, v in enumerate(outer.jaxpr.invars)}

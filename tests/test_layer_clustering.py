@@ -61,16 +61,16 @@ def test_markers_cut_a_chain_into_balanced_layers_and_compute_the_same():
     ws = [jnp.asarray(rng.standard_normal((16, 16)) / 4, jnp.float32) for _ in range(6)]
     x = jnp.asarray(rng.standard_normal((4, 16)), jnp.float32)
     loss = jax.make_jaxpr(_chain_loss)(ws, x)
-    marked = insert_layer_markers(loss, 3)
-    assert count_markers(marked) == 2 and max_layers(loss) == len(loss.jaxpr.eqns)  # each computes
+    marked = insert_layer_markers(loss, 3, 0)
+    assert count_markers(marked) == 2 and max_layers(loss, 0) == len(loss.jaxpr.eqns)  # each computes
     graph = split_stages(marked, 6)
     # Three layers of two matmuls each: each stage owns two of the weights.
     assert [sorted(r.index for r in s.inputs if r.kind is RefKind.PARAM) for s in graph.stages] == [[0, 1], [2, 3], [4, 5]]
     np.testing.assert_allclose(core.jaxpr_as_fun(marked)(*ws, x)[0], _chain_loss(ws, x), rtol=1e-6)
     with pytest.raises(ValueError, match="has stage markers"):
-        insert_layer_markers(marked, 2)
+        insert_layer_markers(marked, 2, 0)
     with pytest.raises(ValueError, match="num_layers"):
-        insert_layer_markers(loss, 40)
+        insert_layer_markers(loss, 40, 0)
 
 
 def _mlp_case():

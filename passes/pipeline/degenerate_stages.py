@@ -1,9 +1,11 @@
 """Stages that hold no parameters and almost no compute: a cut that pipelines nothing.
 
-A model that stacks its blocks in one ``scan`` (``nn.scan``, ``nnx.scan``, ``lax.scan``) is one
-equation to the stage graph, so automatic cuts (``auto_layers``, ``num_stages="auto"``) can
-only fall around it: one stage gets the whole stack and the others pass a few scalars on
-(issue 23). Such a run is correct but no faster than one stage, so it is named, not hidden.
+A model that loops over its blocks in a way meshpar cannot cut inside (a ``fori_loop`` or
+``while`` over layers; a scan that indexes the stacked parameters itself instead of scanning
+over them, which ``split_scans`` would split) is one equation to the stage graph, so cuts can
+only fall around it: one stage gets the whole stack and the others pass a few scalars on.
+Such a run is correct but no faster than one stage: the compiler names it with a warning, or
+an error where the user asked for that stage count (``num_stages``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ class DegenerateStage:
 
     def __str__(self) -> str:
         return (f"stage {self.stage} holds no parameters and {self.flops_share:.1%} of the forward FLOPs: "
-                f"its mesh has nearly nothing to do (a stack of layers in one scan, nn.scan or lax.scan, "
-                f"cannot be cut inside; cut between scans with meshpar.mark_stage_boundary(), or unroll it)")
+                f"its mesh has nearly nothing to do. The likely cause: a stack of layers meshpar cannot cut "
+                f"inside, a loop over layers that is no scan over their stacked parameters (a fori_loop or "
+                f"while loop, or a scan indexing the stack itself); scan over the stacked parameters (nn.scan, "
+                f"nnx.scan, lax.scan), mark where stages end with meshpar.mark_stage_boundary(), or ask for "
+                f"fewer stages")
 
 
 def degenerate_stages(graph: StageGraph) -> tuple[DegenerateStage, ...]:

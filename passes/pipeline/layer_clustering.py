@@ -6,6 +6,13 @@ most ``(1 + eps)`` times the average FLOPs, the ones minimising the bytes crossi
 (values computed before a cut and read after it). ``eps`` starts at Alpa's 0.1 and doubles
 until such cuts exist. The cuts become ordinary stage markers, so every later pass (stage
 splitting, profiling, planning) treats them as if the user had written them.
+
+Each iteration of a scan over layers (``split_scans.layer_scans``) counts as an equation of its
+own, with its body's FLOPs: the loss is costed as if such scans were unrolled, and a cut that
+falls between two iterations splits the scan there (``split_scans.split_layer_scans``), so a
+stack of blocks in one ``nn.scan`` is cut like blocks written one by one. ``even_layer_markers``
+is the rule for a stage count without markers: the scanned iterations, all layer scans' in
+program order, in runs of equal length.
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from jax._src import core, source_info_util
+from jax._src import core
 
 from ..simulation.cost_model import _eqn_flops
+from .split_scans import Provenance, layer_scans, split_layer_scans
 from .step_primitives import stage_boundary_p
 
-__all__ = ["cut_positions", "insert_layer_markers", "max_layers"]
+__all__ = ["cut_positions", "even_layer_markers", "insert_layer_markers", "max_layers"]
 
 
 def _bytes(aval: core.AbstractValue) -> float:
@@ -84,31 +92,99 @@ def cut_positions(flops: np.ndarray, live: np.ndarray, num_layers: int, eps: flo
     return sorted(cuts)
 
 
-def max_layers(loss_jaxpr: core.ClosedJaxpr) -> int:
-    """The most layers ``loss_jaxpr`` can be cut into: its top-level equations with FLOPs."""
-    return sum(1 for e in loss_jaxpr.jaxpr.eqns if _eqn_flops(e) > 0)
+def _unrolled(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> tuple[core.ClosedJaxpr, tuple[Provenance, ...]]:
+    """``loss_jaxpr`` with every layer scan split at every iteration (no markers)."""
+    scans = layer_scans(loss_jaxpr, num_params)
+    return split_layer_scans(loss_jaxpr, {s.index: range(1, s.length) for s in scans}, marked=False)
 
 
-def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int) -> core.ClosedJaxpr:
-    """``loss_jaxpr`` with a stage marker at each of ``cut_positions``: ``num_layers`` layers.
+def max_layers(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> int:
+    """The most layers ``loss_jaxpr`` (whose first ``num_params`` inputs are parameters) can be
+    cut into: its top-level equations with FLOPs, each iteration of a layer scan counted."""
+    unrolled, _ = _unrolled(loss_jaxpr, num_params)
+    return sum(1 for e in unrolled.jaxpr.eqns if _eqn_flops(e) > 0)
+
+
+def _check_unmarked(loss_jaxpr: core.ClosedJaxpr, argument: str) -> None:
+    if any(e.primitive is stage_boundary_p for e in loss_jaxpr.jaxpr.eqns):
+        raise ValueError(f"{argument}: the loss has stage markers; automatic layers are for losses without them")
+
+
+def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int, num_params: int) -> core.ClosedJaxpr:
+    """``loss_jaxpr`` cut into ``num_layers`` layers at ``cut_positions`` of its unrolled form:
+    a stage marker at each cut, a layer scan split where a cut falls between its iterations.
 
     Raises:
       ValueError: the loss already has markers (the user's cut points stand), or has fewer
-        equations with FLOPs than ``num_layers``.
+        equations with FLOPs (scanned iterations counted) than ``num_layers``.
     """
-    jaxpr = loss_jaxpr.jaxpr
-    if any(e.primitive is stage_boundary_p for e in jaxpr.eqns):
-        raise ValueError("num_layers: the loss has stage markers; automatic layers are for losses without them")
+    _check_unmarked(loss_jaxpr, "num_layers")
     if num_layers == 1:
         return loss_jaxpr
+    unrolled, provenance = _unrolled(loss_jaxpr, num_params)
+    jaxpr = unrolled.jaxpr
     flops = np.array([_eqn_flops(e) for e in jaxpr.eqns])
-    cuts = set(cut_positions(flops, _live_bytes(jaxpr), num_layers))
-    marker_effects = stage_boundary_p.abstract_eval()[1]
-    eqns = []
-    for p, eqn in enumerate(jaxpr.eqns):
-        if p in cuts:
-            eqns.append(core.new_jaxpr_eqn([], [], stage_boundary_p, {}, marker_effects,
-                                           source_info_util.new_source_info()))
-        eqns.append(eqn)
-    marked = jaxpr.replace(eqns=eqns, effects=jaxpr.effects | marker_effects)
-    return core.ClosedJaxpr(marked, loss_jaxpr.consts)
+    live = _live_bytes(jaxpr)
+    # A piece's slices belong with its scan, a split scan's outputs with its last piece: no cut
+    # inside either.
+    for p in range(1, len(jaxpr.eqns)):
+        before, at = provenance[p - 1], provenance[p]
+        if at.index == before.index and (at.tail or at.boundary == before.boundary):
+            live[p] = math.inf
+    cuts = cut_positions(flops, live, num_layers)
+    return _mark(loss_jaxpr, [provenance[p] for p in cuts])
+
+
+def _mark(loss_jaxpr: core.ClosedJaxpr, before: list[Provenance]) -> core.ClosedJaxpr:
+    """``loss_jaxpr`` with a stage marker before each of ``before`` (equations of its unrolled
+    form): between two iterations of a layer scan, the scan is split there."""
+    n = len(loss_jaxpr.jaxpr.eqns)
+    scan_cuts: dict[int, list[int]] = {}
+    markers: set[int] = set()
+    for at in before:
+        if at.tail:
+            markers.add(at.index + 1)
+        elif at.boundary is None or at.boundary in (0, loss_jaxpr.jaxpr.eqns[at.index].params["length"]):
+            markers.add(at.index)
+        else:
+            scan_cuts.setdefault(at.index, []).append(at.boundary)
+    if n in markers:
+        raise ValueError("num_layers: a cut fell after the loss's last equation")
+    marked, _ = split_layer_scans(loss_jaxpr, {k: sorted(c) for k, c in scan_cuts.items()}, marked=True,
+                                  markers_before=frozenset(markers))
+    return marked
+
+
+def even_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_stages: int, num_params: int) -> core.ClosedJaxpr | None:
+    """``loss_jaxpr`` (without markers) cut into ``num_stages`` stages of equally many scanned
+    iterations (``stage_ends``' rule: the earlier stages take one more where the count does not
+    divide): the iterations of all its layer scans in program order; equations before the first
+    scan run in the first stage, after the last in the last, between two scans in the stage of
+    the iterations before them. ``None``: the loss has no layer scan.
+
+    Raises:
+      ValueError: fewer scanned iterations than ``num_stages``.
+    """
+    _check_unmarked(loss_jaxpr, "num_stages")
+    scans = layer_scans(loss_jaxpr, num_params)
+    if not scans:
+        return None
+    total = sum(s.length for s in scans)
+    if num_stages > total:
+        raise ValueError(f"num_stages: {num_stages} stages asked for, but the loss's layer scans have "
+                         f"{total} iterations in all; a stage needs at least one")
+    base, extra = divmod(total, num_stages)
+    ends = np.cumsum([base + (1 if s < extra else 0) for s in range(num_stages - 1)])
+    starts = np.cumsum([0, *[s.length for s in scans]])
+    before = []
+    for end in ends:
+        k = int(np.searchsorted(starts, end, side="left"))
+        if starts[k] == end:
+            # The cut falls between two scans: right after the earlier one.
+            before.append(Provenance(scans[k - 1].index, tail=True))
+        else:
+            scan = scans[k - 1]
+            local = int(end - starts[k - 1])
+            reverse = loss_jaxpr.jaxpr.eqns[scan.index].params["reverse"]
+            before.append(Provenance(scan.index, boundary=scan.length - local if reverse else local))
+    return _mark(loss_jaxpr, before)

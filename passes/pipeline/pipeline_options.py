@@ -54,6 +54,9 @@ class PlacementOptions:
       data_axis, model_axis: the mesh axes the batch and the parameters shard over; distinct.
       cut_points: which stage markers cut (increasing, 0-based); ``None``: every marker.
       auto_layers: layers to cut a marker-less loss into; ``None``: the model's markers.
+      num_stages: the stages asked for; a loss without markers and without ``auto_layers``
+        has its scans over layers cut into this many (``even_layer_markers``). ``None``: the
+        model's markers decide.
     """
 
     stage_meshes: Sequence[Mesh] | None
@@ -63,6 +66,7 @@ class PlacementOptions:
     model_axis: str
     cut_points: tuple[int, ...] | None
     auto_layers: int | None
+    num_stages: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

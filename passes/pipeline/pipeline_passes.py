@@ -3,7 +3,10 @@
 ``compile_pipeline`` runs, in order (each IR checked by its verifier right after the
 pass that made it):
 
-1. ``split_stages``: the loss jaxpr cut at stage markers -> ``StageGraph``;
+1. ``split_layer_scans`` and ``split_stages``: markers the options add (``auto_layers``; a
+   stage count for a loss without markers), a scan over layers split where a cut falls
+   inside it (verified equal to the original on random inputs), then the loss jaxpr cut at
+   stage markers -> ``StageGraph``;
 2. ``place_stages``: the device meshes, and each stage placed on one as the
    schedule places them (a mesh may host several: virtual stages) ->
    ``StageMeshMap``;
@@ -42,6 +45,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from jax._src import core
+from jax._src.lax.control_flow.loops import scan_p
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..simulation.cost_model import estimate_durations, stage_gradients
@@ -52,7 +56,7 @@ from .plan_moves import MoveKey, MoveOptions, MoveTable, plan_moves, verify_move
 from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
 from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
 from ..simulation.schedule_simulator import TaskDurations
-from .layer_clustering import insert_layer_markers
+from .layer_clustering import even_layer_markers, insert_layer_markers
 from .stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
 from .degenerate_stages import degenerate_stages
 from .data_replicas import DataReplicas, plan_data_replicas, verify_data_replicas
@@ -60,8 +64,9 @@ from .drop_mesh_axis import drop_mesh_axis
 from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout, layout_step, verify_step_layout
-from .step_primitives import pipeline_grad_p
+from .step_primitives import pipeline_grad_p, stage_boundary_p
 from .step_program import StepProgram, lower_step, verify_step_program
+from .split_scans import verify_split_scans
 from .step_split import StepSplit, split_step, verify_step_split
 from .wire_format import wire_aval
 from ..verification import PlanVerificationError
@@ -131,9 +136,9 @@ def compile_pipeline(
     replicas (``data_replicas``); ``None``: every stage reduces per micro-batch."""
 
     def cut(loss: core.ClosedJaxpr) -> StageGraph:
-        if options.placement.auto_layers is not None:
-            loss = insert_layer_markers(loss, options.placement.auto_layers)
-        return split_stages(loss, grad_params["num_diff"], options.placement.cut_points)
+        return split_stages(_run("split_layer_scans", lambda: layered_loss(loss, grad_params["num_diff"], options),
+                                 lambda layered: _verify_layered(loss, layered)),
+                            grad_params["num_diff"], options.placement.cut_points)
 
     def replica_graph(count: int) -> StageGraph:
         if replica_loss is None:
@@ -142,7 +147,11 @@ def compile_pipeline(
 
     graph = _run("split_stages", lambda: cut(grad_params["loss_jaxpr"]), verify_stage_graph)
     check_stages(graph)
-    for stage in degenerate_stages(graph):
+    degenerate = degenerate_stages(graph)
+    if degenerate and options.placement.num_stages is not None:
+        raise ValueError(f"num_stages: {options.placement.num_stages} stages asked for, but "
+                         + "; ".join(map(str, degenerate)))
+    for stage in degenerate:
         warnings.warn(f"meshpar: {stage}", stacklevel=2)
     S = graph.num_stages
     axis_names = (options.placement.data_axis, options.placement.model_axis)
@@ -223,6 +232,29 @@ def compile_pipeline(
         for s in graph.stages)
     return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching, moves,
                             options.micro_batch_size, step, output_shardings, gradients)
+
+
+def layered_loss(loss: core.ClosedJaxpr, num_params: int, options: PipelineOptions) -> core.ClosedJaxpr:
+    """``loss`` (whose first ``num_params`` inputs are parameters) with the stage markers the
+    options add: ``auto_layers`` layers cut automatically; or, for a stage count asked of a loss
+    without markers, its layer scans cut into runs of equal length (``even_layer_markers``).
+    Either splits a scan over layers where a cut falls inside it."""
+    placement = options.placement
+    if placement.auto_layers is not None:
+        return insert_layer_markers(loss, placement.auto_layers, num_params)
+    if (placement.num_stages or 1) > 1 and placement.cut_points is None and not any(
+            e.primitive is stage_boundary_p for e in loss.jaxpr.eqns):
+        return even_layer_markers(loss, placement.num_stages, num_params) or loss
+    return loss
+
+
+def _verify_layered(loss: core.ClosedJaxpr, layered: core.ClosedJaxpr) -> None:
+    """``verify_split_scans`` where ``layered_loss`` split a scan (evaluating both is not free)."""
+    def scans(jaxpr: core.ClosedJaxpr) -> int:
+        return sum(e.primitive is scan_p for e in jaxpr.jaxpr.eqns)
+
+    if scans(layered) != scans(loss):
+        verify_split_scans(loss, layered)
 
 
 def step_moves(transfers: Sequence[EdgeTransfer], layout: StepLayout) -> list[MoveKey]:

@@ -1,0 +1,218 @@
+"""Pass: a scan over layers split at chosen iterations, so stages can be cut inside it.
+
+Models stack their blocks in one ``scan`` (``nn.scan``, ``nnx.scan``, a ``lax.scan`` over
+stacked parameters): one equation of the loss, which no stage marker can cut. A *layer scan*
+is a top-level scan of the loss that reads a parameter through a scanned (stacked) operand.
+``split_layer_scans`` turns one over iterations ``[0, L)`` into consecutive scans over
+``[0, k_1), [k_1, k_2), ...``:
+
+- each scanned operand is sliced along axis 0 to the piece's iterations (a ``slice`` right
+  before the piece, so a stage reads its own slice of a stacked parameter);
+- the carry is chained: piece ``i``'s final carry is piece ``i + 1``'s initial one (a reversed
+  scan runs its pieces from the last iterations to the first);
+- each per-iteration output is the concatenation of the pieces' (after the last piece).
+
+The body is the scan's own, untouched: ``remat`` inside it, its effects and its unrolling
+stay. Every piece runs the body on the same values in the same order, so the split loss equals
+the original; ``verify_split_scans`` checks that on random inputs. With ``marked`` a stage
+marker sits between consecutive pieces, so ``split_stages`` cuts there as between any layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax._src import core, source_info_util
+from jax._src.lax.control_flow.loops import scan_p
+from jax._src.lax.lax import concatenate_p
+from jax._src.lax.slicing import slice_p
+
+from ..verification import PlanVerificationError
+from .step_primitives import stage_boundary_p
+
+__all__ = ["LayerScan", "Provenance", "layer_scans", "split_layer_scans", "verify_split_scans"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScan:
+    """The top-level equation ``index`` of a loss: a scan of ``length`` iterations reading a
+    parameter through a scanned operand."""
+
+    index: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """Where an equation of a split loss comes from: equation ``index`` of the original. For a
+    piece's slices and scan, ``boundary`` is the iteration it shares with the piece run before
+    it (``0`` or the scan's length for the first piece); ``tail`` marks the concatenations
+    after a split scan's last piece."""
+
+    index: int
+    boundary: int | None = None
+    tail: bool = False
+
+
+def layer_scans(loss: core.ClosedJaxpr, num_params: int) -> tuple[LayerScan, ...]:
+    """The layer scans of ``loss`` (module docstring), in program order: top-level scans of more
+    than one iteration with a scanned operand computed from the first ``num_params`` inputs."""
+    jaxpr = loss.jaxpr
+    from_params: set[core.Var] = set(jaxpr.invars[:num_params])
+    found = []
+    for k, e in enumerate(jaxpr.eqns):
+        reads = [v for v in e.invars if isinstance(v, core.Var) and v in from_params]
+        if e.primitive is scan_p and e.params["length"] > 1:
+            if any(isinstance(v, core.Var) and v in from_params for v in _scanned(e)):
+                found.append(LayerScan(k, e.params["length"]))
+        if reads:
+            from_params.update(v for v in e.outvars if not isinstance(v, core.DropVar))
+    return tuple(found)
+
+
+def _scanned(e: core.JaxprEqn) -> list[core.Atom]:
+    return e.invars[e.params["num_consts"] + e.params["num_carry"]:]
+
+
+def split_layer_scans(loss: core.ClosedJaxpr, cuts: Mapping[int, Sequence[int]], marked: bool,
+                      markers_before: frozenset[int] = frozenset()) -> tuple[core.ClosedJaxpr, tuple[Provenance, ...]]:
+    """``loss`` with each scan equation ``k`` of ``cuts`` split at iterations ``cuts[k]``
+    (increasing, each in ``(0, length)``), and a stage marker before each equation of
+    ``markers_before``; with ``marked``, one between consecutive pieces too.
+
+    Returns:
+      The split loss (same inputs and outputs) and, per equation of it other than the markers
+      it added, its ``Provenance``.
+
+    Raises:
+      ValueError: ``cuts`` names an equation that is no scan, or an iteration out of range.
+    """
+    jaxpr = loss.jaxpr
+    marker_effects = stage_boundary_p.abstract_eval()[1]
+    eqns: list[core.JaxprEqn] = []
+    provenance: list[Provenance] = []
+
+    def marker() -> None:
+        eqns.append(core.new_jaxpr_eqn([], [], stage_boundary_p, {}, marker_effects,
+                                       source_info_util.new_source_info()))
+
+    for k, e in enumerate(jaxpr.eqns):
+        if k in markers_before:
+            marker()
+        if k not in cuts or not cuts[k]:
+            eqns.append(e)
+            provenance.append(Provenance(k))
+            continue
+        if e.primitive is not scan_p:
+            raise ValueError(f"cuts: equation {k} of the loss is {e.primitive.name}, not a scan")
+        pieces, tail = _split_scan(e, tuple(cuts[k]))
+        for p, (boundary, piece) in enumerate(pieces):
+            if p and marked:
+                marker()
+            eqns.extend(piece)
+            provenance.extend(Provenance(k, boundary) for _ in piece)
+        eqns.extend(tail)
+        provenance.extend(Provenance(k, tail=True) for _ in tail)
+    effects = jaxpr.effects | marker_effects if len(eqns) > len(provenance) else jaxpr.effects
+    return core.ClosedJaxpr(jaxpr.replace(eqns=eqns, effects=effects), loss.consts), tuple(provenance)
+
+
+def _split_scan(e: core.JaxprEqn, cuts: tuple[int, ...]
+                ) -> tuple[list[tuple[int, list[core.JaxprEqn]]], list[core.JaxprEqn]]:
+    """Scan equation ``e`` as its pieces (in execution order: the iteration each shares with the
+    piece before it, and its slices and scan) and the concatenations of its per-iteration
+    outputs."""
+    length, num_consts, num_carry = e.params["length"], e.params["num_consts"], e.params["num_carry"]
+    if list(cuts) != sorted(set(cuts)) or cuts[0] <= 0 or cuts[-1] >= length:
+        raise ValueError(f"cuts: iterations to cut a scan of {length} at must increase within (0, {length}), "
+                         f"got {list(cuts)}")
+    bounds = [0, *cuts, length]
+    ranges = list(zip(bounds, bounds[1:]))
+    if e.params["reverse"]:
+        ranges.reverse()
+    consts, carry = e.invars[:num_consts], list(e.invars[num_consts:num_consts + num_carry])
+    scanned = _scanned(e)
+    carry_out, ys = e.outvars[:num_carry], e.outvars[num_carry:]
+    ys_pieces: list[list[core.Atom]] = [[] for _ in ys]
+    pieces = []
+    source = e.source_info
+    for p, (start, stop) in enumerate(ranges):
+        piece: list[core.JaxprEqn] = []
+        sliced = []
+        for x in scanned:
+            shape = x.aval.shape
+            out = core.Var(core.ShapedArray((stop - start, *shape[1:]), x.aval.dtype, weak_type=x.aval.weak_type))
+            piece.append(core.new_jaxpr_eqn(
+                [x], [out], slice_p, {"start_indices": (start, *[0] * (len(shape) - 1)),
+                                      "limit_indices": (stop, *shape[1:]), "strides": None},
+                core.no_effects, source))
+            sliced.append(out)
+        last = p == len(ranges) - 1
+        carry_next = list(carry_out) if last else [core.Var(v.aval) for v in carry_out]
+        ys_out = []
+        for j, y in enumerate(ys):
+            if len(ranges) == 1:
+                ys_out.append(y)
+                continue
+            piece_aval = y.aval.update(shape=(stop - start, *y.aval.shape[1:]))
+            v = core.DropVar(piece_aval) if isinstance(y, core.DropVar) else core.Var(piece_aval)
+            ys_out.append(v)
+            ys_pieces[j].append((start, v))
+        piece.append(core.new_jaxpr_eqn(
+            [*consts, *carry, *sliced], [*carry_next, *ys_out], scan_p, dict(e.params, length=stop - start),
+            e.effects, source))
+        carry = carry_next
+        pieces.append((stop if e.params["reverse"] else start, piece))
+    tail = []
+    for y, parts in zip(ys, ys_pieces):
+        if isinstance(y, core.DropVar):
+            continue
+        ordered = [v for _, v in sorted(parts, key=lambda sv: sv[0])]
+        tail.append(core.new_jaxpr_eqn(ordered, [y], concatenate_p, {"dimension": 0}, core.no_effects, source))
+    return pieces, tail
+
+
+def verify_split_scans(original: core.ClosedJaxpr, split: core.ClosedJaxpr, seed: int = 0) -> None:
+    """Checks that ``split`` computes what ``original`` does: the same input and output types,
+    and equal outputs on random inputs (floats standard normal, integers 0 or 1, keys from
+    ``seed``), to float32 rounding.
+
+    Raises:
+      PlanVerificationError: a type or a value differs, naming the output.
+    """
+    if [v.aval for v in original.jaxpr.invars] != [v.aval for v in split.jaxpr.invars]:
+        raise PlanVerificationError("split_layer_scans changed the loss's input types")
+    if [v.aval for v in original.jaxpr.outvars] != [v.aval for v in split.jaxpr.outvars]:
+        raise PlanVerificationError("split_layer_scans changed the loss's output types")
+    rng = np.random.default_rng(seed)
+    args = [_random(v.aval, rng, seed) for v in original.jaxpr.invars]
+    with jax.ensure_compile_time_eval():
+        want = core.eval_jaxpr(original.jaxpr, original.consts, *args)
+        got = core.eval_jaxpr(_without_markers(split.jaxpr), split.consts, *args)
+    for k, (w, g) in enumerate(zip(want, got)):
+        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.extended):
+            w, g = jax.random.key_data(w), jax.random.key_data(g)
+        if not np.allclose(np.asarray(w), np.asarray(g), rtol=1e-5, atol=1e-6, equal_nan=True):
+            raise PlanVerificationError(f"split_layer_scans: output {k} of the split loss differs from the "
+                                        f"original's on random inputs")
+
+
+def _without_markers(jaxpr: core.Jaxpr) -> core.Jaxpr:
+    """``jaxpr`` without stage markers, which only ``parallelize``'s tracing gives a meaning."""
+    return jaxpr.replace(eqns=[e for e in jaxpr.eqns if e.primitive is not stage_boundary_p],
+                         effects=jaxpr.effects - set(stage_boundary_p.abstract_eval()[1]))
+
+
+def _random(aval: core.AbstractValue, rng: np.random.Generator, seed: int) -> jax.Array | np.ndarray:
+    dtype = aval.dtype
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        keys = jax.random.split(jax.random.key(seed), int(np.prod(aval.shape, dtype=np.int64)) or 1)
+        return keys[:int(np.prod(aval.shape, dtype=np.int64))].reshape(aval.shape)
+    if np.issubdtype(dtype, np.floating) or dtype == jax.numpy.bfloat16:
+        return rng.standard_normal(aval.shape).astype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, aval.shape).astype(bool)
+    return rng.integers(0, 2, aval.shape).astype(dtype)
