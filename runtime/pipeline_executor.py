@@ -36,6 +36,7 @@ from meshpar.runtime.move_handlers import Move, prepare_move
 from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, StageInputs
 from meshpar.runtime.remote import absent
+from meshpar.runtime.stacked_leaves import StackedLeaves
 from meshpar.runtime.stage_executables import compile_stage, on_mesh
 from meshpar.runtime.step_trace import StepRecorder
 
@@ -80,7 +81,11 @@ class PipelineExecutable:
         self.stage_meshes = tuple(self.meshes[m] for m in self.home)
         self.num_micro_batches = program.schedule.num_micro_batches
         self.micro_batch_size = micro_batch_size
-        self.out_tree, self.out_avals = out_tree, tuple(out_avals)
+        self.out_tree = out_tree
+        pieces = compiled.leaf_pieces
+        self.out_avals = tuple(out_avals) if pieces is None else tuple(
+            out_avals[j] if p is None else _piece_aval(out_avals[j], pieces.outputs[j], p)
+            for j, p in pieces.piece_outputs())
         self.timeout_s = timeout_s
         self.micro_batching = micro_batching
         me = jax.process_index()
@@ -120,6 +125,9 @@ class PipelineExecutable:
         self._gradient_moves = {id(ins): self._move(ins.move.move_key) for ins in step_program
                                 if isinstance(ins, ReduceGradient) and ins.move is not None}
         self._outer_moves = {mv: self._move(vm.move_key) for mv, vm in layout.outer_moves.items()}
+        # Stacked leaves held as per-stage pieces: split on the way in, joined on the way out.
+        self.stacked_leaves = None if pieces is None else StackedLeaves(
+            pieces, compiled.stacked_arrays, compiled.gathered_arrays, self._move)
         # Per move around the pipeline, the other processes sending it (to name them if it fails).
         self._outer_senders = {mv: senders(vm.src) for mv, vm in layout.outer_moves.items()}
         self._consts = {(s, op.position): put(split.consts[op.source.index], op.sharding)
@@ -222,7 +230,10 @@ class PipelineExecutable:
         """
         arrivals: list[Arrival] = []
         try:
-            return self._step(leaves, recorder, arrivals)
+            if self.stacked_leaves is None:
+                return self._step(leaves, recorder, arrivals)
+            outputs = self._step(self.stacked_leaves.split(leaves), recorder, arrivals)
+            return self.stacked_leaves.join(outputs)
         except jax.errors.JaxRuntimeError as e:
             # The program's own transfers are named where they are waited for; this names the
             # moves around the pipeline, whose failures surface in what reads them.
@@ -427,6 +438,11 @@ def _combine_leading(values: jax.Array, how: AuxReduction) -> jax.Array:
     if how is AuxReduction.LAST:
         return values[-1]
     return values.mean(0) if how is AuxReduction.MEAN else values.sum(0)
+
+
+def _piece_aval(aval: Any, bounds: tuple[int, ...], p: int) -> jax.ShapeDtypeStruct:
+    """Piece ``p`` of a leaf split at ``bounds``."""
+    return jax.ShapeDtypeStruct((bounds[p + 1] - bounds[p], *aval.shape[1:]), aval.dtype)
 
 
 def _packer(sharding: NamedSharding) -> Callable:

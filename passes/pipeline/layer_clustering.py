@@ -110,9 +110,12 @@ def _check_unmarked(loss_jaxpr: core.ClosedJaxpr, argument: str) -> None:
         raise ValueError(f"{argument}: the loss has stage markers; automatic layers are for losses without them")
 
 
-def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int, num_params: int) -> core.ClosedJaxpr:
+def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int, num_params: int,
+                         keep: tuple[int, ...] | None = None) -> core.ClosedJaxpr:
     """``loss_jaxpr`` cut into ``num_layers`` layers at ``cut_positions`` of its unrolled form:
     a stage marker at each cut, a layer scan split where a cut falls between its iterations.
+    With ``keep`` only those cuts (numbered from 0) are made: layers grouped into stages, each
+    split scan cut only where a stage ends.
 
     Raises:
       ValueError: the loss already has markers (the user's cut points stand), or has fewer
@@ -132,6 +135,10 @@ def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int, num_para
         if at.index == before.index and (at.tail or at.boundary == before.boundary):
             live[p] = math.inf
     cuts = cut_positions(flops, live, num_layers)
+    if keep is not None:
+        if any(not 0 <= c < len(cuts) for c in keep):
+            raise ValueError(f"cut_points: {list(keep)} name cuts outside the {len(cuts)} of auto_layers={num_layers}")
+        cuts = [cuts[c] for c in keep]
     return _mark(loss_jaxpr, [provenance[p] for p in cuts])
 
 

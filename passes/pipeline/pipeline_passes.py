@@ -67,6 +67,8 @@ from .step_layout import StepLayout, layout_step, verify_step_layout
 from .step_primitives import pipeline_grad_p, stage_boundary_p
 from .step_program import StepProgram, lower_step, verify_step_program
 from .split_scans import verify_split_scans
+from .stacked_leaves import (GatheredArray, LeafPieces, StackedArray, gathered_arrays, split_stacked_leaves,
+                             stacked_arrays, stacked_params, take_pieces, verify_leaf_pieces)
 from .step_split import StepSplit, split_step, verify_step_split
 from .wire_format import wire_aval
 from ..verification import PlanVerificationError
@@ -98,6 +100,9 @@ class CompiledPipeline:
     step: StepProgram
     stage_output_shardings: tuple[tuple[NamedSharding, ...], ...]
     gradients: DataReplicas
+    leaf_pieces: LeafPieces | None = None
+    stacked_arrays: dict[int, StackedArray] = dataclasses.field(default_factory=dict)
+    gathered_arrays: dict[int, GatheredArray] = dataclasses.field(default_factory=dict)
 
     @property
     def stage_meshes(self) -> tuple[Mesh, ...]:
@@ -135,17 +140,37 @@ def compile_pipeline(
     traced at ``1 / D`` of a micro-batch (it may raise), for stages run as ``D`` data-parallel
     replicas (``data_replicas``); ``None``: every stage reduces per micro-batch."""
 
+    num_diff = grad_params["num_diff"]
+
+    def layered(loss: core.ClosedJaxpr) -> core.ClosedJaxpr:
+        return _run("split_layer_scans", lambda: layered_loss(loss, num_diff, options),
+                    lambda result: _verify_layered(loss, result))
+
+    loss = layered(grad_params["loss_jaxpr"])
+    # Stacked parameters read in slices by several stages live as those slices.
+    stacked = stacked_params(loss, num_diff)
+    pieces, leaf_avals = None, [v.aval for v in outer.jaxpr.invars]
+    if stacked:
+        outer, pieces, stacked = _run("split_stacked_leaves", lambda: split_stacked_leaves(outer, stacked, counterparts),
+                                      lambda result: verify_leaf_pieces(result[1], len(leaves), len(counterparts)))
+    num_params = num_diff + sum(len(b) - 2 for b in stacked.values())
+
+    # With automatic layers, cut_points chose which of their cuts were made.
+    cut_points = None if options.placement.auto_layers is not None else options.placement.cut_points
+
     def cut(loss: core.ClosedJaxpr) -> StageGraph:
-        return split_stages(_run("split_layer_scans", lambda: layered_loss(loss, grad_params["num_diff"], options),
-                                 lambda layered: _verify_layered(loss, layered)),
-                            grad_params["num_diff"], options.placement.cut_points)
+        return split_stages(take_pieces(loss, num_diff, stacked), num_params, cut_points)
 
     def replica_graph(count: int) -> StageGraph:
         if replica_loss is None:
             raise ValueError("the step was not traced per replica")
-        return cut(drop_mesh_axis(replica_loss(count), options.placement.data_axis))
+        replica = layered(drop_mesh_axis(replica_loss(count), options.placement.data_axis))
+        found = stacked_params(replica, num_diff)
+        if any(found.get(k) != b for k, b in stacked.items()):
+            raise ValueError("traced per replica, its scans over layers are cut elsewhere")
+        return cut(replica)
 
-    graph = _run("split_stages", lambda: cut(grad_params["loss_jaxpr"]), verify_stage_graph)
+    graph = _run("split_stages", lambda: cut(loss), verify_stage_graph)
     check_stages(graph)
     degenerate = degenerate_stages(graph)
     if degenerate and options.placement.num_stages is not None:
@@ -159,6 +184,10 @@ def compile_pipeline(
                           options.placement.stage_meshes, options.placement.stage_mesh_shape,
                           options.placement.stages_per_mesh, axis_names)
     meshes, home, num_meshes = placed.meshes, placed.stage_mesh, len(placed.meshes)
+    user_specs = specs
+    if pieces is not None:
+        leaves, specs, batch_leaves, counterparts = pieces.piece_leaves(leaves, leaf_avals, specs, batch_leaves,
+                                                                        counterparts)
     for mesh in meshes:
         data = mesh.shape.get(options.placement.data_axis, 1)
         if options.micro_batch_size % data:
@@ -178,6 +207,18 @@ def compile_pipeline(
         graph, split, meshes, home, leaves, specs, batch_leaves, options.micro_batch_size, counterparts,
         options.transfers.executor, options.transfers.resharding, micro_batching.per_micro_batch,
         micro_batching.fold_keys, axis_names=axis_names), lambda lay: verify_step_layout(lay, split, meshes, home))
+    held: dict[int, StackedArray] = {}
+    gathered: dict[int, GatheredArray] = {}
+    if pieces is not None:
+        # How the user sees each split leaf, from where the layout put its pieces.
+        at = {key: n for n, key in enumerate(pieces.piece_inputs())}
+        piece_shardings = {i: [layout.in_placements[at[(i, p)]].shardings[0] for p in range(len(bounds) - 1)]
+                           for i, bounds in enumerate(pieces.inputs) if bounds is not None}
+        held = stacked_arrays(pieces, piece_shardings)
+        rest = {i: s for i, s in piece_shardings.items() if i not in held}
+        gathered = gathered_arrays(pieces, rest, {i: leaf_avals[i].shape for i in rest},
+                                   {i: leaf_avals[i].dtype for i in rest}, {i: user_specs[i] for i in rest}, axis_names,
+                                   options.transfers.executor, options.transfers.resharding)
     parts = tuple(
         _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s, graph.differentiated_slots(s.index)), lambda p, s=s: verify_stage_parts(s, p))
         for s in graph.stages
@@ -191,7 +232,7 @@ def compile_pipeline(
         triples, [wire_aval(graph.stages[p].jaxpr.out_avals[ref.slot]) for p, _, ref in edges],
         placed.stage_meshes, options.micro_batch_size, options.transfers.executor, options.transfers.resharding,
         options.placement.data_axis), lambda ts: verify_edge_transfers(ts, triples, placed.stage_meshes))
-    keys = step_moves(transfers, layout)
+    keys = step_moves(transfers, layout) + [mv.move_key for g in gathered.values() for mv in g.moves()]
     transfer_options = options.transfers
     moves = _run("plan_moves", lambda: plan_moves(keys, MoveOptions(
         transfer_options.resharding, transfer_options.balancer, transfer_options.cluster)),
@@ -231,17 +272,18 @@ def compile_pipeline(
         tuple(leaving.get((s.index, k), NamedSharding(meshes[home[s.index]], P())) for k in range(len(s.outputs)))
         for s in graph.stages)
     return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching, moves,
-                            options.micro_batch_size, step, output_shardings, gradients)
+                            options.micro_batch_size, step, output_shardings, gradients, pieces, held, gathered)
 
 
 def layered_loss(loss: core.ClosedJaxpr, num_params: int, options: PipelineOptions) -> core.ClosedJaxpr:
     """``loss`` (whose first ``num_params`` inputs are parameters) with the stage markers the
-    options add: ``auto_layers`` layers cut automatically; or, for a stage count asked of a loss
-    without markers, its layer scans cut into runs of equal length (``even_layer_markers``).
+    options add: ``auto_layers`` layers cut automatically (only at ``cut_points`` if given);
+    or, for a stage count asked of a loss without markers, its layer scans cut into runs of
+    equal length (``even_layer_markers``).
     Either splits a scan over layers where a cut falls inside it."""
     placement = options.placement
     if placement.auto_layers is not None:
-        return insert_layer_markers(loss, placement.auto_layers, num_params)
+        return insert_layer_markers(loss, placement.auto_layers, num_params, placement.cut_points)
     if (placement.num_stages or 1) > 1 and placement.cut_points is None and not any(
             e.primitive is stage_boundary_p for e in loss.jaxpr.eqns):
         return even_layer_markers(loss, placement.num_stages, num_params) or loss

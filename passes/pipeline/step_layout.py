@@ -26,7 +26,7 @@ from .micro_batching import is_key
 from .stage_graph import RefKind, StageGraph
 from .step_split import OuterKind, OuterMove, OuterRef, StepSplit
 
-__all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step", "verify_step_layout"]
+__all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step", "value_move", "verify_step_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,9 @@ def _input_placements(graph: StageGraph, split: StepSplit, meshes, home, leaves,
     return placements
 
 
-def _move(what: str, aval: Any, src: NamedSharding, dst: NamedSharding, executor: str, strategy: str) -> ValueMove:
+def value_move(what: str, aval: Any, src: NamedSharding, dst: NamedSharding, executor: str, strategy: str) -> ValueMove:
+    """``what`` (of ``aval``'s shape and dtype) moving from ``src`` to ``dst`` by the executor
+    ``choose_transfer`` picks for them."""
     if is_key(aval):
         raise ValueError(f"{what}: a PRNG key array moving between meshes around the pipeline; compute it "
                          f"inside the loss function, or from values of one mesh")
@@ -176,7 +178,7 @@ def layout_step(
             if r.kind is RefKind.PARAM:
                 leaf = split.param_inputs[r.index]
                 placement, here = in_placements[leaf], param_on(r.index, here_mesh)
-                fetch = None if here_mesh in placement.meshes else _move(
+                fetch = None if here_mesh in placement.meshes else value_move(
                     f"parameter {r.index} from its owner's mesh {placement.meshes[0]} to stage {s}", aval,
                     placement.shardings[0], here, executor, strategy)
                 ops.append(StageOperand(pos, OuterRef(OuterKind.IN, leaf), here, False, fetch))
@@ -192,7 +194,7 @@ def layout_step(
         moves = []
         for k, aval in zip(stage.param_inputs, (a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM)):
             owner = home[graph.param_owner(k)]
-            moves.append(None if owner == here_mesh else _move(
+            moves.append(None if owner == here_mesh else value_move(
                 f"gradient of parameter {k} from stage {s} to its owner's mesh {owner}", aval,
                 param_on(k, here_mesh), param_on(k, owner), executor, strategy))
         gradient_moves.append(tuple(moves))
@@ -214,7 +216,7 @@ def layout_step(
         what = f"{', '.join(map(str, mv.values))} from mesh {mv.src} to mesh {mv.dst} around the pipeline"
         if len(mv.values) == 1:
             (ref,) = mv.values
-            outer_moves[mv] = _move(what, split.avals[ref], sharding_of(ref, mv.src), sharding_of(ref, mv.dst),
+            outer_moves[mv] = value_move(what, split.avals[ref], sharding_of(ref, mv.src), sharding_of(ref, mv.dst),
                                     executor, strategy)
             continue
         for ref in mv.values:  # packed on the source mesh, unpacked on the destination
@@ -222,7 +224,7 @@ def layout_step(
             sharding_of(ref, mv.dst)
         size = sum(int(np.prod(split.avals[ref].shape, dtype=np.int64)) for ref in mv.values)
         packed = core.ShapedArray((size,), split.avals[mv.values[0]].dtype)
-        outer_moves[mv] = _move(what, packed, NamedSharding(meshes[mv.src], P()), NamedSharding(meshes[mv.dst], P()),
+        outer_moves[mv] = value_move(what, packed, NamedSharding(meshes[mv.src], P()), NamedSharding(meshes[mv.dst], P()),
                                 executor, strategy)
     for s, ops in enumerate(operands):
         for op in ops:

@@ -1,0 +1,121 @@
+"""The user's stacked leaves in and out of a step that holds them as per-stage pieces.
+
+The compiler (``passes.pipeline.stacked_leaves``) rewrote the step over the pieces of each
+stacked leaf that a scan over layers cut into stages reads in slices, and chose how the user
+sees each: a ``StackedArray`` (one array over all its pieces' devices, no copy either way) or
+a ``GatheredArray`` (one array on its first piece's mesh; pieces cut there and moved by
+planned moves, each step). Here inputs are split and outputs joined as it chose. A
+``StackedArray`` leaf that comes back as the step returned it is split into views of its
+shards; any other (the first step's, or one the user replaced) is sliced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from meshpar.passes.pipeline.plan_moves import MoveKey
+from meshpar.passes.pipeline.stacked_leaves import GatheredArray, LeafPieces, StackedArray
+from meshpar.runtime.placement import put
+from meshpar.runtime.remote import absent
+
+__all__ = ["StackedLeaves"]
+
+
+def _view(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:
+    """The shards of ``x`` on ``sharding``'s devices as an array of ``shape`` laid out by it."""
+    wanted = {d.id for d in sharding.mesh.devices.flat}
+    shards = [s.data for s in x.addressable_shards if s.device.id in wanted]
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=x.dtype)
+
+
+def _local(sharding: NamedSharding) -> bool:
+    me = jax.process_index()
+    return any(d.process_index == me for d in sharding.mesh.devices.flat)
+
+
+class StackedLeaves:
+    """Splits the user's leaves into the rewritten step's, and joins its outputs back.
+
+    Args:
+      pieces: which leaves are split where.
+      held, gathered: per split input leaf, how the user sees it (exactly one of the two).
+      prepare: the prepared move of a ``MoveKey`` (the executor's).
+    """
+
+    def __init__(self, pieces: LeafPieces, held: Mapping[int, StackedArray], gathered: Mapping[int, GatheredArray],
+                 prepare: Callable[[MoveKey], Callable[[jax.Array], jax.Array]]) -> None:
+        self.pieces, self.held, self.gathered = pieces, held, gathered
+        self._into = {i: [None if mv is None else prepare(mv.move_key) for mv in g.into] for i, g in gathered.items()}
+        self._out_of = {i: [None if mv is None else prepare(mv.move_key) for mv in g.out_of]
+                        for i, g in gathered.items()}
+        self._cut = {i: [jax.jit(lambda x, a=a, b=b: x[a:b], out_shardings=s)
+                         for (a, b), s in zip(zip(pieces.inputs[i], pieces.inputs[i][1:]), g.at_home)]
+                     for i, g in gathered.items()}
+        self._concatenate = {i: jax.jit(lambda *parts: jnp.concatenate(parts), out_shardings=g.sharding)
+                             for i, g in gathered.items()}
+
+    def split(self, leaves: Sequence[Any]) -> list[Any]:
+        """``leaves`` (the user's) as the rewritten step takes them: each split leaf as its pieces."""
+        out: list[Any] = []
+        for i, x in enumerate(leaves):
+            bounds = self.pieces.inputs[i]
+            if bounds is None:
+                out.append(x)
+            elif i in self.held:
+                out += self._split_held(x, bounds, self.held[i])
+            else:
+                out += self._split_gathered(x, bounds, i)
+        return out
+
+    def join(self, outputs: Sequence[Any]) -> list[Any]:
+        """The rewritten step's ``outputs`` as the user's: each output in pieces joined as the
+        input leaf it replaces is held."""
+        out: list[Any] = []
+        it = iter(outputs)
+        for j, bounds in enumerate(self.pieces.outputs):
+            if bounds is None:
+                out.append(next(it))
+                continue
+            i = self.pieces.replaces[j]
+            parts = [next(it) for _ in range(len(bounds) - 1)]
+            out.append(self._join_held(parts, bounds, self.held[i]) if i in self.held
+                       else self._join_gathered(parts, bounds, i))
+        return out
+
+    @staticmethod
+    def _split_held(x: Any, bounds: tuple[int, ...], stack: StackedArray) -> list[jax.Array]:
+        spans = list(zip(bounds, bounds[1:]))
+        if isinstance(x, jax.Array) and (x.sharding == stack.sharding
+                                         or x.sharding.is_equivalent_to(stack.sharding, x.ndim)):
+            return [_view(x, s, (b - a, *x.shape[1:])) for (a, b), s in zip(spans, stack.pieces)]
+        return [put(x[a:b], s) for (a, b), s in zip(spans, stack.pieces)]
+
+    @staticmethod
+    def _join_held(parts: Sequence[jax.Array], bounds: tuple[int, ...], stack: StackedArray) -> jax.Array:
+        parts = [put(part, s) for part, s in zip(parts, stack.pieces)]
+        shards = [s.data for part in parts for s in part.addressable_shards]
+        return jax.make_array_from_single_device_arrays((bounds[-1], *parts[0].shape[1:]), stack.sharding, shards,
+                                                        dtype=parts[0].dtype)
+
+    def _split_gathered(self, x: Any, bounds: tuple[int, ...], i: int) -> list[jax.Array]:
+        g = self.gathered[i]
+        whole = put(x, g.sharding)
+        home = _local(g.sharding)
+        out = []
+        for p, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            piece = self._cut[i][p](whole) if home else absent((b - a, *whole.shape[1:]), whole.dtype, g.at_home[p])
+            move = self._into[i][p]
+            out.append(piece if move is None else move(piece))
+        return out
+
+    def _join_gathered(self, parts: Sequence[jax.Array], bounds: tuple[int, ...], i: int) -> jax.Array:
+        g = self.gathered[i]
+        moved = [part if move is None else move(part) for part, move in zip(parts, self._out_of[i])]
+        if not _local(g.sharding):
+            return absent((bounds[-1], *moved[0].shape[1:]), moved[0].dtype, g.sharding)
+        return self._concatenate[i](*moved)
