@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 from jax._src import core
+from jax._src.lax.control_flow.loops import scan_p
 
 from ..simulation.cost_model import _eqn_flops
 from .split_scans import Provenance, layer_scans, split_layer_scans
@@ -98,11 +99,18 @@ def _unrolled(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> tuple[core.Close
     return split_layer_scans(loss_jaxpr, {s.index: range(1, s.length) for s in scans}, marked=False)
 
 
+def _unrolled_flops(jaxpr: core.Jaxpr, provenance: tuple[Provenance, ...]) -> np.ndarray:
+    """Per equation of an unrolled loss, its FLOPs; none for the slices and concatenations the
+    unrolling added (they move data the scan indexed in place)."""
+    return np.array([0.0 if at.tail or (at.boundary is not None and e.primitive is not scan_p) else _eqn_flops(e)
+                     for e, at in zip(jaxpr.eqns, provenance)])
+
+
 def max_layers(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> int:
     """The most layers ``loss_jaxpr`` (whose first ``num_params`` inputs are parameters) can be
     cut into: its top-level equations with FLOPs, each iteration of a layer scan counted."""
-    unrolled, _ = _unrolled(loss_jaxpr, num_params)
-    return sum(1 for e in unrolled.jaxpr.eqns if _eqn_flops(e) > 0)
+    unrolled, provenance = _unrolled(loss_jaxpr, num_params)
+    return int(np.count_nonzero(_unrolled_flops(unrolled.jaxpr, provenance)))
 
 
 def _check_unmarked(loss_jaxpr: core.ClosedJaxpr, argument: str) -> None:
@@ -126,7 +134,7 @@ def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int, num_para
         return loss_jaxpr
     unrolled, provenance = _unrolled(loss_jaxpr, num_params)
     jaxpr = unrolled.jaxpr
-    flops = np.array([_eqn_flops(e) for e in jaxpr.eqns])
+    flops = _unrolled_flops(jaxpr, provenance)
     live = _live_bytes(jaxpr)
     # A piece's slices belong with its scan, a split scan's outputs with its last piece: no cut
     # inside either.
