@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
 import socket
 from typing import Any
 
 import jax
 
-__all__ = ["MIN_HEARTBEAT_TIMEOUT_S", "heartbeat_timeout", "initialize", "own_address"]
+__all__ = ["MIN_HEARTBEAT_TIMEOUT_S", "ephemeral_ports", "free_port", "heartbeat_timeout", "initialize", "own_address"]
 
 # JAX's client heartbeats every half of the timeout from a thread of its own, so compiles and
 # busy Python threads do not delay it; this floor keeps a loaded machine's scheduling hiccups
@@ -25,8 +26,42 @@ def own_address(coordinator_address: str) -> str:
         return s.getsockname()[0]
 
 
-def _free_port(address: str) -> int:
+# Where the kernel picks ports for outgoing connections and binds to port 0 (Linux's default).
+_EPHEMERAL = (32768, 60999)
+# The lowest port a transfer server is given; below are well-known and registered services'.
+_LOWEST_PORT = 10000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel assigns ephemeral ports from (``ip_local_port_range``, else Linux's
+    default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(p) for p in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL
+
+
+def free_port(address: str, rng: random.Random | None = None) -> int:
+    """A port free on ``address`` now, outside the ephemeral range when there is room below it.
+
+    The transfer server binds its port only at the first cross-process transfer, long after
+    this probe closes. A port from the ephemeral range may by then be taken by any outgoing
+    connection (gloo's, the coordinator's), and the transfer fails with "bind: Address already
+    in use"; below the range only an explicit bind can take it.
+    """
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    low, _ = ephemeral_ports()
+    rng = rng or random.Random()
+    for _ in range(64 if low - _LOWEST_PORT > 1000 else 0):
+        port = rng.randrange(_LOWEST_PORT, low)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((address, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((address, 0))
         return s.getsockname()[1]
@@ -123,7 +158,8 @@ def initialize(
         # Port 0 does not work: the transfer server publishes the address it
         # was given, not the port it bound.
         address = own_address(coordinator_address)
-        transfer_address = f"{address}:{_free_port(address)}" if ":" not in address else f"[{address}]:{_free_port(address)}"
+        port = free_port(address)
+        transfer_address = f"{address}:{port}" if ":" not in address else f"[{address}]:{port}"
     if transfer_address:
         jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
         if transport_addresses is None:

@@ -232,8 +232,8 @@ class PipelineExecutable:
         try:
             if self.stacked_leaves is None:
                 return self._step(leaves, recorder, arrivals)
-            outputs = self._step(self.stacked_leaves.split(leaves), recorder, arrivals)
-            return self.stacked_leaves.join(outputs)
+            outputs = self._step(self.stacked_leaves.split(leaves, self.timeout_s), recorder, arrivals)
+            return self.stacked_leaves.join(outputs, self.timeout_s)
         except jax.errors.JaxRuntimeError as e:
             # The program's own transfers are named where they are waited for; this names the
             # moves around the pipeline, whose failures surface in what reads them.

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshpar.passes.pipeline.plan_moves import MoveKey
 from meshpar.passes.pipeline.stacked_leaves import GatheredArray, LeafPieces, StackedArray
+from meshpar.runtime.coordination import Arrival, senders, wait_arrivals
 from meshpar.runtime.placement import put
 from meshpar.runtime.remote import absent
 
@@ -59,8 +60,20 @@ class StackedLeaves:
         self._concatenate = {i: jax.jit(lambda *parts: jnp.concatenate(parts), out_shardings=g.sharding)
                              for i, g in gathered.items()}
 
-    def split(self, leaves: Sequence[Any]) -> list[Any]:
-        """``leaves`` (the user's) as the rewritten step takes them: each split leaf as its pieces."""
+    def split(self, leaves: Sequence[Any], timeout_s: float) -> list[Any]:
+        """``leaves`` (the user's) as the rewritten step takes them: each split leaf as its pieces.
+
+        Raises:
+          CoordinationError: pieces other processes send here did not arrive within ``timeout_s``
+            (waited for here: a stage reading a piece that never comes would wait without end).
+        """
+        arrivals: list[Arrival] = []
+        out = self._split(leaves, arrivals)
+        if arrivals:
+            wait_arrivals(arrivals, timeout_s, "stacked pieces", "splitting a step's stacked inputs")
+        return out
+
+    def _split(self, leaves: Sequence[Any], arrivals: list[Arrival]) -> list[Any]:
         out: list[Any] = []
         for i, x in enumerate(leaves):
             bounds = self.pieces.inputs[i]
@@ -69,12 +82,20 @@ class StackedLeaves:
             elif i in self.held:
                 out += self._split_held(x, bounds, self.held[i])
             else:
-                out += self._split_gathered(x, bounds, i)
+                out += self._split_gathered(x, bounds, i, arrivals)
         return out
 
-    def join(self, outputs: Sequence[Any]) -> list[Any]:
+    def join(self, outputs: Sequence[Any], timeout_s: float) -> list[Any]:
         """The rewritten step's ``outputs`` as the user's: each output in pieces joined as the
-        input leaf it replaces is held."""
+        input leaf it replaces is held.
+
+        Raises:
+          CoordinationError: pieces other processes send here did not arrive within ``timeout_s``.
+        """
+        arrivals: list[Arrival] = []
+        gathered = {i: self._gather(outputs, i, arrivals) for i in self.gathered}
+        if arrivals:
+            wait_arrivals(arrivals, timeout_s, "stacked pieces", "joining a step's stacked outputs")
         out: list[Any] = []
         it = iter(outputs)
         for j, bounds in enumerate(self.pieces.outputs):
@@ -84,8 +105,27 @@ class StackedLeaves:
             i = self.pieces.replaces[j]
             parts = [next(it) for _ in range(len(bounds) - 1)]
             out.append(self._join_held(parts, bounds, self.held[i]) if i in self.held
-                       else self._join_gathered(parts, bounds, i))
+                       else self._join_gathered(gathered[i], bounds, i))
         return out
+
+    def _gather(self, outputs: Sequence[Any], i: int, arrivals: list[Arrival]) -> list[jax.Array]:
+        """The pieces of the output replacing gathered leaf ``i``, moved to its home mesh."""
+        at = [n for n, (j, p) in enumerate(self.pieces.piece_outputs())
+              if p is not None and self.pieces.replaces[j] == i]
+        moved = []
+        for n, move, mv in zip(at, self._out_of[i], self.gathered[i].out_of):
+            moved.append(outputs[n] if move is None else self._moved(move, outputs[n], mv.what, mv.src, mv.dst,
+                                                                     arrivals))
+        return moved
+
+    @staticmethod
+    def _moved(move: Callable[[jax.Array], jax.Array], value: jax.Array, what: str, src: NamedSharding,
+               dst: NamedSharding, arrivals: list[Arrival]) -> jax.Array:
+        moved = move(value)
+        sending = senders(src)
+        if sending and _local(dst):
+            arrivals.append(Arrival(moved, what, sending))
+        return moved
 
     @staticmethod
     def _split_held(x: Any, bounds: tuple[int, ...], stack: StackedArray) -> list[jax.Array]:
@@ -102,20 +142,19 @@ class StackedLeaves:
         return jax.make_array_from_single_device_arrays((bounds[-1], *parts[0].shape[1:]), stack.sharding, shards,
                                                         dtype=parts[0].dtype)
 
-    def _split_gathered(self, x: Any, bounds: tuple[int, ...], i: int) -> list[jax.Array]:
+    def _split_gathered(self, x: Any, bounds: tuple[int, ...], i: int, arrivals: list[Arrival]) -> list[jax.Array]:
         g = self.gathered[i]
         whole = put(x, g.sharding)
         home = _local(g.sharding)
         out = []
         for p, (a, b) in enumerate(zip(bounds, bounds[1:])):
             piece = self._cut[i][p](whole) if home else absent((b - a, *whole.shape[1:]), whole.dtype, g.at_home[p])
-            move = self._into[i][p]
-            out.append(piece if move is None else move(piece))
+            move, mv = self._into[i][p], g.into[p]
+            out.append(piece if move is None else self._moved(move, piece, mv.what, mv.src, mv.dst, arrivals))
         return out
 
-    def _join_gathered(self, parts: Sequence[jax.Array], bounds: tuple[int, ...], i: int) -> jax.Array:
+    def _join_gathered(self, moved: Sequence[jax.Array], bounds: tuple[int, ...], i: int) -> jax.Array:
         g = self.gathered[i]
-        moved = [part if move is None else move(part) for part, move in zip(parts, self._out_of[i])]
         if not _local(g.sharding):
             return absent((bounds[-1], *moved[0].shape[1:]), moved[0].dtype, g.sharding)
         return self._concatenate[i](*moved)

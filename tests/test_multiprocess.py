@@ -91,6 +91,14 @@ def test_pipeline_across_two_processes():
 
 
 @pytest.mark.multiprocess
+def test_a_scanned_stack_cut_into_one_stage_per_process():
+    """A GPT in one nn.scan cut 4 + 4 (stacks held across both processes) and 3 + 5 (gathered)."""
+    results, output = run_all_ok("mp_scanned_worker.py", timeout_s=600)
+    for cut in ("4 + 4", "3 + 5"):
+        assert all(f"scanned GPT cut {cut} matches" in r.stdout for r in results), output
+
+
+@pytest.mark.multiprocess
 def test_interleaved_1f1b_across_two_processes():
     """Virtual stages with p2p moves between processes: GPT on 2 meshes, U-Transformer on 4."""
     results, output = run_all_ok("mp_interleaved_worker.py", timeout_s=600)

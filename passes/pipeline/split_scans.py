@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax._src import core, source_info_util
+from jax._src import mesh as mesh_lib
 from jax._src.lax.control_flow.loops import scan_p
 from jax._src.lax.lax import concatenate_p
 from jax._src.lax.slicing import slice_p
+from jax._src.pjit import sharding_constraint_p
 
 from ..verification import PlanVerificationError
 from .step_primitives import stage_boundary_p
@@ -188,10 +191,12 @@ def verify_split_scans(original: core.ClosedJaxpr, split: core.ClosedJaxpr, seed
     if [v.aval for v in original.jaxpr.outvars] != [v.aval for v in split.jaxpr.outvars]:
         raise PlanVerificationError("split_layer_scans changed the loss's output types")
     rng = np.random.default_rng(seed)
-    args = [_random(v.aval, rng, seed) for v in original.jaxpr.invars]
-    with jax.ensure_compile_time_eval():
-        want = core.eval_jaxpr(original.jaxpr, original.consts, *args)
-        got = core.eval_jaxpr(_without_markers(split.jaxpr), split.consts, *args)
+    # Evaluated on one local device: the stage meshes the loss's sharding annotations name may
+    # span other processes.
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices()[0]):
+        args = [_random(v.aval, rng, seed) for v in original.jaxpr.invars]
+        want = core.eval_jaxpr(_local(original.jaxpr), original.consts, *args)
+        got = core.eval_jaxpr(_local(split.jaxpr), split.consts, *args)
     for k, (w, g) in enumerate(zip(want, got)):
         if jax.dtypes.issubdtype(w.dtype, jax.dtypes.extended):
             w, g = jax.random.key_data(w), jax.random.key_data(g)
@@ -200,10 +205,35 @@ def verify_split_scans(original: core.ClosedJaxpr, split: core.ClosedJaxpr, seed
                                         f"original's on random inputs")
 
 
-def _without_markers(jaxpr: core.Jaxpr) -> core.Jaxpr:
-    """``jaxpr`` without stage markers, which only ``parallelize``'s tracing gives a meaning."""
-    return jaxpr.replace(eqns=[e for e in jaxpr.eqns if e.primitive is not stage_boundary_p],
-                         effects=jaxpr.effects - set(stage_boundary_p.abstract_eval()[1]))
+def _local(jaxpr: core.Jaxpr) -> core.Jaxpr:
+    """``jaxpr`` without stage markers (only ``parallelize``'s tracing gives them a meaning) and
+    without sharding annotations or the meshes calls were traced under, in it and in the jaxprs
+    its equations hold."""
+    env: dict[core.Var, core.Atom] = {}
+    eqns = []
+    for e in jaxpr.eqns:
+        invars = [env.get(v, v) if isinstance(v, core.Var) else v for v in e.invars]
+        if e.primitive is stage_boundary_p:
+            continue
+        if e.primitive is sharding_constraint_p:
+            env[e.outvars[0]] = invars[0]
+            continue
+        params = {k: None if k in ("sharding", "out_sharding") else _local_param(v) for k, v in e.params.items()}
+        if "ctx_mesh" in params:
+            params["ctx_mesh"] = mesh_lib.get_concrete_mesh()
+        eqns.append(e.replace(invars=invars, params=params))
+    outvars = [env.get(v, v) if isinstance(v, core.Var) else v for v in jaxpr.outvars]
+    return jaxpr.replace(eqns=eqns, outvars=outvars, effects=jaxpr.effects - set(stage_boundary_p.abstract_eval()[1]))
+
+
+def _local_param(value: Any) -> Any:
+    if isinstance(value, core.ClosedJaxpr):
+        return core.ClosedJaxpr(_local(value.jaxpr), value.consts)
+    if isinstance(value, core.Jaxpr):
+        return _local(value)
+    if isinstance(value, tuple) and any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
+        return tuple(_local_param(v) for v in value)
+    return value
 
 
 def _random(aval: core.AbstractValue, rng: np.random.Generator, seed: int) -> jax.Array | np.ndarray:
