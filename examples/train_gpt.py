@@ -1,10 +1,13 @@
 """Main job: train a small GPT with (data, model, pipeline) = (2, 2, 2) on 8 virtual CPU devices.
 
     python -m examples.train_gpt [--steps N] [--schedule NAME] [--stages-per-mesh V]
-        [--weight-delay false|true|auto] [--micro-batches M]
+        [--weight-delay false|true|auto] [--micro-batches M] [--scan-layers]
 
 ``--schedule`` is any of ``meshpar.SCHEDULES``; ``--stages-per-mesh 2 --schedule
 interleaved_1f1b`` cuts the GPT into 4 stages on the same two meshes (virtual stages).
+``--scan-layers`` stacks the 8 blocks in one ``nn.scan``, as large models are written: the
+model calls no marker, ``num_stages`` cuts the scan evenly, and each stage holds only its
+slice of every stacked parameter and its Adam moments.
 
 Each of the two stage meshes is a (data=2, model=2) mesh on its own emulated
 host; activations and their gradients cross between the meshes through
@@ -37,6 +40,9 @@ def main() -> None:
                              "placing weight passes themselves, zb_h1)")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="stack the blocks in one nn.scan (no markers): meshpar cuts the scan into the stages, "
+                             "each holding only its slice of the stacked parameters")
     args = parser.parse_args()
 
     import jax
@@ -53,7 +59,7 @@ def main() -> None:
     # Two emulated hosts of 4 devices, linked at 10 Gbit/s: the planner sees
     # every stage-to-stage transfer cross hosts, as on a real cluster.
     cluster = meshpar.Cluster.from_devices(devices, host_of=lambda d: d.id // 4, inter_host_bandwidth=1.25e9)
-    model = GPT(num_stages=2 * args.stages_per_mesh)
+    model = GPT(num_stages=2 * args.stages_per_mesh, scan_layers=args.scan_layers)
     batch = gpt_batch(0, args.batch_size, model.seq_len, model.vocab_size)
     params = model.init(jax.random.PRNGKey(0), batch["x"][:1])
     # The usual transformer recipe: global-norm clipping before Adam. The norm spans both stage
@@ -63,7 +69,8 @@ def main() -> None:
 
     def train_step(state, batch):
         def loss_fn(params):
-            logits = state.apply_fn(params, batch["x"])  # GPT calls meshpar.mark_stage_boundary()
+            # GPT calls meshpar.mark_stage_boundary(); with --scan-layers meshpar cuts its nn.scan.
+            logits = state.apply_fn(params, batch["x"])
             accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
             return gpt_loss(logits, batch["y"]), accuracy
 

@@ -60,6 +60,7 @@ def describe_pipeline(compiled: Any) -> str:
     lines.append(f"  micro-batches combine: loss and gradients by {mb.reduction}" + (f"; {aux}" if aux else "")
                  + (f"; {len(mb.fold_keys)} PRNG key(s) folded with the micro-batch index" if mb.fold_keys else ""))
     lines += _gradient_lines(compiled)
+    lines += _stacked_lines(compiled)
     for phase, steps in (("before the pipeline", compiled.split.before), ("after it", compiled.split.after)):
         computes = [st for st in steps if isinstance(st, OuterCompute)]
         moves = [st for st in steps if isinstance(st, OuterMove)]
@@ -94,4 +95,22 @@ def _gradient_lines(compiled: Any) -> list[str]:
         else:
             how = "nothing to reduce (one device on the data axis)"
         lines.append(f"  gradients of stage {stage.index}: {how}; accumulated in {', '.join(dtypes)}")
+    return lines
+
+
+def _stacked_lines(compiled: Any) -> list[str]:
+    """One line per way the stacked leaves split across stages are held."""
+    pieces = compiled.leaf_pieces
+    if pieces is None:
+        return []
+    lines = []
+    for what, chosen in (("one array over the pieces' devices, no copy", compiled.stacked_arrays),
+                         ("gathered on the first piece's mesh each step (moves)", compiled.gathered_arrays)):
+        by_bounds: dict[tuple[int, ...], int] = {}
+        for i in chosen:
+            by_bounds[pieces.inputs[i]] = by_bounds.get(pieces.inputs[i], 0) + 1
+        for bounds, count in sorted(by_bounds.items()):
+            sizes = " + ".join(str(b - a) for a, b in zip(bounds, bounds[1:]))
+            lines.append(f"  stacked leaves: {count} split {sizes} along axis 0, one piece per stage; "
+                         f"returned as {what}")
     return lines
