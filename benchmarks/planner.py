@@ -1,6 +1,6 @@
 """Planner benchmark: what each automatic planner picks, predicted and measured.
 
-    python -m benchmarks.planner [--json PATH] [--models gpt ut] [--repeat N] [--rounds R] [--quick]
+    python -m benchmarks.planner [--json PATH] [--models gpt ut gpt_scanned] [--repeat N] [--rounds R] [--quick]
         [--no-cpu] [--no-simulated] [--planners meshpar ...]
 
 - ``cpu``: 8 CPU devices in this process. For GPT and U-Transformer with 8 layers (7 candidate
@@ -79,6 +79,10 @@ def _cpu_models(names: Sequence[str]):
         out["gpt"] = (model, gpt_batch(0, BATCH, model.seq_len, model.vocab_size), gpt_loss)
     if "ut" in names:
         out["ut"] = (UTransformer(num_stages=8), ut_batch(0, BATCH), ut_loss)
+    if "gpt_scanned" in names:
+        # The same GPT with its blocks in one nn.scan: the planner cuts inside the scan.
+        model = GPT(scan_layers=True)
+        out["gpt_scanned"] = (model, gpt_batch(0, BATCH, model.seq_len, model.vocab_size), gpt_loss)
     return out
 
 
@@ -328,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the records here")
-    parser.add_argument("--models", nargs="+", default=["gpt", "ut"], choices=["gpt", "ut"])
+    parser.add_argument("--models", nargs="+", default=["gpt", "ut"], choices=["gpt", "ut", "gpt_scanned"])
     parser.add_argument("--planners", nargs="+", default=["meshpar", "amp", "galvatron", "alpa_dp"])
     parser.add_argument("--repeat", type=int, default=3, help="timed steps per configuration (default 3)")
     parser.add_argument("--rounds", type=int, default=5,
