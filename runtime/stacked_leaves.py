@@ -4,13 +4,15 @@ The compiler (``passes.pipeline.stacked_leaves``) rewrote the step over the piec
 stacked leaf that a scan over layers cut into stages reads in slices, and chose how the user
 sees each: a ``StackedArray`` (one array over all its pieces' devices, no copy either way) or
 a ``GatheredArray`` (one array on its first piece's mesh; pieces cut there and moved by
-planned moves, each step). Here inputs are split and outputs joined as it chose. A
-``StackedArray`` leaf that comes back as the step returned it is split into views of its
-shards; any other (the first step's, or one the user replaced) is sliced.
+planned moves, each step). Here inputs are split and outputs joined as it chose. A leaf that
+comes back as the last step returned it is taken as the pieces it was joined from (no work);
+another over a ``StackedArray``'s sharding is split into views of its shards; any other (the
+first step's, or one the user replaced) is sliced.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,6 +61,11 @@ class StackedLeaves:
                      for i, g in gathered.items()}
         self._concatenate = {i: jax.jit(lambda *parts: jnp.concatenate(parts), out_shardings=g.sharding)
                              for i, g in gathered.items()}
+        # Per gathered leaf, the outputs of the rewritten step that are its pieces.
+        self._outputs_of = {i: [n for n, (j, p) in enumerate(pieces.piece_outputs())
+                                if p is not None and pieces.replaces[j] == i] for i in gathered}
+        # The stacked arrays the last step returned (by id, alive) and their pieces.
+        self._returned: dict[int, tuple[weakref.ref, list[jax.Array]]] = {}
 
     def split(self, leaves: Sequence[Any], timeout_s: float) -> list[Any]:
         """``leaves`` (the user's) as the rewritten step takes them: each split leaf as its pieces.
@@ -77,8 +84,12 @@ class StackedLeaves:
         out: list[Any] = []
         for i, x in enumerate(leaves):
             bounds = self.pieces.inputs[i]
+            returned = self._returned.get(id(x))
             if bounds is None:
                 out.append(x)
+            elif returned is not None and returned[0]() is x:
+                # The array the last step returned: its pieces are where the step left them.
+                out += returned[1]
             elif i in self.held:
                 out += self._split_held(x, bounds, self.held[i])
             else:
@@ -98,22 +109,23 @@ class StackedLeaves:
             wait_arrivals(arrivals, timeout_s, "stacked pieces", "joining a step's stacked outputs")
         out: list[Any] = []
         it = iter(outputs)
+        self._returned = {}
         for j, bounds in enumerate(self.pieces.outputs):
             if bounds is None:
                 out.append(next(it))
                 continue
             i = self.pieces.replaces[j]
             parts = [next(it) for _ in range(len(bounds) - 1)]
-            out.append(self._join_held(parts, bounds, self.held[i]) if i in self.held
-                       else self._join_gathered(gathered[i], bounds, i))
+            joined = (self._join_held(parts, bounds, self.held[i]) if i in self.held
+                      else self._join_gathered(gathered[i], bounds, i))
+            self._returned[id(joined)] = (weakref.ref(joined), parts)
+            out.append(joined)
         return out
 
     def _gather(self, outputs: Sequence[Any], i: int, arrivals: list[Arrival]) -> list[jax.Array]:
         """The pieces of the output replacing gathered leaf ``i``, moved to its home mesh."""
-        at = [n for n, (j, p) in enumerate(self.pieces.piece_outputs())
-              if p is not None and self.pieces.replaces[j] == i]
         moved = []
-        for n, move, mv in zip(at, self._out_of[i], self.gathered[i].out_of):
+        for n, move, mv in zip(self._outputs_of[i], self._out_of[i], self.gathered[i].out_of):
             moved.append(outputs[n] if move is None else self._moved(move, outputs[n], mv.what, mv.src, mv.dst,
                                                                      arrivals))
         return moved

@@ -80,7 +80,11 @@ def test_a_gpt_scanned_in_one_nn_scan_cut_into_4_stages_equals_jit_and_each_stag
     for x in _stacked_leaves(par):
         assert x.shape[0] == L and x.sharding.mesh.axis_names[0] == STACK_AXIS
         assert len(x.sharding.device_set) == 4
-    pieces = executable.stacked_leaves.split(jax.tree.leaves((par, batch)), timeout_s=10.0)
+    # The arrays the step returned come back as the pieces they were joined from; another array
+    # over the same devices and sharding (here: the same buffers rewrapped) is split into views.
+    rewrapped = jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+        x.shape, x.sharding, [s.data for s in x.addressable_shards]) if isinstance(x, jax.Array) else x, par)
+    pieces = executable.stacked_leaves.split(jax.tree.leaves((rewrapped, batch)), timeout_s=10.0)
     first = _stacked_leaves(par)[0]
     piece = next(p for p in pieces if isinstance(p, jax.Array) and p.shape == (2, *first.shape[1:])
                  and p.dtype == first.dtype)
