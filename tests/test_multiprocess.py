@@ -92,10 +92,14 @@ def test_pipeline_across_two_processes():
 
 @pytest.mark.multiprocess
 def test_a_scanned_stack_cut_into_one_stage_per_process():
-    """A GPT in one nn.scan cut 4 + 4 (stacks held across both processes) and 3 + 5 (gathered)."""
+    """A GPT in one nn.scan cut 4 + 4 (stacks held across both processes), 3 + 5 (gathered) and
+    into 4 stages with remat; an nnx.scan stack; a hand-written lax.scan cut 3 + 2."""
     results, output = run_all_ok("mp_scanned_worker.py", timeout_s=600)
     for cut in ("4 + 4", "3 + 5"):
         assert all(f"scanned GPT cut {cut} matches" in r.stdout for r in results), output
+    for case in ("scanned GPT with remat cut into 4 stages (SGD)", "hand-written lax.scan cut 3 + 2",
+                 "nnx.scan stack cut into 2 stages"):
+        assert all(f"{case} matches" in r.stdout for r in results), output
 
 
 @pytest.mark.multiprocess

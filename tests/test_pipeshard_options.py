@@ -23,7 +23,7 @@ from pipeline_models import make_state, mse
 
 GROUPS = (ScheduleOptions, PlacementOptions, TransferOptions, GradientOptions)
 # Options the API reads itself (where to run, how to trace and check): in no group.
-API_ONLY = {"devices", "batch_argnums", "single_program", "num_stages"}
+API_ONLY = {"devices", "batch_argnums", "single_program"}
 # Group fields named differently from the option they come from.
 RENAMED = {"name": "schedule"}
 # Group fields the cluster (or its default) decides.

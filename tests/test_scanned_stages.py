@@ -122,6 +122,7 @@ def test_every_cut_optimizer_and_remat_equals_jit(cut, optimizer, remat):
     _check_run(cut, optimizer, remat)
 
 
+@pytest.mark.slow  # CI runs the even rule in the main job's --scan-layers test
 def test_num_stages_on_a_model_whose_only_structure_is_one_scan_cuts_it_evenly():
     state, batch = _gpt_state("sgd")
     parallel = meshpar.parallelize(supervised_step(gpt_loss), method=_method(4, num_stages=4))
@@ -172,6 +173,7 @@ def _nnx_step(model, optimizer, batch):
     return loss
 
 
+@pytest.mark.slow  # CI runs this case in the two-process test
 def test_an_nnx_scan_stack_cut_into_2_stages_equals_nnx_jit():
     rng = np.random.default_rng(0)
     batch = {"x": rng.standard_normal((16, 8)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
@@ -192,6 +194,7 @@ def test_an_nnx_scan_stack_cut_into_2_stages_equals_nnx_jit():
     assert model.blocks.linear.kernel[...].shape == (4, 8, 8)
 
 
+@pytest.mark.slow  # CI runs this case in the two-process test
 def test_a_hand_written_lax_scan_over_a_stacked_array_cut_unevenly_equals_jit():
     rng = np.random.default_rng(1)
     params = {"layers": {"w": (rng.standard_normal((5, 8, 8)) / 3).astype(np.float32),

@@ -151,8 +151,8 @@ def _joined_loss(loss: core.ClosedJaxpr, num_params: int, stacked: Mapping[int, 
 class LeafPieces:
     """Which leaves of a step live as per-stage slices: per input leaf of the user's step, and
     per output leaf, the bounds ``(0, k_1, ..., L)`` it is split at along axis 0, or ``None``;
-    per output leaf in pieces, the input leaf it replaces. The rewritten step takes and returns the leaves in order, each
-    split one as its pieces in its place."""
+    per output leaf in pieces, the input leaf it replaces. The rewritten step takes and returns
+    the leaves in order, each split one as its pieces in its place."""
 
     inputs: tuple[Bounds | None, ...]
     outputs: tuple[Bounds | None, ...]
