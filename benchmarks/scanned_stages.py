@@ -23,11 +23,12 @@ and joining them back (timed around ``StackedLeaves.split`` and ``join``, inside
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from typing import Any
+
+from benchmarks.worker_records import write_json
 
 DEVICES = 8
 
@@ -154,9 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:6.1f} s] {shown}", flush=True)
 
     run(args, emit)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    write_json(args.json, records)
     print(table(records))
     return 0
 

@@ -29,7 +29,7 @@ import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
 from meshpar.passes.pipeline.stacked_leaves import STACK_AXIS  # noqa: E402
-from pipeline_models import assert_local_shards_close  # noqa: E402
+from pipeline_models import NnxScannedStack, assert_local_shards_close, nnx_mse_step  # noqa: E402
 
 model = GPT(scan_layers=True, num_layers=8)
 batch = gpt_batch(0, 16, model.seq_len, model.vocab_size)
@@ -106,52 +106,20 @@ check("hand-written lax.scan cut 3 + 2", lax_step, lax_state, small,
       meshpar.PipeshardParallel(num_micro_batches=2, num_stages=2, stage_mesh_shape=(2, 2)))
 
 
-class NnxBlock(nnx.Module):
-    def __init__(self, d, rngs):
-        self.linear = nnx.Linear(d, d, rngs=rngs)
-
-    def __call__(self, x):
-        return jnp.tanh(self.linear(x))
-
-
-class NnxStack(nnx.Module):
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=4)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def blocks(rngs):
-            return NnxBlock(8, rngs)
-
-        self.blocks = blocks(rngs)
-        self.out = nnx.Linear(8, 4, rngs=rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(h, block):
-            return block(h)
-
-        return self.out(body(x, self.blocks))
-
-
-def nnx_step(model, optimizer, batch):
-    loss, grads = meshpar.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 def make_nnx():
     with jax.default_device(jax.local_devices()[0]):
-        model = NnxStack(nnx.Rngs(0))
+        model = NnxScannedStack(8, 4, nnx.Rngs(0))
         return model, nnx.Optimizer(model, adam, wrt=nnx.Param)
 
 
 model, optimizer = make_nnx()
 ref_model, ref_optimizer = make_nnx()
-nnx_parallel = meshpar.parallelize(nnx_step, method=meshpar.PipeshardParallel(
+nnx_parallel = meshpar.parallelize(nnx_mse_step, method=meshpar.PipeshardParallel(
     num_micro_batches=2, num_stages=2, stage_mesh_shape=(2, 2), batch_argnums=(2,)))
 for _ in range(2):
     loss = nnx_parallel(model, optimizer, small)
     with jax.default_device(jax.local_devices()[0]):
-        ref_loss = nnx.jit(nnx_step)(ref_model, ref_optimizer, small)
+        ref_loss = nnx.jit(nnx_mse_step)(ref_model, ref_optimizer, small)
     if loss.is_fully_addressable:
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
 checked = assert_local_shards_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from flax import nnx
 from flax.training import train_state
 
 import meshpar
@@ -79,3 +80,31 @@ def assert_local_shards_close(actual, expected, rtol=1e-5, atol=1e-5) -> int:
             np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=rtol, atol=atol)
             checked += 1
     return checked
+
+
+class NnxScannedStack(nnx.Module):
+    """Four tanh(Linear(d, d)) blocks created with nnx.vmap and applied with nnx.scan (as flax's
+    docs write a stack), then Linear(d, k)."""
+
+    def __init__(self, d: int, k: int, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def blocks(rngs: nnx.Rngs) -> nnx.Linear:
+            return nnx.Linear(d, d, rngs=rngs)
+
+        self.blocks = blocks(rngs)
+        self.out = nnx.Linear(d, k, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h, block):
+            return jnp.tanh(block(h))
+
+        return self.out(body(x, self.blocks))
+
+
+def nnx_mse_step(model, optimizer, batch):
+    """The nnx.jit-style step: mean squared error, meshpar's gradient, the update in place."""
+    loss, grads = meshpar.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+    optimizer.update(model, grads)
+    return loss

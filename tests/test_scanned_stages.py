@@ -17,7 +17,7 @@ from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
 from meshpar.passes.pipeline.stacked_leaves import STACK_AXIS
 from meshpar.passes.pipeline.stage_graph import RefKind
-from pipeline_models import assert_trees_close, mse, run_both
+from pipeline_models import NnxScannedStack, assert_trees_close, mse, nnx_mse_step, run_both
 
 L = 8
 
@@ -139,59 +139,25 @@ def test_more_stages_than_scanned_layers_is_an_error_naming_num_stages():
         parallel(state, batch)
 
 
-class _NnxBlock(nnx.Module):
-    def __init__(self, d: int, rngs: nnx.Rngs) -> None:
-        self.linear = nnx.Linear(d, d, rngs=rngs)
-
-    def __call__(self, x):
-        return jnp.tanh(self.linear(x))
-
-
-class _NnxStack(nnx.Module):
-    """Four blocks created with nnx.vmap and applied with nnx.scan, as flax's docs write them."""
-
-    def __init__(self, d: int, k: int, rngs: nnx.Rngs) -> None:
-        @nnx.split_rngs(splits=4)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def blocks(rngs: nnx.Rngs) -> _NnxBlock:
-            return _NnxBlock(d, rngs)
-
-        self.blocks = blocks(rngs)
-        self.out = nnx.Linear(d, k, rngs=rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(h, block):
-            return block(h)
-
-        return self.out(body(x, self.blocks))
-
-
-def _nnx_step(model, optimizer, batch):
-    loss, grads = meshpar.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
-    optimizer.update(model, grads)
-    return loss
-
-
 @pytest.mark.slow  # CI runs this case in the two-process test
 def test_an_nnx_scan_stack_cut_into_2_stages_equals_nnx_jit():
     rng = np.random.default_rng(0)
     batch = {"x": rng.standard_normal((16, 8)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
 
     def make():
-        model = _NnxStack(8, 4, nnx.Rngs(0))
+        model = NnxScannedStack(8, 4, nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.adam(1e-2, eps=1e-5), wrt=nnx.Param)
 
     model, optimizer = make()
     ref_model, ref_optimizer = make()
-    step = meshpar.parallelize(_nnx_step, method=_method(2, num_stages=2, batch_argnums=(2,)))
+    step = meshpar.parallelize(nnx_mse_step, method=_method(2, num_stages=2, batch_argnums=(2,)))
     for _ in range(2):
         loss = step(model, optimizer, batch)
-        ref_loss = nnx.jit(_nnx_step)(ref_model, ref_optimizer, batch)
+        ref_loss = nnx.jit(nnx_mse_step)(ref_model, ref_optimizer, batch)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
     assert_trees_close(nnx.state(optimizer, nnx.OptState), nnx.state(ref_optimizer, nnx.OptState))
-    assert model.blocks.linear.kernel[...].shape == (4, 8, 8)
+    assert model.blocks.kernel[...].shape == (4, 8, 8)
 
 
 @pytest.mark.slow  # CI runs this case in the two-process test
