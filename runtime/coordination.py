@@ -19,8 +19,8 @@ from typing import NoReturn
 import jax
 
 __all__ = [
-    "Arrival", "CoordinationError", "PeerLostError", "agree", "kv_client", "not_delivered", "raise_lost_peer",
-    "senders", "wait_arrivals", "wait_ready",
+    "Arrival", "CoordinationError", "PeerLostError", "agree", "kv_client", "not_delivered", "owns_a_device_of",
+    "raise_lost_peer", "senders", "wait_arrivals", "wait_ready",
 ]
 
 
@@ -146,6 +146,12 @@ def _block(arrays: Sequence[jax.Array], timeout_s: float, what: str) -> bool:
     if failed:
         raise failed[0]
     return True
+
+
+def owns_a_device_of(mesh: jax.sharding.Mesh) -> bool:
+    """Whether this process owns a device of ``mesh``."""
+    me = jax.process_index()
+    return any(d.process_index == me for d in mesh.devices.flat)
 
 
 def senders(sharding: jax.sharding.Sharding) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ import jax
 
 from meshpar.passes.pipeline.edge_transfer import TransferKind
 from meshpar.passes.pipeline.plan_moves import PlannedMove
+from meshpar.runtime.coordination import owns_a_device_of
 from meshpar.runtime.p2p_executor import P2PReshardExecutable
 from meshpar.runtime.remote import absent
 from meshpar.runtime.resharding_executor import ReshardingExecutable
@@ -26,11 +27,6 @@ __all__ = ["MOVE_HANDLERS", "Move", "prepare_move"]
 Move = Callable[[jax.Array], jax.Array]
 
 
-def _owns_a_device_of(mesh: jax.sharding.Mesh) -> bool:
-    me = jax.process_index()
-    return any(d.process_index == me for d in mesh.devices.flat)
-
-
 def _nothing(move: PlannedMove) -> Move:
     stand_in = absent(move.key.shape, move.key.dtype, move.key.dst)
     return lambda x: stand_in
@@ -38,14 +34,14 @@ def _nothing(move: PlannedMove) -> Move:
 
 def _local(move: PlannedMove, timeout_s: float) -> Move:
     key = move.key
-    if not _owns_a_device_of(key.dst.mesh):
+    if not owns_a_device_of(key.dst.mesh):
         return _nothing(move)
     # Two stages on one mesh: the value stays on its devices, relaid out there if need be.
     return (lambda x: x) if key.src == key.dst else jax.jit(lambda x: x, out_shardings=key.dst)
 
 
 def _device_put(move: PlannedMove, timeout_s: float) -> Move:
-    if not _owns_a_device_of(move.key.dst.mesh):
+    if not owns_a_device_of(move.key.dst.mesh):
         # Both meshes are another process's: it moves the value, this one only names it.
         return _nothing(move)
     return functools.partial(jax.device_put, device=move.key.dst)

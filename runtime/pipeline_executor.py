@@ -31,7 +31,8 @@ from meshpar.passes.pipeline.step_program import (
 )
 from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef
 from meshpar.passes.pipeline.wire_format import from_wire
-from meshpar.runtime.coordination import Arrival, raise_lost_peer, senders, wait_arrivals, wait_ready
+from meshpar.runtime.coordination import (Arrival, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
+                                         wait_ready)
 from meshpar.runtime.move_handlers import Move, prepare_move
 from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, StageInputs
@@ -88,10 +89,9 @@ class PipelineExecutable:
             for j, p in pieces.piece_outputs())
         self.timeout_s = timeout_s
         self.micro_batching = micro_batching
-        me = jax.process_index()
         # Per mesh (a mesh may host several stages), and per stage: whether a device of it is
         # this process's.
-        self.mesh_local = [any(d.process_index == me for d in m.devices.flat) for m in self.meshes]
+        self.mesh_local = [owns_a_device_of(m) for m in self.meshes]
         self.local = [self.mesh_local[m] for m in self.home]
         self.moves = moves
         self._prepared: dict[MoveKey, Move] = {}

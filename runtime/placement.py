@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.pipeline.step_layout import Placement
 
-__all__ = ["put", "place", "join", "union_sharding"]
+__all__ = ["put", "place", "join", "union_sharding", "view"]
 
 
 def union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
@@ -33,11 +33,14 @@ def put(value: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
 
 
-def _view(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-    """The part of a union-replicated array that lives on ``sharding``'s mesh, without copies."""
+def view(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...] | None = None) -> jax.Array:
+    """The shards of ``x`` on ``sharding``'s devices as one array laid out by ``sharding``,
+    without copies: of ``x``'s shape (a union-replicated array's part on one mesh), or of
+    ``shape`` (a stacked array's piece on its mesh)."""
     wanted = {d.id for d in sharding.mesh.devices.flat}
     shards = [s.data for s in x.addressable_shards if s.device.id in wanted]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, shards, dtype=x.dtype)
+    return jax.make_array_from_single_device_arrays(x.shape if shape is None else shape, sharding, shards,
+                                                    dtype=x.dtype)
 
 
 def place(value: Any, placement: Placement) -> dict[int, jax.Array]:
@@ -47,7 +50,7 @@ def place(value: Any, placement: Placement) -> dict[int, jax.Array]:
     if len(placement.meshes) == 1:
         return {placement.meshes[0]: put(value, placement.shardings[0])}
     union = put(value, union_sharding(placement.shardings))
-    return {m: _view(union, placement.on(m)) for m in placement.meshes}
+    return {m: view(union, placement.on(m)) for m in placement.meshes}
 
 
 def join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding], shape: tuple[int, ...], dtype: Any) -> jax.Array:

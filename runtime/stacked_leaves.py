@@ -22,23 +22,11 @@ from jax.sharding import NamedSharding
 
 from meshpar.passes.pipeline.plan_moves import MoveKey
 from meshpar.passes.pipeline.stacked_leaves import GatheredArray, LeafPieces, StackedArray
-from meshpar.runtime.coordination import Arrival, senders, wait_arrivals
-from meshpar.runtime.placement import put
+from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals
+from meshpar.runtime.placement import put, view
 from meshpar.runtime.remote import absent
 
 __all__ = ["StackedLeaves"]
-
-
-def _view(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...]) -> jax.Array:
-    """The shards of ``x`` on ``sharding``'s devices as an array of ``shape`` laid out by it."""
-    wanted = {d.id for d in sharding.mesh.devices.flat}
-    shards = [s.data for s in x.addressable_shards if s.device.id in wanted]
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=x.dtype)
-
-
-def _local(sharding: NamedSharding) -> bool:
-    me = jax.process_index()
-    return any(d.process_index == me for d in sharding.mesh.devices.flat)
 
 
 class StackedLeaves:
@@ -135,7 +123,7 @@ class StackedLeaves:
                dst: NamedSharding, arrivals: list[Arrival]) -> jax.Array:
         moved = move(value)
         sending = senders(src)
-        if sending and _local(dst):
+        if sending and owns_a_device_of(dst.mesh):
             arrivals.append(Arrival(moved, what, sending))
         return moved
 
@@ -144,7 +132,7 @@ class StackedLeaves:
         spans = list(zip(bounds, bounds[1:]))
         if isinstance(x, jax.Array) and (x.sharding == stack.sharding
                                          or x.sharding.is_equivalent_to(stack.sharding, x.ndim)):
-            return [_view(x, s, (b - a, *x.shape[1:])) for (a, b), s in zip(spans, stack.pieces)]
+            return [view(x, s, (b - a, *x.shape[1:])) for (a, b), s in zip(spans, stack.pieces)]
         return [put(x[a:b], s) for (a, b), s in zip(spans, stack.pieces)]
 
     @staticmethod
@@ -157,7 +145,7 @@ class StackedLeaves:
     def _split_gathered(self, x: Any, bounds: tuple[int, ...], i: int, arrivals: list[Arrival]) -> list[jax.Array]:
         g = self.gathered[i]
         whole = put(x, g.sharding)
-        home = _local(g.sharding)
+        home = owns_a_device_of(g.sharding.mesh)
         out = []
         for p, (a, b) in enumerate(zip(bounds, bounds[1:])):
             piece = self._cut[i][p](whole) if home else absent((b - a, *whole.shape[1:]), whole.dtype, g.at_home[p])
@@ -167,6 +155,6 @@ class StackedLeaves:
 
     def _join_gathered(self, moved: Sequence[jax.Array], bounds: tuple[int, ...], i: int) -> jax.Array:
         g = self.gathered[i]
-        if not _local(g.sharding):
+        if not owns_a_device_of(g.sharding.mesh):
             return absent((bounds[-1], *moved[0].shape[1:]), moved[0].dtype, g.sharding)
         return self._concatenate[i](*moved)

@@ -48,7 +48,7 @@ Bounds = tuple[int, ...]
 
 # Primitives computing each output element from the same element of every operand (operands
 # of the output's shape, or scalars): run per piece on the pieces.
-_ELEMENTWISE = frozenset(p.name for p in (
+_ELEMENTWISE = frozenset((
     lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.neg_p, lax.square_p, lax.sqrt_p, lax.rsqrt_p,
     lax.integer_pow_p, lax.pow_p, lax.max_p, lax.min_p, lax.abs_p, lax.sign_p, lax.exp_p, lax.log_p,
     lax.tanh_p, lax.select_n_p, lax.convert_element_type_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p,
@@ -255,7 +255,7 @@ class _Rewrite:
         made = self.producer.get(value)
         if made is not None and made.primitive is lax.broadcast_in_dim_p and not made.invars[0].aval.shape:
             self.emit(made.invars, [out], made.primitive, dict(made.params, shape=out.aval.shape), made.effects)
-        elif made is not None and made.primitive.name in _ELEMENTWISE and len(made.outvars) == 1 and all(
+        elif made is not None and made.primitive in _ELEMENTWISE and len(made.outvars) == 1 and all(
                 not getattr(x.aval, "shape", ()) or x.aval.shape == value.aval.shape for x in made.invars):
             self.emit([self.piece_of(x, bounds, p) for x in made.invars], [out], made.primitive, made.params,
                       made.effects)
@@ -284,7 +284,7 @@ class _Rewrite:
         same = all(x.bounds == bounds for x in split)
         out = e.outvars[0].aval if e.outvars else None
         full = getattr(out, "shape", None)
-        if same and e.primitive.name in _ELEMENTWISE and len(e.outvars) == 1 and full and full[0] == bounds[-1] and all(
+        if same and e.primitive in _ELEMENTWISE and len(e.outvars) == 1 and full and full[0] == bounds[-1] and all(
                 isinstance(x, _Pieces) or not getattr(getattr(x, "aval", None), "shape", ()) or x.aval.shape == full
                 for x in ins):
             outs = []
