@@ -16,11 +16,12 @@ import jax
 import numpy as np
 
 from meshpar.nnx_state import write_back
-from meshpar.passes.simulation.timeline import Timeline, write_chrome_trace
+from meshpar.passes.simulation.timeline import write_chrome_trace
 from meshpar.pipeshard_parallel import AUTO, PipeshardParallel
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.spmd_step import SpmdStep
-from meshpar.runtime.step_trace import StepRecorder
+from meshpar.runtime.live_bytes_meter import LiveBytesMeter
+from meshpar.runtime.step_trace import StepRecorder, StepTrace
 from meshpar.step_compiler import CompiledStep, compile_step, leaf_dtype
 
 __all__ = ["AUTO", "PipeshardParallel", "parallelize", "ParallelizedStep"]
@@ -72,13 +73,14 @@ class ParallelizedStep:
         write_back(args, compiled.updates, values)
         return own
 
-    def trace(self, path: str, *args: Any, serialize: bool = False) -> tuple[Any, Timeline]:
-        """Runs one step like calling this, recording when each task of the pipeline ran.
+    def trace(self, path: str, *args: Any, serialize: bool = False) -> tuple[Any, StepTrace]:
+        """Runs one step like calling this, recording when each task of the pipeline ran and the
+        bytes of the buffers it held on each device.
 
         Writes the step's measured ``Timeline`` to ``path`` as a Chrome / Perfetto trace (open
         it at https://ui.perfetto.dev); with several processes, process ``i`` records what it
-        observes (its meshes' compute, the transfers it receives) and writes
-        ``<stem>.p<i><ext>`` with pid ``i``. A step that compiles (the first per input
+        observes (its meshes' compute, the transfers it receives, its devices' bytes) and
+        writes ``<stem>.p<i><ext>`` with pid ``i``. A step that compiles (the first per input
         structure) is timed with its compilation: trace a later one.
 
         Args:
@@ -89,8 +91,11 @@ class ParallelizedStep:
             (``runtime.step_trace``).
 
         Returns:
-          The step's outputs, as a call returns them, and its timeline (times in seconds from
-          the first task's start).
+          The step's outputs, as a call returns them, and a ``StepTrace``: the timeline (times
+          in seconds from the first task's start), the peak live bytes per device
+          (``live_bytes``: parameters, optimizer state, gradients, residuals, activations in
+          flight and received values, sampled after every instruction) and the profile that
+          predicts them (``passes.simulation.live_bytes``).
 
         Raises:
           ValueError: ``path`` is not a file path in an existing directory (before running).
@@ -103,15 +108,16 @@ class ParallelizedStep:
         if isinstance(executable, SpmdStep):
             raise ValueError("trace: this step has one stage and one micro-batch and runs as one SPMD program, "
                              "which has no pipeline tasks to time; pass PipeshardParallel(single_program=False)")
+        meter = LiveBytesMeter(executable.mesh_devices)
         with StepRecorder(executable.program, executable.mesh_local, serialize, self.method.timeout_s) as recorder:
-            outputs = jax.block_until_ready(executable(leaves, recorder))
+            outputs = jax.block_until_ready(executable(leaves, recorder, meter))
             timeline = recorder.timeline()
         process = jax.process_index()
         if jax.process_count() > 1:
             stem, ext = os.path.splitext(path)
             path = f"{stem}.p{process}{ext}"
         write_chrome_trace(path, timeline, process)
-        return self._outputs(args, compiled, outputs), timeline
+        return self._outputs(args, compiled, outputs), StepTrace(timeline, meter.live_bytes(), meter.profile())
 
     def get_executable(self, *args: Any) -> PipelineExecutable | SpmdStep:
         """The compiled pipeline for these arguments (compiling it if needed).

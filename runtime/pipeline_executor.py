@@ -33,6 +33,7 @@ from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMov
 from meshpar.passes.pipeline.wire_format import from_wire
 from meshpar.runtime.coordination import (Arrival, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
                                          wait_ready)
+from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.move_handlers import Move, prepare_move
 from meshpar.runtime.placement import join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, StageInputs
@@ -78,6 +79,7 @@ class PipelineExecutable:
         self.description = description
         self.schedule = program.schedule
         self.meshes = tuple(meshes)
+        self.mesh_devices = tuple(tuple(d.id for d in m.devices.flat) for m in self.meshes)
         self.home = program.schedule.stage_mesh
         self.stage_meshes = tuple(self.meshes[m] for m in self.home)
         self.num_micro_batches = program.schedule.num_micro_batches
@@ -218,9 +220,11 @@ class PipelineExecutable:
 
     # -- the step -------------------------------------------------------------
 
-    def __call__(self, leaves: Sequence[Any], recorder: StepRecorder | None = None) -> list[Any]:
+    def __call__(self, leaves: Sequence[Any], recorder: StepRecorder | None = None,
+                 meter: LiveBytesMeter | None = None) -> list[Any]:
         """One step on the flattened arguments; ``recorder`` (made for ``self.program`` and
-        ``self.mesh_local``) times the program's instructions.
+        ``self.mesh_local``) times the program's instructions, ``meter`` (made for
+        ``self.mesh_devices``) samples the bytes held after each instruction.
 
         Raises:
           PeerLostError: a value another process was sending here failed in transit (that
@@ -231,20 +235,25 @@ class PipelineExecutable:
         arrivals: list[Arrival] = []
         try:
             if self.stacked_leaves is None:
-                return self._step(leaves, recorder, arrivals)
-            outputs = self._step(self.stacked_leaves.split(leaves, self.timeout_s), recorder, arrivals)
+                return self._step(leaves, recorder, meter, arrivals)
+            outputs = self._step(self.stacked_leaves.split(leaves, self.timeout_s), recorder, meter, arrivals)
             return self.stacked_leaves.join(outputs, self.timeout_s)
         except jax.errors.JaxRuntimeError as e:
             # The program's own transfers are named where they are waited for; this names the
             # moves around the pipeline, whose failures surface in what reads them.
             raise_lost_peer(e, arrivals, "pipeline transfers", "running a step")
 
-    def _step(self, leaves: Sequence[Any], recorder: StepRecorder | None, arrivals: list[Arrival]) -> list[Any]:
+    def _step(self, leaves: Sequence[Any], recorder: StepRecorder | None, meter: LiveBytesMeter | None,
+              arrivals: list[Arrival]) -> list[Any]:
         """The step program, one handler per instruction; ``arrivals`` collects what other
         processes send here as it goes."""
-        state = _StepState(leaves, recorder, arrivals)
+        state = _StepState(leaves, recorder, meter, arrivals)
+        if meter is not None:
+            meter.around(state.held)
         for ins in self.step_program:
             self._handlers[type(ins)](ins, state)
+            if meter is not None:
+                meter.sample()
         return state.outputs
 
     # -- handlers -------------------------------------------------------------
@@ -280,7 +289,7 @@ class PipelineExecutable:
         state.inputs = self._stage_inputs(state)
 
     def _run_pipeline(self, ins: RunPipeline, state: _StepState) -> None:
-        state.run = self._interpreter.run(state.inputs, self._zero_grads(), state.recorder)
+        state.run = self._interpreter.run(state.inputs, self._zero_grads(), state.recorder, state.meter)
         state.arrivals += state.run.arriving
         self.peak_live_activations = state.run.peak_live_activations
         self.peak_weight_states = state.run.peak_weight_states
@@ -413,12 +422,21 @@ class _StepState:
 
     leaves: Sequence[Any]
     recorder: StepRecorder | None
+    meter: LiveBytesMeter | None
     arrivals: list[Arrival]
     placed: list[dict[int, jax.Array]] = dataclasses.field(default_factory=list)
     values: dict[tuple[OuterRef, int], jax.Array] = dataclasses.field(default_factory=dict)
     inputs: list[StageInputs | None] = dataclasses.field(default_factory=list)
     run: ProgramRun | None = None
     outputs: list[Any] = dataclasses.field(default_factory=list)
+
+    def held(self) -> list[Any]:
+        """Every array (or nested list of arrays) this step holds outside the pipeline program."""
+        held: list[Any] = [list(self.leaves), [list(p.values()) for p in self.placed], list(self.values.values()),
+                           [(i.fixed, i.batch) for i in self.inputs if i is not None], self.outputs]
+        if self.run is not None:
+            held += [list(self.run.results.values()), self.run.grads]
+        return held
 
 
 def _combine(parts: Sequence[jax.Array], how: AuxReduction) -> jax.Array:

@@ -23,9 +23,10 @@ import jax
 from meshpar.passes.pipeline.edge_transfer import Direction
 from meshpar.passes.pipeline.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, ReduceGradients, RunBackward,
-    RunBackwardInput, RunBackwardWeight, RunForward, Send,
+    RunBackwardInput, RunBackwardWeight, RunForward, Send, received_buffer,
 )
 from meshpar.runtime.coordination import Arrival, CoordinationError, not_delivered, raise_lost_peer, senders, wait_ready
+from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables
 from meshpar.runtime.step_trace import StepRecorder
@@ -124,9 +125,9 @@ class ProgramInterpreter:
         self._senders = tuple(senders(t.src) for t in program.transfers)
 
     def run(self, inputs: Sequence[StageInputs | None], grads: list[list[jax.Array] | None],
-            recorder: StepRecorder | None = None) -> ProgramRun:
+            recorder: StepRecorder | None = None, meter: LiveBytesMeter | None = None) -> ProgramRun:
         """Runs every instruction; ``inputs`` and ``grads`` (zeros, donated) per stage, ``None`` where
-        not local. ``recorder`` is told of every launch."""
+        not local. ``recorder`` is told of every launch; ``meter`` samples what is held after each."""
         n = len(self.program.stages)
         state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [])
         if recorder is not None:
@@ -145,6 +146,8 @@ class ProgramInterpreter:
                 raise InstructionError(f"mesh {mesh}: {ins} failed: {e}") from e
             if recorder is not None:
                 recorder.launched(mesh, ins, launched, launch_time)
+            if meter is not None:
+                self._sample(meter, state)
             if self.launch_window is not None and launched:
                 # An execution's outputs are ready together: one array stands for the launch.
                 unfinished.append((launched[0], ins))
@@ -152,6 +155,15 @@ class ProgramInterpreter:
                     self._wait(*unfinished.popleft(), state)
         results = {b: state.buffers[b] for b in self.program.results if b in state.buffers}
         return ProgramRun(results, state.grads, state.peak_live, state.peak_weight, state.arriving)
+
+    def _sample(self, meter: LiveBytesMeter, state: _State) -> None:
+        """What is held now: stage operands and accumulators resident, buffers and moves in flight
+        (under the buffer they will be received into) as activations."""
+        resident = [state.grads, *((i.fixed, i.batch) for i in state.inputs if i is not None)]
+        activations = dict(state.buffers)
+        for (k, m), value in state.in_flight.items():
+            activations[received_buffer(self.program.transfers[k], m)] = value
+        meter.sample(resident, activations)
 
     def _wait(self, array: jax.Array, ins: Instruction, state: _State) -> None:
         # A gradient accumulator donated to the stage's next pass is that pass's to finish.

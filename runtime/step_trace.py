@@ -53,9 +53,10 @@ from meshpar.passes.pipeline.pipeline_program import (
     Send,
 )
 from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
+from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile
 from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 
-__all__ = ["StepRecorder", "SWITCH_INTERVAL_S"]
+__all__ = ["StepRecorder", "StepTrace", "SWITCH_INTERVAL_S"]
 
 # GIL hand-over interval while recording: a waiter whose array became ready
 # otherwise waits up to the default 5 ms for the dispatching thread to let go
@@ -73,6 +74,23 @@ _COMPUTE_KINDS: dict[type, TaskKind] = {
 # operand, and with it the dependency). Stands in for a gradient accumulator
 # the stage's next gradient pass donates: a donated array cannot be waited on.
 _ready_marker = jax.jit(lambda value: jnp.zeros((), jnp.uint8), keep_unused=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """What tracing one step measured.
+
+    Attributes:
+      timeline: when each task ran (times in seconds from the first task's start).
+      live_bytes: per device of this process, the peak bytes of the live buffers the runtime
+        held (``passes.simulation.live_bytes``).
+      memory_profile: the per-buffer and resident bytes behind them, from which
+        ``passes.simulation.live_bytes.predict_live_bytes`` predicts the peaks of a schedule.
+    """
+
+    timeline: Timeline
+    live_bytes: LiveBytes
+    memory_profile: MemoryProfile
 
 
 @dataclasses.dataclass(frozen=True)

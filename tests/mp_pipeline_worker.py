@@ -119,7 +119,11 @@ for reduction in ("per_step", "per_micro_batch"):
 
 # One traced step of the last of those: each process writes its own trace, with its own
 # stage's compute and the transfers it receives (stage i's mesh is process i's).
-run.trace(os.path.join(tempfile.gettempdir(), f"mp_pipeline_trace_{port}.json"), mlp_state, mlp_batch)
+_, step_trace = run.trace(os.path.join(tempfile.gettempdir(), f"mp_pipeline_trace_{port}.json"), mlp_state, mlp_batch)
+# Bytes are measured on this process's devices only, activations among them.
+assert step_trace.live_bytes.total and set(step_trace.live_bytes.total) <= {d.id for d in jax.local_devices()}, \
+    step_trace.live_bytes
+assert step_trace.live_bytes.peak_activation_bytes > 0, step_trace.live_bytes
 mine_path = os.path.join(tempfile.gettempdir(), f"mp_pipeline_trace_{port}.p{pid}.json")
 mine = read_chrome_trace(mine_path)
 os.remove(mine_path)

@@ -60,8 +60,9 @@ def traced(request, tmp_path_factory) -> Traced:
     executable = parallel.get_executable(state, batch)
     before = executable.compiled_count()
     path = str(tmp_path_factory.mktemp("trace") / "step.json")
-    outputs, timeline = parallel.trace(path, state, batch)
-    serialized, serialized_timeline = parallel.trace(path + ".serialized", state, batch, serialize=True)
+    outputs, trace = parallel.trace(path, state, batch)
+    serialized, serialized_trace = parallel.trace(path + ".serialized", state, batch, serialize=True)
+    timeline, serialized_timeline = trace.timeline, serialized_trace.timeline
     return Traced(executable, before, executable.compiled_count(), plain, jax.jit(step)(state, batch),
                   outputs, timeline, path, serialized, serialized_timeline)
 

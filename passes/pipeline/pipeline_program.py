@@ -39,7 +39,7 @@ from .pipeline_tasks import Task, TaskKind
 __all__ = [
     "BufferKind", "BufferId", "StageIO", "RunForward", "RunBackward", "RunBackwardInput", "RunBackwardWeight",
     "Send", "Recv", "Free", "ReduceGradients", "Instruction", "PipelineProgram", "lower_to_program",
-    "verify_pipeline_program",
+    "received_buffer", "verify_pipeline_program",
 ]
 
 
@@ -235,6 +235,13 @@ def stage_io(num_stages: int, edges: Sequence[tuple[int, int, int, int]], loss: 
         touching = frozenset(e for e, (p, c, _, _) in enumerate(edges) if s in (p, c)) & no_cotangent
         out.append(StageIO(tuple(e for _, e in ins), slots, loss[1] if loss[0] == s else None, tuple(kept), touching))
     return tuple(out)
+
+
+def received_buffer(transfer: EdgeTransfer, micro_batch: int) -> BufferId:
+    """The buffer ``transfer``'s value of ``micro_batch`` is received into, on its destination mesh."""
+    if transfer.direction is Direction.ACTIVATION:
+        return _received_act(transfer.edge, micro_batch)
+    return _received_ct(transfer.edge, micro_batch)
 
 
 def _received_act(e: int, m: int) -> BufferId:

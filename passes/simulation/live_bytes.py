@@ -1,0 +1,162 @@
+"""Bytes of live buffers per device in a pipeline step: measured by the runtime, predicted here.
+
+A step holds two kinds of bytes on each device:
+
+- **resident**: what the step holds whatever the schedule: its inputs as placed
+  (parameters, optimizer state, the batch and its micro-batch slices), the
+  gradient accumulators, and the values computed around the pipeline (the
+  reduced gradients, the updated parameters and optimizer state);
+- **activations**: what the schedule decides: per micro-batch, each stage's
+  outputs kept until sent, its forward residuals kept for its backward, the
+  weight pass's state, cotangents, and every value received or in flight to a
+  mesh.
+
+The runtime (``runtime.live_bytes_meter``) samples both after every
+instruction it launches, from the arrays it holds (each array's bytes on a
+device: its shard's, or all of it where replicated), and keeps per device the
+most of each it saw and the most of their sum: ``LiveBytes``. It also keeps
+a ``MemoryProfile``: the per-device bytes of one micro-batch's buffer of each
+kind, per stage or edge, and the resident bytes per mesh.
+
+``predict_live_bytes`` predicts the same peaks from the profile and the
+program's launch order: buffers appear where the instruction making them is
+launched (a moved value at its ``Send``, on the receiving mesh) and go at
+their ``Free`` (a weight state's arrays that are its stage's residuals count once, with
+the residuals until they are freed, then with the state); the per-device total is the larger of the resident bytes
+while the pipeline runs plus the activation peak, and the resident peak
+(outside the pipeline, where old and new parameters are both held). Bytes are
+per device of a mesh; devices of one mesh hold the same shard sizes, so a
+mesh's prediction stands for each of its devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from ..pipeline.pipeline_program import (
+    BufferId, BufferKind, Free, PipelineProgram, Recv, RunBackward, RunBackwardInput, RunForward, Send,
+    received_buffer,
+)
+
+__all__ = ["LiveBytes", "MemoryProfile", "predict_live_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveBytes:
+    """Per device id, the most bytes a step held at once: ``total`` (resident + activations at one
+    instant), ``activations`` (the schedule's part alone, its own peak). ``source`` is
+    ``"measured"`` or ``"predicted"``."""
+
+    total: Mapping[int, int]
+    activations: Mapping[int, int]
+    source: str
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest ``total`` over devices (0 with none)."""
+        return max(self.total.values(), default=0)
+
+    @property
+    def peak_activation_bytes(self) -> int:
+        """The largest ``activations`` over devices (0 with none)."""
+        return max(self.activations.values(), default=0)
+
+    def merged(self, other: LiveBytes) -> LiveBytes:
+        """Both processes' devices in one (a device in both keeps its larger figures)."""
+        def union(a: Mapping[int, int], b: Mapping[int, int]) -> dict[int, int]:
+            return {d: max(a.get(d, 0), b.get(d, 0)) for d in {*a, *b}}
+        return LiveBytes(union(self.total, other.total), union(self.activations, other.activations), self.source)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryProfile:
+    """What ``predict_live_bytes`` needs, per device of a mesh.
+
+    Attributes:
+      buffer_bytes: ``(kind, index, slot) -> bytes`` of one micro-batch's buffer of that kind at
+        stage or edge ``index`` and output ``slot`` (``BufferId``'s meaning), on the mesh that holds it; a buffer not
+        listed holds nothing here (e.g. an integer value's cotangent).
+      resident_in_pipeline: per mesh, resident bytes while the pipeline program runs.
+      resident_peak: per mesh, the most resident bytes at any point of the step.
+      mesh_devices: per mesh, its device ids.
+      state_from_residuals: per stage with a split backward, the bytes of its weight state
+        that are arrays of its residuals (kept, not copied, when the residuals are freed).
+    """
+
+    buffer_bytes: Mapping[tuple[BufferKind, int, int], int]
+    resident_in_pipeline: Sequence[int]
+    resident_peak: Sequence[int]
+    mesh_devices: Sequence[Sequence[int]]
+    state_from_residuals: Mapping[int, int] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.mesh_devices)
+        for name in ("resident_in_pipeline", "resident_peak"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"MemoryProfile.{name}: expected one per mesh ({n}), got {len(getattr(self, name))}")
+        negative = [k for k, v in self.buffer_bytes.items() if v < 0]
+        if negative:
+            raise ValueError(f"MemoryProfile.buffer_bytes: negative bytes for {negative[0]}")
+
+
+def predict_live_bytes(program: PipelineProgram, profile: MemoryProfile) -> LiveBytes:
+    """The per-device peaks of one run of ``program`` (module doc), from ``profile``.
+
+    Raises:
+      ValueError: ``profile`` has not one entry per mesh of ``program``.
+    """
+    num_meshes = len(program.instructions)
+    if len(profile.mesh_devices) != num_meshes:
+        raise ValueError(f"profile: expected {num_meshes} meshes as the program has, got {len(profile.mesh_devices)}")
+    size, shared = profile.buffer_bytes, profile.state_from_residuals
+    live: dict[tuple[BufferId, int], int] = {}  # (buffer, mesh) -> bytes per device
+    held = [0] * num_meshes
+    peak = [0] * num_meshes
+
+    def add(buffer: BufferId, mesh: int, nbytes: int) -> None:
+        live[(buffer, mesh)] = live.get((buffer, mesh), 0) + nbytes
+        held[mesh] += nbytes
+        peak[mesh] = max(peak[mesh], held[mesh])
+
+    def bytes_of(buffer: BufferId) -> int:
+        return size.get((buffer.kind, buffer.index, buffer.slot), 0)
+
+    def free(buffer: BufferId, mesh: int) -> None:
+        nbytes = live.pop((buffer, mesh), 0)
+        if buffer.kind is BufferKind.RESIDUALS:
+            # What the weight state took of them stays, now counted with it.
+            state = (BufferId(BufferKind.WEIGHT_STATE, buffer.index, buffer.micro_batch), mesh)
+            if state in live:
+                kept = min(nbytes, shared.get(buffer.index, 0))
+                live[state] += kept
+                nbytes -= kept
+        held[mesh] -= nbytes
+
+    home = program.schedule.stage_mesh
+    for mesh, ins in program.launch_sequence():
+        if isinstance(ins, RunForward):
+            for b in (*ins.outputs, ins.residuals):
+                add(b, mesh, bytes_of(b))
+        elif isinstance(ins, RunBackward):
+            for b in ins.input_cotangents:
+                add(b, mesh, bytes_of(b))
+        elif isinstance(ins, RunBackwardInput):
+            for b in ins.input_cotangents:
+                add(b, mesh, bytes_of(b))
+            # Its residuals are still held: the arrays the state shares with them are not new.
+            add(ins.weight_state, mesh, max(0, bytes_of(ins.weight_state) - shared.get(ins.stage, 0)))
+        elif isinstance(ins, Send):
+            transfer = program.transfers[ins.transfer]
+            dst = received_buffer(transfer, ins.micro_batch)
+            add(dst, home[transfer.dst_stage], bytes_of(dst))
+        elif isinstance(ins, Free):
+            free(ins.buffer, mesh)
+        elif isinstance(ins, Recv):
+            continue  # the moved value was counted on this mesh at its Send
+    total, activations = {}, {}
+    for m, devices in enumerate(profile.mesh_devices):
+        mesh_total = max(profile.resident_in_pipeline[m] + peak[m], profile.resident_peak[m])
+        for d in devices:
+            total[d], activations[d] = mesh_total, peak[m]
+    return LiveBytes(total, activations, "predicted")
