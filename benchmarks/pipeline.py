@@ -22,11 +22,29 @@ module), on
 
 Per (cluster, case, method): the measured step (median over ``N`` steps of
 the slower process), and the schedule simulator's prediction
-(``passes.schedule_simulator``) from each task's isolated duration (a
-serialized traced step) and the planner's estimate of every transfer at the
-measured link rate. The schedule simulated is the one the worker ran, on its
-meshes: ``interleaved`` runs two stages per mesh (interleaved 1F1B), the
-others one. The share ``link busy / mesh compute`` of each case is printed
+(``passes.schedule_simulator``) from each task's isolated duration and each
+transfer's, the medians over three serialized traced steps (a move's
+measured time includes its latency; a move no trace recorded takes the
+planner's estimate at the measured link rate). In one process every mesh
+computes on the same two cores, so the simulator runs their compute in turn
+(``simulate(cores=...)``); each emulated host has its own core. The schedule
+simulated is the one the worker ran, on its meshes: ``interleaved`` runs two
+stages per mesh (interleaved 1F1B), the others one. ``move_latency_s`` is the
+median over measured moves of their time minus the planner's bandwidth
+estimate.
+
+Memory (issue 24): per row, ``peak_bytes_per_device`` is the largest over
+devices of the bytes the runtime held at once (``StepTrace.live_bytes``:
+parameters, optimizer state, gradients, residuals, activations in flight and
+received), ``predicted_peak_bytes_per_device`` what
+``passes.simulation.live_bytes.predict_live_bytes`` predicts from the
+program and the measured profile, and ``peak_activation_bytes_per_device``
+(and predicted) the schedule's part alone. ``spmd_circular`` rows (the
+stock-JAX circular pipeline, ``benchmarks.spmd_pipeline``, R = 1 and 2) take
+them from XLA's memory analysis of the compiled step: peak = arguments +
+outputs - aliased + temporaries, activations = temporaries (which hold its
+saved iteration inputs, and also its gradients before the update); their
+bubble is ``(S - 1) / (R M + S - 1)``, the other rows' the simulator's. The share ``link busy / mesh compute`` of each case is printed
 for 1F1B: the busiest link's transfer time per step over the busiest mesh's
 compute time per step. ``interleaved`` rows have no target: ``targets``
 prints their speed over ``upper_bound``'s for information.
@@ -67,9 +85,14 @@ Records (``--json``), one per (cluster, case, method)::
 
     {"model", "config", "method", "cluster", "measured_step_s", "predicted_step_s", "samples_per_s",
      "step_times_s", "over_upper_bound", "prediction_error", "transfer_share", "num_stages",
-     "num_meshes", "link_gbit", "gradient_reduction", "link_bytes_per_step", "move_link_bytes",
-     "gradient_link_bytes", "one_reduction_bytes", "gradient_over_one_reduction", "reduction_s",
-     "mesh_task_s", ...}
+     "num_meshes", "num_micro_batches", "repeats", "bubble", "peak_bytes_per_device",
+     "predicted_peak_bytes_per_device", "peak_activation_bytes_per_device",
+     "predicted_peak_activation_bytes_per_device", "move_latency_s", "link_gbit",
+     "gradient_reduction", "link_bytes_per_step", "move_link_bytes", "gradient_link_bytes",
+     "one_reduction_bytes", "gradient_over_one_reduction", "reduction_s", "mesh_task_s", ...}
+
+(``spmd_circular`` rows: ``method`` is ``"spmd_circular"`` for both R, ``repeats`` says which;
+no prediction, ``predicted_*`` ``None``.)
 
 ``--png DIR`` draws the measured 1F1B (``overlap``) and eager-1F1B
 (``ours``) timelines of one case (``--png-case``) per cluster, and the
@@ -97,6 +120,13 @@ __all__ = ["aggregate", "gradient_table", "main", "reduction_host_bytes", "table
 TARGET_OVER_UPPER_BOUND = 0.95
 TARGET_OVER_ALPA_UT = 1.3
 TARGET_PREDICTION_ERROR = 0.15
+TARGET_PREDICTION_ERROR_ONE_PROCESS = 0.25
+TARGET_MEMORY_PREDICTION_ERROR = 0.10
+# Issue 24: ours over the best circular SPMD pipeline's samples/s at M = 2S and 4S, and its
+# activation bytes per device over spmd_circular's (R = 1) at M = 4S.
+TARGET_OVER_SPMD = 1.2
+TARGET_ACTIVATIONS_OVER_SPMD = 0.5
+SPMD_METHOD = "spmd_circular"
 # Gradient reduction (issue 22): per_step's gradient link bytes within this factor of one
 # reduction either way, its step at most this share of per_micro_batch's, and the case sized so
 # per_micro_batch's reductions are at least this share of its step.
@@ -149,18 +179,40 @@ def _schedule(spec: dict):
 
 
 def _durations(first: dict, schedule, trace_dir: str, reduction: Sequence[float] = ()):
-    """Measured isolated compute per stage (several per mesh with virtual stages), the planner's
-    transfer estimates per edge, and ``reduction``: per mesh, its per-step gradient reduction's
-    seconds (empty: none)."""
-    from meshpar.passes.simulation.schedule_simulator import TaskDurations, stage_seconds_from
+    """Measured isolated compute per stage (several per mesh with virtual stages) and transfers
+    per edge, each the median over the serialized steps' tasks, and ``reduction``: per mesh, its
+    per-step gradient reduction's seconds (empty: none). A transfer no trace recorded (a move
+    no process received) takes the planner's estimate.
 
-    timeline = merged_timeline(trace_dir, first["serialized_trace"], "measured, serialized", schedule)
-    stages = stage_seconds_from(timeline, schedule.num_stages)
+    Returns the ``TaskDurations`` and the move latency: the median over the measured moves
+    between meshes of their seconds minus the planner's bandwidth estimate, what a move costs
+    beyond its bytes (``None`` with none measured)."""
+    from meshpar.passes.simulation.schedule_simulator import (
+        TaskDurations, stage_seconds_from, transfer_seconds_from,
+    )
+
+    timelines = [merged_timeline(trace_dir, name, "measured, serialized", schedule)
+                 for name in first["serialized_traces"]]
+    stages = stage_seconds_from(timelines, schedule.num_stages)
     num_edges = len(schedule.edges)
     act, grad = [0.0] * num_edges, [0.0] * num_edges
     for t in first["transfers"]:
         (act if t["activation"] else grad)[t["edge"]] += t["seconds"]
-    return TaskDurations(tuple(stages), tuple(act), tuple(grad), tuple(reduction))
+    measured_act, measured_grad = transfer_seconds_from(timelines, num_edges)
+    gaps = [m - e for measured, estimated in ((measured_act, act), (measured_grad, grad))
+            for (p, c), m, e in zip(schedule.edges, measured, estimated)
+            if m is not None and schedule.stage_mesh[p] != schedule.stage_mesh[c] and e > 0]
+    act = [e if m is None else m for e, m in zip(act, measured_act)]
+    grad = [e if m is None else m for e, m in zip(grad, measured_grad)]
+    latency = statistics.median(gaps) if gaps else None
+    return TaskDurations(tuple(stages), tuple(act), tuple(grad), tuple(reduction)), latency
+
+
+def _peak(group: Sequence[dict], field: str, part: str) -> int | None:
+    """The largest per-device bytes of ``field`` (``live_bytes`` or ``predicted_live_bytes``)
+    over every process's devices."""
+    values = [n for g in group if g.get(field) for n in g[field][part].values()]
+    return max(values) if values else None
 
 
 def _mesh_compute(durations, schedule) -> list[float]:
@@ -266,11 +318,16 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
         n = min(len(g["step_times_s"]) for g in group)
         per_step = [max(g["step_times_s"][i] for g in group) for i in range(n)]
         measured = statistics.median(per_step)
+        if first.get("spmd"):
+            records.append(_spmd_record(group, cluster, per_step, measured))
+            continue
         schedule = _schedule(first["schedule"])
         gradients, per_step_reduction = _gradient_accounting(group, schedule.num_micro_batches, schedule.num_meshes,
                                                              link_rate_Bps)
-        durations = _durations(first, schedule, trace_dir, per_step_reduction)
-        simulated = simulate(schedule, durations, overlap=first["overlap"])
+        durations, move_latency = _durations(first, schedule, trace_dir, per_step_reduction)
+        # One process's meshes share its cores; each emulated host computes on its own core.
+        cores = [0] * schedule.num_meshes if num_processes == 1 else None
+        simulated = simulate(schedule, durations, overlap=first["overlap"], cores=cores)
         losses = [g["loss"] for g in group if g["loss"] is not None]
         records.append({
             "model": first["model"], "config": first["config"], "method": method, "cluster": cluster,
@@ -289,6 +346,13 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
             "peak_live_activations": [max(g["peak_live_activations"][s] for g in group)
                                       for s in range(schedule.num_stages)],
             "compile_s": max(g["compile_s"] for g in group),
+            "num_micro_batches": schedule.num_micro_batches, "repeats": None,
+            "bubble": simulated.bubble_fraction,
+            "move_latency_s": move_latency,
+            "peak_bytes_per_device": _peak(group, "live_bytes", "total"),
+            "predicted_peak_bytes_per_device": _peak(group, "predicted_live_bytes", "total"),
+            "peak_activation_bytes_per_device": _peak(group, "live_bytes", "activations"),
+            "predicted_peak_activation_bytes_per_device": _peak(group, "predicted_live_bytes", "activations"),
             "loss": losses[0] if losses else None,
             **gradients,
         })
@@ -298,23 +362,57 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
         r["over_upper_bound"] = b / r["measured_step_s"] if b else None
     order = {m.name: i for i, m in enumerate(METHODS)}
     cases = {c.name: i for i, c in enumerate(CASES)}
-    return sorted(records, key=lambda r: (cases.get(r["case"], 99), order.get(r["method"], 99)))
+    return sorted(records, key=lambda r: (cases.get(r["case"], 99), order.get(r["method"], 99), r.get("repeats") or 0))
+
+
+def _spmd_record(group: Sequence[dict], cluster: str, per_step: list[float], measured: float) -> dict:
+    """A circular SPMD pipeline row: measured like the others; its bytes per device from XLA's
+    memory analysis (the largest over processes), its bubble ``(S - 1) / (R M + S - 1)``; no
+    simulator prediction (it is one XLA program, not a schedule of ours)."""
+    first = group[0]
+    losses = [g["loss"] for g in group if g["loss"] is not None]
+    return {
+        "model": first["model"], "config": first["config"], "method": SPMD_METHOD, "cluster": cluster,
+        "case": first["case"], "measured_step_s": measured, "predicted_step_s": None,
+        "samples_per_s": first["batch"] / measured, "step_times_s": per_step, "prediction_error": None,
+        "num_micro_batches": first["num_micro_batches"], "repeats": first["repeats"],
+        "num_stages": first["num_stages"], "num_meshes": 1, "bubble": first["bubble"],
+        "predicted_bubble": first["bubble"], "weight_delays": None, "peak_live_activations": None,
+        "peak_bytes_per_device": max(g["memory"]["peak_bytes"] for g in group),
+        "predicted_peak_bytes_per_device": None,
+        "peak_activation_bytes_per_device": max(g["memory"]["temp_bytes"] for g in group),
+        "predicted_peak_activation_bytes_per_device": None,
+        "memory": first["memory"], "compile_s": max(g["compile_s"] for g in group),
+        "loss": losses[0] if losses else None, "over_upper_bound": None,
+    }
+
+
+def row_name(r: dict) -> str:
+    """A record's method as tables show it: ``spmd_circular R=2`` for the SPMD baseline."""
+    return f"{r['method']} R={r['repeats']}" if r["method"] == SPMD_METHOD else r["method"]
 
 
 def table(records: Sequence[dict]) -> str:
-    """Markdown: one row per (cluster, case, method)."""
-    lines = ["| cluster | model | (data, model, pipeline) | method | step (ms) | predicted (ms) | error | "
-             "samples/s | upper bound / step | weight delays | peak live | stages / meshes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    """Markdown: one row per (cluster, case, method); bytes per device in MB (1e6 bytes),
+    measured / predicted."""
+    lines = ["| cluster | case | method | step (ms) | predicted (ms) | error | samples/s | bubble | "
+             "peak MB/device | activations MB/device | upper bound / step | weight delays | peak live | "
+             "stages / meshes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ub = f"{r['over_upper_bound']:.2f}" if r.get("over_upper_bound") else "-"
         delays = r["weight_delays"] if r["weight_delays"] is not None else "-"
         placed = f"{r['num_stages']} / {r['num_meshes']}" if "num_meshes" in r else "-"
+        predicted = "-" if r["predicted_step_s"] is None else f"{r['predicted_step_s'] * 1e3:.0f}"
+        error = "-" if r["prediction_error"] is None else f"{r['prediction_error'] * 100:+.0f}%"
+        bubble = "-" if r.get("bubble") is None else f"{r['bubble']:.2f}"
+        peak = f"{_mb(r.get('peak_bytes_per_device'))} / {_mb(r.get('predicted_peak_bytes_per_device'))}"
+        acts = (f"{_mb(r.get('peak_activation_bytes_per_device'))} / "
+                f"{_mb(r.get('predicted_peak_activation_bytes_per_device'))}")
         lines.append(
-            f"| {r['cluster']} | {r['model']} | {tuple(r['config'])} | {r['method']} | "
-            f"{r['measured_step_s'] * 1e3:.0f} | {r['predicted_step_s'] * 1e3:.0f} | "
-            f"{r['prediction_error'] * 100:+.0f}% | {r['samples_per_s']:.0f} | {ub} | {delays} | "
-            f"{r['peak_live_activations']} | {placed} |")
+            f"| {r['cluster']} | {r['case']} | {row_name(r)} | {r['measured_step_s'] * 1e3:.0f} | {predicted} | "
+            f"{error} | {r['samples_per_s']:.0f} | {bubble} | {peak} | {acts} | {ub} | {delays} | "
+            f"{r['peak_live_activations'] or '-'} | {placed} |")
     return "\n".join(lines)
 
 
@@ -412,12 +510,51 @@ def targets(records: Sequence[dict]) -> list[str]:
                 ratio = bound["measured_step_s"] / r["measured_step_s"]
                 out.append(f"info   {case.name}: {method} at {ratio:.2f}x the upper bound's speed, predicted "
                            f"{r['prediction_error'] * 100:+.0f}% (no target)")
-    errors = [r for r in records if r["cluster"] == "emulated" and r["method"] not in INFO_METHODS]
-    if errors:
-        worst = max(errors, key=lambda r: abs(r["prediction_error"]))
-        line(abs(worst["prediction_error"]) <= TARGET_PREDICTION_ERROR,
-             f"simulator within {abs(worst['prediction_error']) * 100:.0f}% of every emulated step "
-             f"(worst: {worst['case']} {worst['method']}; target <= {TARGET_PREDICTION_ERROR * 100:.0f}%)")
+        for ok, text in _spmd_targets(case, [r for r in records if r["cluster"] == "emulated" and r["case"] == case.name]):
+            line(ok, text)
+    for cluster, target in (("emulated", TARGET_PREDICTION_ERROR), ("single_process", TARGET_PREDICTION_ERROR_ONE_PROCESS)):
+        errors = [r for r in records if r["cluster"] == cluster and r["method"] not in INFO_METHODS
+                  and r["prediction_error"] is not None]
+        if errors:
+            worst = max(errors, key=lambda r: abs(r["prediction_error"]))
+            within = sum(abs(r["prediction_error"]) <= target for r in errors)
+            line(within == len(errors),
+                 f"simulator within {target * 100:.0f}% on {within} of {len(errors)} {cluster} steps "
+                 f"(worst {worst['prediction_error'] * 100:+.0f}%: {worst['case']} {worst['method']})")
+    memory = [r for r in records if r.get("predicted_peak_bytes_per_device") and r.get("peak_bytes_per_device")]
+    if memory:
+        error = lambda r: r["predicted_peak_bytes_per_device"] / r["peak_bytes_per_device"] - 1  # noqa: E731
+        worst = max(memory, key=lambda r: abs(error(r)))
+        line(abs(error(worst)) <= TARGET_MEMORY_PREDICTION_ERROR,
+             f"memory prediction within {abs(error(worst)) * 100:.1f}% of every measured peak "
+             f"({len(memory)} rows; worst {worst['cluster']} {worst['case']} {worst['method']}; "
+             f"target <= {TARGET_MEMORY_PREDICTION_ERROR * 100:.0f}%)")
+    return out
+
+
+def _spmd_targets(case: Case, rows: Sequence[dict]) -> list[tuple[bool, str]]:
+    """Issue 24's targets on one case's emulated rows: ``ours`` against the faster circular SPMD
+    pipeline (R = 1 or 2) at M >= 2S, and at M = 4S its activation bytes (and 1F1B's) against
+    R = 1's."""
+    spmd = [r for r in rows if r["method"] == SPMD_METHOD]
+    by = {r["method"]: r for r in rows if r["method"] != SPMD_METHOD}
+    ours, stages = by.get("ours"), case.config[2]
+    if not spmd or ours is None or case.micro_batches < 2 * stages:
+        return []
+    best = max(spmd, key=lambda r: r["samples_per_s"])
+    ratio = ours["samples_per_s"] / best["samples_per_s"]
+    out = [(ratio >= TARGET_OVER_SPMD,
+            f"{case.name}: ours {ratio:.2f}x spmd_circular R={best['repeats']} samples/s (the faster R; "
+            f"target >= {TARGET_OVER_SPMD})")]
+    circular = next((r for r in spmd if r["repeats"] == 1), None)
+    if case.micro_batches == 4 * stages and circular is not None:
+        for method in ("overlap", "ours"):
+            r = by.get(method)
+            if r and r.get("peak_activation_bytes_per_device"):
+                share = r["peak_activation_bytes_per_device"] / circular["peak_activation_bytes_per_device"]
+                out.append((share <= TARGET_ACTIVATIONS_OVER_SPMD,
+                            f"{case.name}: {method}'s activation bytes per device {share:.2f}x spmd_circular's "
+                            f"temp bytes (R=1; target <= {TARGET_ACTIVATIONS_OVER_SPMD})"))
     return out
 
 
@@ -544,7 +681,8 @@ def _plot(args: argparse.Namespace, traces: str, records: Sequence[dict]) -> lis
             durations = TaskDurations(tuple(StageSeconds(**s) for s in r["stage_seconds"]),
                                       tuple(r["transfer_seconds"]["activation"]),
                                       tuple(r["transfer_seconds"]["gradient"]))
-            simulated = simulate(schedule, durations, overlap=r["overlap"])
+            cores = [0] * schedule.num_meshes if cluster == "single_process" else None
+            simulated = simulate(schedule, durations, overlap=r["overlap"], cores=cores)
             timelines.append(simulated.timeline)
             titles.append(f"{method} ({label}), predicted from isolated task times")
         path = os.path.join(args.png, f"timeline-{cluster}-{slug(args.png_case)}.png")

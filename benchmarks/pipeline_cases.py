@@ -19,6 +19,14 @@ links' token-bucket burst):
   micro-batch (8 sequences of 64 tokens) computes little: reducing them
   over a 0.25 Gbit/s link in every micro-batch is about half the step.
 
+- ``gpt`` at ``(2, 1, 2)`` on 2 hosts x 2 devices and ``(4, 1, 2)`` on 2 x 4,
+  each with ``M`` in ``{S, 2S, 4S}`` = 2, 4 and 8 micro-batches (issue 24):
+  our schedules (``overlap``, ``ours``, ``zb_h1``, ``interleaved``) beside
+  the stock-JAX circular SPMD pipeline with ``R`` = 1 and 2 repeats
+  (``spmd_circular``, ``spmd_circular_r2``: ``SpmdBaseline``, one ``jax.jit``
+  over a ``(stage, data)`` mesh of the case's devices, stage ``s`` on host
+  ``s``; ``benchmarks.spmd_pipeline``).
+
 A case's ``pipeline`` is its number of meshes, each of ``data x model``
 devices; every method but ``interleaved`` runs one stage per mesh. Meshes
 are cut host-major (``PipeshardParallel(stage_mesh_shape=(data, model))``
@@ -81,13 +89,17 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Case", "CASES", "GRADIENT_METHODS", "Method", "METHODS", "PAPER_HOSTS", "PAPER_METHODS",
-           "SINGLE_PROCESS_METHODS", "build_step"]
+           "SINGLE_PROCESS_METHODS", "SPMD_COMPARISON", "SPMD_METHODS", "SpmdBaseline", "build_spmd_step",
+           "build_step"]
 
 
 # The emulated cluster of the paper's cases: (hosts, CPU devices per host).
 PAPER_HOSTS = (2, 4)
 PAPER_METHODS = ("send_recv", "alpa", "broadcast", "overlap", "ours", "zb_h1", "interleaved", "upper_bound")
 GRADIENT_METHODS = ("per_step", "per_micro_batch")
+# Issue 24: our schedules beside the stock-JAX circular SPMD pipeline (R = 1 and 2).
+SPMD_METHODS = ("spmd_circular", "spmd_circular_r2")
+SPMD_COMPARISON = ("overlap", "ours", "zb_h1", "interleaved", *SPMD_METHODS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +117,12 @@ class Case:
 
     @property
     def name(self) -> str:
-        """``gpt (2, 2, 2)``; on other than the paper's hosts ``gpt_tied (2, 2, 2) 4x2 hosts``."""
+        """``gpt (2, 2, 2)``; on other than the paper's hosts ``gpt_tied (2, 2, 2) 4x2 hosts``; a
+        case of the SPMD comparison ends in its micro-batches, ``gpt (2, 1, 2) 2x2 hosts M=4``."""
         base = f"{self.model} {self.config}"
-        return base if self.hosts == PAPER_HOSTS else f"{base} {self.hosts[0]}x{self.hosts[1]} hosts"
+        if self.hosts != PAPER_HOSTS:
+            base = f"{base} {self.hosts[0]}x{self.hosts[1]} hosts"
+        return f"{base} M={self.micro_batches}" if set(self.methods) & set(SPMD_METHODS) else base
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +139,24 @@ class Method:
     gradient_reduction: str = "per_step"
 
 
+@dataclasses.dataclass(frozen=True)
+class SpmdBaseline:
+    """The stock-JAX circular SPMD pipeline (``benchmarks.spmd_pipeline``) with ``repeats`` R:
+    one ``jax.jit`` over a ``(stage, data)`` mesh of the case's devices, the GPT's blocks
+    stacked ``[R, S, k, ...]``."""
+
+    name: str
+    repeats: int
+    stages_per_mesh: int = 1
+
+
 CASES = (
     Case("gpt", (2, 2, 2), batch=256, micro_batches=4),
     Case("gpt", (4, 1, 2), batch=256, micro_batches=4),
     Case("u_transformer", (4, 1, 2), batch=32, micro_batches=4),
     Case("gpt_tied", (2, 2, 2), batch=64, micro_batches=8, hosts=(4, 2), methods=GRADIENT_METHODS),
+    *(Case("gpt", config, batch=256, micro_batches=M, hosts=hosts, methods=SPMD_COMPARISON)
+      for config, hosts in (((2, 1, 2), (2, 2)), ((4, 1, 2), PAPER_HOSTS)) for M in (2, 4, 8)),
 )
 
 METHODS = (
@@ -142,6 +170,8 @@ METHODS = (
     Method("upper_bound", "signal", "eager_1f1b", "auto", "auto"),
     Method("per_step", "broadcast", "1f1b", False, "auto", gradient_reduction="per_step"),
     Method("per_micro_batch", "broadcast", "1f1b", False, "auto", gradient_reduction="per_micro_batch"),
+    SpmdBaseline("spmd_circular", repeats=1),
+    SpmdBaseline("spmd_circular_r2", repeats=2),
 )
 
 # In one process every "auto" transfer is a jax.device_put, so the resharding
@@ -152,6 +182,18 @@ GPT_SIZE = dict(vocab_size=128, seq_len=64, d_model=64, num_heads=4, num_layers=
 GPT_TIED_SIZE = dict(vocab_size=512, seq_len=64, d_model=256, num_heads=4, num_layers=2, tie_embeddings=True)
 UT_SIZE = dict(channels=(32, 64, 128, 128), num_heads=4, bottleneck_depth=2)
 UT_HW = 32
+
+
+def build_spmd_step(case: Case, method: SpmdBaseline, devices: Any) -> tuple[Callable, Any, Any, Any]:
+    """``(step, state, batch, config)``: the circular SPMD pipeline's jitted train step (Adam) on
+    the case's ``devices``, its initial state and batch (``benchmarks.spmd_pipeline``)."""
+    from benchmarks.spmd_pipeline import SpmdPipelineConfig, build_train_step, spmd_mesh
+
+    data, model_axis, stages = case.config
+    config = SpmdPipelineConfig(data=data, stages=stages, micro_batches=case.micro_batches, repeats=method.repeats,
+                                batch=case.batch, model_size=GPT_SIZE, model_parallel=model_axis)
+    step, state, batch = build_train_step(config, spmd_mesh(devices, data, stages))
+    return step, state, batch, config
 
 
 def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tuple[Callable, Any, Any]:

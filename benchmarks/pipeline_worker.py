@@ -16,10 +16,13 @@ isolated task times are the pipeline's.
 Per case (``benchmarks.pipeline_cases.CASES``) and method (``METHODS``):
 
 1. compile and run one step (warm-up: compile, plan agreement, connections);
-2. one serialized traced step (``ParallelizedStep.trace(serialize=True)``:
-   each instruction runs alone), written to ``<trace-dir>/<case>-<method>-
-   serialized.json`` (``.p<i>`` per process): the parent reads each task's
-   isolated duration from it for the simulator's prediction;
+2. ``--serialized-steps`` serialized traced steps
+   (``ParallelizedStep.trace(serialize=True)``: each instruction runs alone),
+   written to ``<trace-dir>/<case>-<method>-serialized-<i>.json`` (``.p<i>``
+   per process): the parent takes each task's isolated duration, the median
+   over them, for the simulator's prediction; the last one's peak live bytes
+   per device are recorded (``live_bytes``, measured) with what
+   ``predict_live_bytes`` predicts from its profile (``predicted_live_bytes``);
 3. ``--repeat`` timed steps, each feeding the next the state it returned: a
    step's time runs from a barrier to this process's outputs being ready;
    the parent takes the max over processes, then the median over steps;
@@ -58,7 +61,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from benchmarks.pipeline_cases import CASES, METHODS, SINGLE_PROCESS_METHODS, build_step
+from benchmarks.pipeline_cases import CASES, METHODS, SINGLE_PROCESS_METHODS, SpmdBaseline, build_spmd_step, build_step
 from benchmarks.worker_records import RecordWriter
 
 # The stage meshes' data axis (``PipeshardParallel``'s default ``data_axis``, as ``build_step`` leaves it).
@@ -74,6 +77,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=[m.name for m in METHODS], choices=[m.name for m in METHODS])
     p.add_argument("--trace-methods", nargs="*", default=[], help="methods to trace as they normally run")
     p.add_argument("--repeat", type=int, default=5, help="timed steps per method")
+    p.add_argument("--serialized-steps", type=int, default=3,
+                   help="serialized traced steps per method, whose isolated task times the simulator takes "
+                        "the median of")
     p.add_argument("--link-rate", type=float, required=True, help="inter-host bytes/s, for the planner")
     p.add_argument("--single-process", action="store_true", help="8 CPU devices in this one process")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for each barrier and wait")
@@ -123,6 +129,12 @@ def schedule_spec(schedule) -> dict:
             "stage_mesh": list(schedule.stage_mesh), "num_micro_batches": schedule.num_micro_batches,
             "edges": [list(e) for e in schedule.edges],
             "weight_delays": None if schedule.weight_delays is None else list(schedule.weight_delays)}
+
+
+def _bytes_record(live_bytes) -> dict:
+    """A ``LiveBytes`` as JSON: per device id, the peak total and activation bytes."""
+    return {"total": {str(d): n for d, n in live_bytes.total.items()},
+            "activations": {str(d): n for d, n in live_bytes.activations.items()}}
 
 
 def _transfer_estimates(executable, method, cluster) -> list[dict]:
@@ -216,12 +228,53 @@ def move_link_bytes(executable, host_of: Callable[[int], int]) -> int | None:
     return total
 
 
+def _run_spmd(args: argparse.Namespace, out: RecordWriter, case, method: SpmdBaseline, devices,
+              barrier: Callable[[str], None]) -> None:
+    """One SPMD baseline row: compile, one warm-up step, ``--repeat`` timed steps as for the
+    pipeline's rows; its bytes per device from XLA's memory analysis of the compiled step."""
+    import jax
+
+    from benchmarks.spmd_pipeline import bubble, memory_bytes_per_device
+    from meshpar.runtime.coordination import wait_ready
+
+    tag = f"{slug(case.name)}-{method.name}"
+    start = time.perf_counter()
+    step, state, batch, config = build_spmd_step(case, method, devices)
+    compiled = step.lower(state, batch).compile()
+
+    def run(state):
+        new_state, loss = compiled(state, batch)
+        wait_ready(jax.tree.leaves((new_state, loss)), args.timeout, f"{case.name} {method.name} step")
+        return new_state, loss
+
+    state, loss = run(state)
+    compile_s = time.perf_counter() - start
+    times = []
+    for i in range(args.repeat):
+        barrier(f"{tag}/{i}")
+        t0 = time.perf_counter()
+        state, loss = run(state)
+        times.append(time.perf_counter() - t0)
+    memory = memory_bytes_per_device(compiled)
+    out.write({
+        "kind": "method", "spmd": True, "model": case.model, "config": list(case.config), "case": case.name,
+        "method": method.name, "batch": case.batch, "step_times_s": times, "compile_s": compile_s,
+        "loss": float(loss) if loss.is_fully_addressable else None, "num_micro_batches": case.micro_batches,
+        "repeats": method.repeats, "num_stages": config.stages, "bubble": bubble(case.micro_batches, method.repeats,
+                                                                                  config.stages),
+        "memory": memory,
+    })
+    print(f"process {jax.process_index()}: {case.name} {method.name}: compile+first step {compile_s:.1f} s, "
+          f"steps {[round(t * 1e3) for t in times]} ms", flush=True)
+
+
 def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     import jax
 
     import meshpar
     from benchmarks.emulated_cluster import interface_counters
     from meshpar.passes.pipeline.edge_transfer import TransferKind
+    from meshpar.passes.simulation.live_bytes import predict_live_bytes
     from meshpar.runtime.coordination import kv_client, wait_ready
 
     me, nproc = jax.process_index(), jax.process_count()
@@ -240,11 +293,15 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
         hosts, per_host = case.hosts
         if nproc > 1 and nproc != hosts:
             raise ValueError(f"case {case.name!r} runs on {hosts} hosts, but this cluster has {nproc}")
-        # The case's hosts: the real processes, or emulated inside one.
+        # The case's hosts: the real processes, or emulated inside one on its first devices.
         host_of = (lambda d: d.id // per_host) if nproc == 1 else None
-        cluster = meshpar.Cluster.from_devices(devices, host_of=host_of, inter_host_bandwidth=args.link_rate)
+        case_devices = devices[:hosts * per_host] if nproc == 1 else devices
+        cluster = meshpar.Cluster.from_devices(case_devices, host_of=host_of, inter_host_bandwidth=args.link_rate)
         for method in (m for m in methods if m.name in case.methods):
             tag = f"{slug(case.name)}-{method.name}"
+            if isinstance(method, SpmdBaseline):
+                _run_spmd(args, out, case, method, case_devices, barrier)
+                continue
             start = time.perf_counter()
             step, state, batch = build_step(case, method, cluster, args.timeout)
             executable = step.get_executable(state, batch)
@@ -256,8 +313,11 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
 
             state, loss = run(state)
             compile_s = time.perf_counter() - start
-            barrier(f"{tag}/serialized")
-            step.trace(os.path.join(args.trace_dir, f"{tag}-serialized.json"), state, batch, serialize=True)
+            serialized, traced = [], None
+            for i in range(args.serialized_steps):
+                barrier(f"{tag}/serialized/{i}")
+                serialized.append(f"{tag}-serialized-{i}.json")
+                _, traced = step.trace(os.path.join(args.trace_dir, serialized[-1]), state, batch, serialize=True)
             times, before, link_bytes = [], None, None
             for i in range(args.repeat):
                 barrier(f"{tag}/{i}")
@@ -285,7 +345,9 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
                 "schedule": schedule_spec(schedule),
                 "transfers": _transfer_estimates(executable, method, cluster),
                 "peak_live_activations": executable.peak_live_activations,
-                "serialized_trace": f"{tag}-serialized.json",
+                "serialized_traces": serialized,
+                "live_bytes": _bytes_record(traced.live_bytes),
+                "predicted_live_bytes": _bytes_record(predict_live_bytes(executable.program, traced.memory_profile)),
                 "gradient_reduction": method.gradient_reduction, "link_bytes": link_bytes, "gradients": gradient_stages(executable, cluster.host_of),
                 "per_step_stages": per_step_stages(executable),
                 "move_link_bytes": move_link_bytes(executable, cluster.host_of),

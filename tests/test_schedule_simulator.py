@@ -7,7 +7,9 @@ import pytest
 
 from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
-from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate, stage_seconds_from
+from meshpar.passes.simulation.schedule_simulator import (
+    StageSeconds, TaskDurations, simulate, stage_seconds_from, transfer_seconds_from,
+)
 from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent
 from meshpar.passes.pipeline.weight_delay import max_delay, weight_delays
 
@@ -318,6 +320,32 @@ def test_stage_seconds_from_a_simulated_step_gives_back_its_durations():
     assert stage_seconds_from(split.timeline, 2) == durations.stages
     whole = simulate(make_schedule("1f1b", 2, 4, [(0, 1)]), durations)
     assert stage_seconds_from(whole.timeline, 2) == (StageSeconds(1, 5, 2.5, 2.5), StageSeconds(0.5, 4, 2, 2))
+
+
+def test_stage_seconds_pool_several_steps_and_transfers_take_medians():
+    first = Timeline((_event(F, 0, 0, 0, 1), _event(B, 0, 0, 1, 3), _event(A, 0, 0, 1, 2, dst=1),
+                      _event(G, 0, 0, 5, 5.5, dst=0)), "measured")
+    second = Timeline((_event(F, 0, 0, 0, 9), _event(B, 0, 0, 9, 11), _event(A, 0, 0, 1, 4, dst=1)), "measured")
+    third = Timeline((_event(F, 0, 0, 0, 2), _event(B, 0, 0, 2, 8), _event(A, 0, 0, 1, 1.5, dst=1)), "measured")
+    # Forwards 1, 9, 2 and backwards 2, 2, 6: the outlier step moves neither median.
+    assert stage_seconds_from([first, second, third], 1) == (StageSeconds(2, 2, 1, 1),)
+    assert transfer_seconds_from([first, second, third], 2) == ((1.0, None), (0.5, None))
+
+
+def test_meshes_sharing_cores_compute_in_turn():
+    """Two meshes on one group of cores: no two compute tasks overlap, so with free transfers
+    the step is every task's compute summed; on their own cores it is shorter."""
+    durations = TaskDurations((_stage(1, 1, 1), _stage(2, 1, 1)), (0.0,), (0.0,))
+    schedule = make_schedule("1f1b", 2, 4, [(0, 1)])
+    shared = simulate(schedule, durations, cores=[0, 0])
+    compute = [e for e in shared.timeline.events if e.task.kind.is_compute]
+    for a in compute:
+        assert not any(b is not a and a.start < b.end and b.start < a.end for b in compute), a
+    assert shared.step_seconds == pytest.approx(4 * (1 + 2) + 4 * (2 + 2))
+    assert simulate(schedule, durations).step_seconds < shared.step_seconds
+    assert simulate(schedule, durations, cores=[0, 1]).step_seconds == simulate(schedule, durations).step_seconds
+    with pytest.raises(ValueError, match=r"cores: expected one group per mesh \(2\), got 1"):
+        simulate(schedule, durations, cores=[0])
 
 
 def test_stage_seconds_from_names_a_stage_without_forwards():

@@ -7,7 +7,9 @@ latest of the ends of its data dependencies (``task_dependencies``) and the
 time its lanes become free, and ends its duration later.
 
 - Compute tasks (F, B, I, W) of stage ``s`` hold ``Lane(COMPUTE, mesh)``, the mesh
-  ``schedule.stage_mesh`` places it on (stages sharing a mesh share its lane).
+  ``schedule.stage_mesh`` places it on (stages sharing a mesh share its lane);
+  meshes whose devices share cores (``simulate``'s ``cores``: one process's
+  CPU devices) share one lane.
 - A transfer on edge ``e = (producer, consumer)`` goes producer -> consumer
   (``SEND_ACT``) or consumer -> producer (``SEND_GRAD``). With ``overlap``
   (point-to-point moves and ``jax.device_put``, which run beside compute) it
@@ -46,7 +48,8 @@ from ..pipeline.pipeline_schedule import PipelineSchedule
 from ..pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
 from .timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 
-__all__ = ["StageSeconds", "TaskDurations", "SimulatedStep", "simulate", "stage_seconds_from"]
+__all__ = ["StageSeconds", "TaskDurations", "SimulatedStep", "simulate", "stage_seconds_from",
+           "transfer_seconds_from"]
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
@@ -153,12 +156,15 @@ def _event_lane(task: Task, schedule: PipelineSchedule) -> Lane:
     return Lane(LaneKind.COMPUTE, schedule.stage_mesh[task.where]) if task.kind.is_compute else _link(task, schedule)
 
 
-def _held_lanes(task: Task, schedule: PipelineSchedule, overlap: bool) -> tuple[Lane, ...]:
-    """The lanes ``task`` needs free to start and keeps busy until it ends."""
+def _held_lanes(task: Task, schedule: PipelineSchedule, overlap: bool, cores: Sequence[int]) -> tuple[Lane, ...]:
+    """The lanes ``task`` needs free to start and keeps busy until it ends: a mesh's compute holds
+    the compute lane of its group of cores (``cores[mesh]``)."""
     lane = _event_lane(task, schedule)
-    if task.kind.is_compute or overlap or lane.src == lane.dst:
+    if task.kind.is_compute:
+        return (Lane(LaneKind.COMPUTE, cores[lane.src]),)
+    if overlap or lane.src == lane.dst:
         return (lane,)
-    return (Lane(LaneKind.COMPUTE, lane.src), Lane(LaneKind.COMPUTE, lane.dst))
+    return (Lane(LaneKind.COMPUTE, cores[lane.src]), Lane(LaneKind.COMPUTE, cores[lane.dst]))
 
 
 def _check_sizes(schedule: PipelineSchedule, durations: TaskDurations) -> None:
@@ -183,8 +189,8 @@ def _last_gradient_tasks(schedule: PipelineSchedule) -> dict[int, int]:
     return last
 
 
-def _events(schedule: PipelineSchedule, durations: TaskDurations,
-            overlap: bool) -> tuple[list[TimelineEvent], dict[int, tuple[float, float]]]:
+def _events(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool,
+            cores: Sequence[int]) -> tuple[list[TimelineEvent], dict[int, tuple[float, float]]]:
     """Every task of the launch order, timed in one walk, and per mesh its per-step reduction's
     ``(start, end)`` (module doc; none when ``durations.reduction`` is empty)."""
     end: dict[Task, float] = {}
@@ -193,7 +199,7 @@ def _events(schedule: PipelineSchedule, durations: TaskDurations,
     reduce_after = {p: mesh for mesh, p in _last_gradient_tasks(schedule).items()} if durations.reduction else {}
     reductions = {}
     for position, task in enumerate(schedule.order):
-        held = _held_lanes(task, schedule, overlap)
+        held = _held_lanes(task, schedule, overlap, cores)
         ready = [end[d] for d in task_dependencies(task, schedule.edges, schedule.split_backward)]
         start = max(ready + [free.get(lane, 0.0) for lane in held])
         end[task] = start + durations.seconds(task)
@@ -204,7 +210,7 @@ def _events(schedule: PipelineSchedule, durations: TaskDurations,
             # Launched right behind the gradient task on its lane, so it starts as that task
             # ends, and whatever the mesh runs next (a blocking transfer) waits for it.
             mesh = reduce_after[position]
-            lane = Lane(LaneKind.COMPUTE, mesh)
+            lane = Lane(LaneKind.COMPUTE, cores[mesh])
             reductions[mesh] = (free[lane], free[lane] + durations.reduction[mesh])
             free[lane] = reductions[mesh][1]
     return events, reductions
@@ -229,16 +235,26 @@ def _peaks(events: Iterable[TimelineEvent], num_stages: int, opens: TaskKind, cl
     return tuple(peaks)
 
 
-def simulate(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool = True) -> SimulatedStep:
+def simulate(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool = True,
+             cores: Sequence[int] | None = None) -> SimulatedStep:
     """``schedule``'s step with task ``durations`` (module doc); ``overlap=False`` runs every
     transfer as a collective that blocks both its stages.
 
+    ``cores``: per mesh, the group of cores its compute runs on; meshes of one group compute one
+    at a time, as one process's meshes on a CPU do (its devices share the machine's cores: two
+    meshes computing at once each run at about half speed, which costs the step what running
+    them in turn does). ``None``: each mesh computes on its own (hosts, GPUs).
+
     Raises:
       ValueError: ``durations`` not sized to ``schedule``'s stages, edges and (its
-        ``reduction``, unless empty) meshes.
+        ``reduction``, unless empty) meshes, or ``cores`` not one per mesh.
     """
     _check_sizes(schedule, durations)
-    events, reduction_spans = _events(schedule, durations, overlap)
+    if cores is None:
+        cores = range(schedule.num_meshes)
+    elif len(cores) != schedule.num_meshes:
+        raise ValueError(f"cores: expected one group per mesh ({schedule.num_meshes}), got {len(cores)}")
+    events, reduction_spans = _events(schedule, durations, overlap, cores)
     timeline = timeline_of(events, "simulated")
     # Every mesh runs a backward of each of its stages, so each has a reduction once any is priced.
     reductions = tuple((start - timeline.origin, end - timeline.origin)
@@ -272,8 +288,14 @@ def _stage_seconds(stage: int, measured: dict[tuple[int, TaskKind], list[float]]
     return StageSeconds(forward, backward_input + backward_weight, backward_input, backward_weight)
 
 
-def stage_seconds_from(timeline: Timeline, num_stages: int) -> tuple[StageSeconds, ...]:
-    """Per stage, the median duration of each kind of compute task in (a measured) ``timeline``.
+def _timelines(timelines: Timeline | Sequence[Timeline]) -> Sequence[Timeline]:
+    return (timelines,) if isinstance(timelines, Timeline) else timelines
+
+
+def stage_seconds_from(timelines: Timeline | Sequence[Timeline], num_stages: int) -> tuple[StageSeconds, ...]:
+    """Per stage, the median duration of each kind of compute task in (measured) ``timelines``:
+    one step's, or several steps' pooled (on one core, one step's isolated times vary by tens of
+    percent from one step to the next; the median over several is what a step costs).
 
     A whole backward's input and weight passes are each estimated as half of
     it; a split one's whole backward is the sum of its two passes.
@@ -282,7 +304,27 @@ def stage_seconds_from(timeline: Timeline, num_stages: int) -> tuple[StageSecond
       ValueError: naming a stage without forward (or backward) events.
     """
     measured: dict[tuple[int, TaskKind], list[float]] = {}
-    for e in timeline.events:
-        if e.task.kind.is_compute:
-            measured.setdefault((e.task.where, e.task.kind), []).append(e.end - e.start)
+    for timeline in _timelines(timelines):
+        for e in timeline.events:
+            if e.task.kind.is_compute:
+                measured.setdefault((e.task.where, e.task.kind), []).append(e.end - e.start)
     return tuple(_stage_seconds(s, measured) for s in range(num_stages))
+
+
+def transfer_seconds_from(timelines: Timeline | Sequence[Timeline],
+                          num_edges: int) -> tuple[tuple[float | None, ...], tuple[float | None, ...]]:
+    """Per edge, the median duration of its activation and of its cotangent transfers in
+    (measured, serialized) ``timelines``: what a move takes alone, its latency included.
+    ``None`` for an edge with no such event (a value with no cotangent; a move no process
+    here received)."""
+    measured: dict[tuple[int, TaskKind], list[float]] = {}
+    for timeline in _timelines(timelines):
+        for e in timeline.events:
+            if not e.task.kind.is_compute:
+                measured.setdefault((e.task.where, e.task.kind), []).append(e.end - e.start)
+
+    def median(edge: int, kind: TaskKind) -> float | None:
+        return statistics.median(measured[(edge, kind)]) if (edge, kind) in measured else None
+
+    return (tuple(median(e, TaskKind.SEND_ACT) for e in range(num_edges)),
+            tuple(median(e, TaskKind.SEND_GRAD) for e in range(num_edges)))
