@@ -138,26 +138,15 @@ def _bytes_record(live_bytes) -> dict:
 
 
 def _transfer_estimates(executable, method, cluster) -> list[dict]:
-    """Per transfer of the program: what it is and the planner's estimated seconds (none for an edge
-    between two stages of one mesh)."""
-    from meshpar.passes.pipeline.edge_transfer import Direction, TransferKind
-    from meshpar.reshard import plan_between
+    """Per transfer of the program: what it is and the planner's estimated seconds
+    (``meshpar.planning.estimated_transfer_s``)."""
+    from meshpar.passes.pipeline.edge_transfer import Direction
+    from meshpar.planning import estimated_transfer_s
 
-    out = []
-    for t in executable.program.transfers:
-        num_bytes = t.dtype.itemsize * math.prod(t.shape)
-        if t.kind is TransferKind.LOCAL:
-            seconds = 0.0  # both stages on one mesh (virtual stages): the value does not move
-        elif t.kind is TransferKind.SIGNAL:
-            seconds = cluster.latency + 1 / cluster.inter_host_bandwidth
-        elif t.kind is TransferKind.DEVICE_PUT:
-            seconds = num_bytes / cluster.intra_host_bandwidth
-        else:
-            seconds = plan_between(t.shape, t.dtype, t.src, t.dst, strategy=method.resharding,
-                                   balancer="ensemble", cluster=cluster).estimated_time
-        out.append({"edge": t.edge, "activation": t.direction is Direction.ACTIVATION,
-                    "bytes": num_bytes, "seconds": seconds})
-    return out
+    return [{"edge": t.edge, "activation": t.direction is Direction.ACTIVATION,
+             "bytes": t.dtype.itemsize * math.prod(t.shape),
+             "seconds": estimated_transfer_s(t, cluster, method.resharding)}
+            for t in executable.program.transfers]
 
 
 def gradient_stages(executable, host_of: Callable[[int], int]) -> list[dict]:

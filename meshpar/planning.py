@@ -8,6 +8,7 @@ runs as planned with ``parallelize(step, method=plan.method)``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +23,9 @@ from meshpar.cluster import Cluster
 from meshpar.batch_arguments import batch_size
 from meshpar.grad_call import find_grad_call
 from meshpar.nnx_state import has_variables, partition_specs
+from meshpar.passes.pipeline.edge_transfer import Direction, EdgeTransfer, TransferKind
 from meshpar.passes.pipeline.pipeline_options import GRADIENT_REDUCTIONS
+from meshpar.passes.pipeline.pipeline_tasks import TaskKind
 from meshpar.passes.simulation.cost_model import DEVICE_FLOPS
 from meshpar.passes.planning.hlo_collectives import all_reduce_equivalent_bytes
 from meshpar.passes.planning.layer_profile import ModelProfile
@@ -34,12 +37,15 @@ from meshpar.passes.planning.profile_layers import profile_layers
 from meshpar.passes.pipeline.layer_clustering import insert_layer_markers, max_layers
 from meshpar.passes.pipeline.stage_graph import count_markers, split_stages
 from meshpar.pipeshard_parallel import PipeshardParallel
+from meshpar.reshard import plan_between
+from meshpar.runtime.step_trace import StepRecorder
 from meshpar.step_compiler import compile_step, leaf_dtype
 
 # Layers a loss without stage markers is cut into for planning.
 AUTO_LAYERS = 8
 
-__all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "calibrate", "profile_step",
+__all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism", "measure_hardware", "calibrate", "calibrate_pipeline",
+           "estimated_transfer_s", "profile_step",
            "compiled_tensor_parallel"]
 
 def _amp(profile: ModelProfile, cluster: Cluster, hardware: Hardware, budget: float | None, stages: int | None,
@@ -212,6 +218,80 @@ def calibrate(hardware: Hardware, fun: Callable, args: Sequence[Any], batch_argn
     return dataclasses.replace(hardware, compute_scale=float(np.median(times)) / predicted.predicted_step_s)
 
 
+def estimated_transfer_s(transfer: EdgeTransfer, cluster: Cluster, strategy: str = "broadcast") -> float:
+    """What the planner's cost model says one micro-batch of ``transfer`` takes on ``cluster``:
+    nothing between two stages of one mesh, a byte's worth for a signal, the bytes at the host's
+    copy rate for a ``jax.device_put``, the resharding plan's estimate otherwise."""
+    num_bytes = transfer.dtype.itemsize * math.prod(transfer.shape)
+    if transfer.kind is TransferKind.LOCAL:
+        return 0.0
+    if transfer.kind is TransferKind.SIGNAL:
+        return cluster.latency + 1 / cluster.inter_host_bandwidth
+    if transfer.kind is TransferKind.DEVICE_PUT:
+        return num_bytes / cluster.intra_host_bandwidth
+    return plan_between(transfer.shape, transfer.dtype, transfer.src, transfer.dst, strategy=strategy,
+                        balancer="ensemble", cluster=cluster).estimated_time
+
+
+def calibrate_pipeline(hardware: Hardware, fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
+                       devices: Sequence[Any], cluster: Cluster, profile: ModelProfile,
+                       repeats: int = 3) -> tuple[Hardware, dict[str, float]]:
+    """``hardware`` with ``move_s`` and ``task_s`` fitted to one measured pipeline: the step cut
+    in two stages of half the layers, each on half the ``devices`` as a ``(data, 1)`` mesh, two
+    micro-batches under 1F1B (the smallest pipeline that has every cost a one-program step
+    lacks: per-task launches, moves between meshes, per-stage updates).
+
+    ``move_s`` is the median over the moves of a serialized step (each move alone) of its time
+    minus ``estimated_transfer_s``; ``task_s`` then makes ``predict`` give the pipeline's
+    measured step (the median of ``repeats``), by bisection (the prediction grows with it),
+    0 when the prediction without it is already as slow.
+
+    Returns:
+      The hardware and what was measured (``measured_step_s``, ``predicted_before_s``,
+      ``move_s``, ``task_s``); unchanged, with ``{}``, when the step cannot be cut so (fewer
+      than two layers or devices, a batch that does not split over the devices, arguments that
+      are only shapes).
+    """
+    n, L = len(devices), profile.num_layers
+    if (n < 2 or n % 2 or L < 2 or profile.batch_size % n
+            or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tuple(args)))):
+        return hardware, {}
+    stages = [StagePlan(0, L // 2, (n // 2, 1)), StagePlan(L // 2, L, (n // 2, 1))]
+    plan = ParallelismPlan(predict(profile, cluster, hardware, stages, 2, "1f1b"), (), profile, tuple(devices),
+                           cluster, 0.0, tuple(batch_argnums))
+    leaves, in_tree = jax.tree.flatten(tuple(args))
+    executable = compile_step(fun, plan.method_with(single_program=False), tuple(args), leaves, in_tree).executable
+    jax.block_until_ready(executable(leaves))
+    with StepRecorder(executable.program, executable.mesh_local, serialize=True) as recorder:
+        jax.block_until_ready(executable(leaves, recorder))
+        timeline = recorder.timeline()
+    transfers = {(t.edge, t.direction is Direction.ACTIVATION): t for t in executable.program.transfers}
+    gaps = [e.end - e.start - estimated_transfer_s(transfers[(e.task.where, e.task.kind is TaskKind.SEND_ACT)],
+                                                   cluster)
+            for e in timeline.events if e.task.kind in (TaskKind.SEND_ACT, TaskKind.SEND_GRAD)]
+    move_s = max(0.0, float(np.median(gaps))) if gaps else 0.0
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(executable(leaves))
+        times.append(time.perf_counter() - start)
+    measured = float(np.median(times))
+
+    def predicted(task_s: float) -> float:
+        fitted = dataclasses.replace(hardware, move_s=move_s, task_s=task_s)
+        return predict(profile, cluster, fitted, stages, 2, "1f1b").predicted_step_s
+
+    low, high = 0.0, measured
+    if predicted(low) < measured:
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (mid, high) if predicted(mid) < measured else (low, mid)
+    task_s = (low + high) / 2 if predicted(0.0) < measured else 0.0
+    return dataclasses.replace(hardware, move_s=move_s, task_s=task_s), {
+        "measured_step_s": measured, "predicted_before_s": plan.best.predicted_step_s, "move_s": move_s,
+        "task_s": task_s}
+
+
 def compiled_tensor_parallel(profile: ModelProfile, fun: Callable, args: Sequence[Any],
                              batch_argnums: Sequence[int], devices: Sequence[Any]) -> tuple[ModelProfile, float]:
     """``profile`` with its tensor-parallel bytes as XLA compiles them: the step is compiled
@@ -312,8 +392,9 @@ def plan_parallelism(
       planner: a key of ``PLANNERS``.
       batch_argnums: positions of the batch arguments (default the parallelized step's, or (1,));
         checked (``meshpar.batch_arguments``) and kept in the plan's ``method``.
-      hardware: device FLOP/s; default measured (``measure_hardware``) and calibrated on the
-        step itself run as plain data parallelism (``calibrate``).
+      hardware: device FLOP/s; default measured (``measure_hardware``), calibrated on the
+        step itself run as plain data parallelism (``calibrate``), then its per-task and
+        per-move costs fitted on the step run as a two-stage pipeline (``calibrate_pipeline``).
       num_stages, num_micro_batches: fix one instead of planning it.
       schedules: the schedules to choose among.
       gradient_reduction: how the plan's step reduces gradients over the data axis
@@ -342,6 +423,7 @@ def plan_parallelism(
     if hardware is None:
         hardware = calibrate(measure_hardware(devices), fun, example_args, tuple(batch_argnums), devices, cluster,
                              profile)
+        hardware, _ = calibrate_pipeline(hardware, fun, example_args, tuple(batch_argnums), devices, cluster, profile)
     start = time.perf_counter()
     plans = PLANNERS[planner](profile, cluster, hardware, memory_budget_bytes, num_stages, num_micro_batches,
                               tuple(schedules), gradient_reduction)

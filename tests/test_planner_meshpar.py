@@ -231,6 +231,41 @@ def test_auto_plans_on_the_first_call_and_equals_jit(capsys):
         meshpar.PipeshardParallel(num_stages="auto", cut_points=(1,))
 
 
+def test_pipeline_calibration_fits_the_measured_two_stage_step():
+    """The fitted per-task and per-move costs make the planner predict the pipeline it measured;
+    a one-program plan pays neither, and each adds to every pipelined plan's step."""
+    from meshpar.planning import calibrate_pipeline, profile_step
+
+    model = MLP(features=(64, 64, 64, 64, 4), num_stages=4)
+    rng = np.random.default_rng(3)
+    batch = {"x": rng.standard_normal((32, 16)).astype(np.float32), "y": rng.standard_normal((32, 4)).astype(np.float32)}
+    state = make_state(model, batch["x"][:1])
+    step = supervised_step(mse)
+    devices = jax.devices()[:4]
+    cluster = Cluster.from_devices(list(devices))
+    profile = profile_step(step, (state, batch), (1,))
+    hardware = Hardware(1e11, total_flops=2e11)
+    fitted, measured = calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile)
+    assert fitted.task_s > 0 and fitted.move_s >= 0 and fitted.compute_scale == hardware.compute_scale
+    assert measured["task_s"] == fitted.task_s and measured["move_s"] == fitted.move_s
+    two = [StagePlan(0, 2, (2, 1)), StagePlan(2, 4, (2, 1))]
+    assert predict(profile, cluster, fitted, two, 2, "1f1b").predicted_step_s == pytest.approx(
+        measured["measured_step_s"], rel=1e-3)
+    assert predict(profile, cluster, hardware, two, 2, "1f1b").predicted_step_s == pytest.approx(
+        measured["predicted_before_s"])
+    whole = [StagePlan(0, 4, (4, 1))]
+    assert predict(profile, cluster, fitted, whole, 1, "1f1b").predicted_step_s == pytest.approx(
+        predict(profile, cluster, hardware, whole, 1, "1f1b").predicted_step_s)
+    for M in (2, 4):
+        assert predict(profile, cluster, fitted, two, M, "1f1b").predicted_step_s > predict(
+            profile, cluster, hardware, two, M, "1f1b").predicted_step_s
+    # Shapes alone cannot be measured: unchanged.
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), (state, batch))
+    assert calibrate_pipeline(hardware, step, shapes, (1,), devices, cluster, profile) == (hardware, {})
+    with pytest.raises(ValueError, match="task_s"):
+        Hardware(1e9, task_s=-1.0)
+
+
 @pytest.mark.parametrize("planner", ["amp", "galvatron", "alpa_dp"])
 def test_the_baseline_planners_picks_run_and_equal_jit(planner):
     model = MLP(features=(16, 16, 16, 16, 4), num_stages=4)

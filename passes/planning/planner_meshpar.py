@@ -72,19 +72,28 @@ class Hardware:
     ``dispatch_s`` host seconds to launch one task (the runtime launches every task of a step
     from one thread, so no step is faster than its launches); ``compute_scale`` multiplies
     every compute estimate: a model's measured step over its FLOP-and-op estimate on this
-    machine (what fusion and memory traffic make of its FLOPs), 1 when not calibrated."""
+    machine (what fusion and memory traffic make of its FLOPs), 1 when not calibrated;
+    ``task_s`` the seconds each compute task of a pipeline (a forward or a backward of one
+    stage and micro-batch) costs beyond its compute (launching it, its operands and results,
+    its share of the stage's update), and ``move_s`` the seconds each move between two stage
+    meshes costs beyond its bytes (its latency): 0 until fitted on a measured pipeline
+    (``meshpar.planning.calibrate_pipeline``). A step of one stage and one micro-batch runs as
+    one program and pays neither."""
 
     device_flops: float
     total_flops: float = math.inf
     dispatch_s: float = 0.0
     op_s: tuple[float, float] = (0.0, 0.0)
     compute_scale: float = 1.0
+    task_s: float = 0.0
+    move_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (not self.device_flops > 0 or not self.total_flops > 0 or not self.dispatch_s >= 0
-                or len(self.op_s) != 2 or not min(self.op_s) >= 0 or not self.compute_scale > 0):
-            raise ValueError(f"device_flops, total_flops, dispatch_s, op_s: expected positive FLOP/s and seconds "
-                             f">= 0, got {self}")
+                or len(self.op_s) != 2 or not min(self.op_s) >= 0 or not self.compute_scale > 0
+                or not self.task_s >= 0 or not self.move_s >= 0):
+            raise ValueError(f"device_flops, total_flops, dispatch_s, op_s, task_s, move_s: expected positive "
+                             f"FLOP/s and seconds >= 0, got {self}")
 
     def op_seconds(self, num_devices: int) -> float:
         """Seconds one operation of a program on ``num_devices`` devices takes besides its
@@ -264,7 +273,12 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
             edge_bytes[(src, dst)] = edge_bytes.get((src, dst), 0.0) + value.bytes_per_example * b
     edges = sorted(edge_bytes)
     times = [_edge_seconds(cluster, meshes[p], meshes[c], stages[p].shape, stages[c].shape, edge_bytes[(p, c)], b)
-             for p, c in edges]
+             + hardware.move_s for p, c in edges]
+    pipelined = not S == M == 1
+    if pipelined and hardware.task_s:
+        seconds = [StageSeconds(st.forward + hardware.task_s, st.backward + hardware.task_s,
+                                st.backward_input + hardware.task_s, st.backward_weight + hardware.task_s)
+                   for st in seconds]
     simulated = simulate(make_schedule(schedule, S, M, edges),
                          TaskDurations(tuple(seconds), tuple(times), tuple(times)), overlap=True)
     step = simulated.step_seconds
@@ -272,12 +286,13 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
               for st, live in zip(stages, simulated.peak_live_activations)]
     # Compute and transfer tasks, then each stage's update; one stage and one micro-batch run
     # as one program (PipeshardParallel.single_program).
-    launches = 1 if S == M == 1 else M * (2 * S + 2 * len(edges)) + 2 * S
+    launches = M * (2 * S + 2 * len(edges)) + 2 * S if pipelined else 1
     step = max(step + after, launches * hardware.dispatch_s)
     if hardware.shared:
         work = 3.0 * float(pre.flops[-1]) * profile.batch_size / hardware.total_flops + 3.0 * M * sum(
             pre.span(pre.ops, st.start, st.stop) * hardware.op_seconds(st.shape[0] * st.shape[1]) for st in stages)
-        step = max(step, work * hardware.compute_scale)
+        # A task's overhead is work of the shared cores too.
+        step = max(step, work * hardware.compute_scale + (2 * M * S * hardware.task_s if pipelined else 0.0))
     return PipelinePlan(tuple(stages), M, schedule, step, tuple(memory), planner)
 
 
