@@ -159,8 +159,8 @@ def run_cpu(args, emit) -> None:
     import meshpar
     from examples.train_step import supervised_step
     from meshpar.cluster import Cluster
-    from meshpar.planning import (PLANNERS, ParallelismPlan, calibrate, compiled_tensor_parallel, measure_hardware,
-                                  plan_parallelism, profile_step)
+    from meshpar.planning import (PLANNERS, ParallelismPlan, calibrate, calibrate_pipeline, compiled_tensor_parallel,
+                                  measure_hardware, plan_parallelism, profile_step)
 
     devices = tuple(jax.devices())
     cluster = Cluster.from_devices(list(devices))
@@ -176,8 +176,10 @@ def run_cpu(args, emit) -> None:
         # does, and shared by every planner.
         profile, tp_scale = compiled_tensor_parallel(profile, step, (state, batch), (1,), devices)
         hardware = calibrate(measured_hardware, step, (state, batch), (1,), devices, cluster, profile)
+        hardware, pipeline = calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile)
         emit({"part": "cpu", "model": name, "config": "hardware", "source": "calibrated",
-              "compute_scale": hardware.compute_scale, "tp_bytes_scale": tp_scale})
+              "compute_scale": hardware.compute_scale, "tp_bytes_scale": tp_scale, "task_s": hardware.task_s,
+              "move_s": hardware.move_s, "calibration_pipeline": pipeline})
         measured: dict[str, float] = {}
         runs: dict[str, tuple] = {}
 
