@@ -64,6 +64,11 @@ per_step         once per step, of the accumulated partial sums
 per_micro_batch  in every micro-batch's backward
 ===============  ===============================================
 
+``ours_remat`` (the SPMD comparison only) is ``ours`` on the same GPT with
+its blocks in one ``nn.scan`` under ``nn.remat``, as the SPMD baseline
+recomputes its blocks: each stage keeps only its blocks' inputs for the
+backward, so activation bytes compare like for like.
+
 ``collective`` runs each transfer as one program over both meshes, so it
 holds both meshes' devices until it ends (the paper's baselines do not
 overlap communication with compute); ``auto`` is asynchronous
@@ -99,7 +104,7 @@ PAPER_METHODS = ("send_recv", "alpa", "broadcast", "overlap", "ours", "zb_h1", "
 GRADIENT_METHODS = ("per_step", "per_micro_batch")
 # Issue 24: our schedules beside the stock-JAX circular SPMD pipeline (R = 1 and 2).
 SPMD_METHODS = ("spmd_circular", "spmd_circular_r2")
-SPMD_COMPARISON = ("overlap", "ours", "zb_h1", "interleaved", *SPMD_METHODS)
+SPMD_COMPARISON = ("overlap", "ours", "ours_remat", "zb_h1", "interleaved", *SPMD_METHODS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +142,7 @@ class Method:
     executor: str
     stages_per_mesh: int = 1
     gradient_reduction: str = "per_step"
+    remat: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +174,7 @@ METHODS = (
     Method("zb_h1", "broadcast", "zb_h1", False, "auto"),
     Method("interleaved", "broadcast", "interleaved_1f1b", False, "auto", stages_per_mesh=2),
     Method("upper_bound", "signal", "eager_1f1b", "auto", "auto"),
+    Method("ours_remat", "broadcast", "eager_1f1b", "auto", "auto", remat=True),
     Method("per_step", "broadcast", "1f1b", False, "auto", gradient_reduction="per_step"),
     Method("per_micro_batch", "broadcast", "1f1b", False, "auto", gradient_reduction="per_micro_batch"),
     SpmdBaseline("spmd_circular", repeats=1),
@@ -196,11 +203,12 @@ def build_spmd_step(case: Case, method: SpmdBaseline, devices: Any) -> tuple[Cal
     return step, state, batch, config
 
 
-def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tuple[Callable, Any, Any]:
+def build_step(case: Case, method: Method, cluster: Any, timeout_s: float,
+               devices: Any = None) -> tuple[Callable, Any, Any]:
     """``(step, state, batch)``: the parallelized train step (Adam), its initial state and a batch.
 
     The model is cut in ``pipeline * method.stages_per_mesh`` stages, placed on ``pipeline``
-    meshes of ``(data, model)`` devices.
+    meshes of ``(data, model)`` devices cut from ``devices`` (default all).
     """
     import jax
     import optax
@@ -214,7 +222,11 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
     if case.model in ("gpt", "gpt_tied"):
         from examples.gpt import GPT, gpt_batch, gpt_loss
 
-        net = GPT(num_stages=stages, **(GPT_SIZE if case.model == "gpt" else GPT_TIED_SIZE))
+        size = GPT_SIZE if case.model == "gpt" else GPT_TIED_SIZE
+        # With remat, as the SPMD baseline runs its blocks: one nn.scan with nn.remat inside,
+        # which meshpar cuts into the stages itself.
+        net = (GPT(**size, scan_layers=True, remat_blocks=True) if method.remat
+               else GPT(num_stages=stages, **size))
         batch = gpt_batch(0, case.batch, net.seq_len, net.vocab_size)
         loss_of = gpt_loss
     elif case.model == "u_transformer":
@@ -233,6 +245,7 @@ def build_step(case: Case, method: Method, cluster: Any, timeout_s: float) -> tu
         stage_mesh_shape=(data, model_axis),
         schedule=method.schedule, weight_delay=method.weight_delay, resharding=method.resharding,
         balancer="ensemble", executor=method.executor, cluster=cluster, timeout_s=timeout_s,
+        devices=None if devices is None else tuple(devices),
         gradient_reduction=method.gradient_reduction,
     )
     return meshpar.parallelize(supervised_step(loss_of), method=parallel), state, batch

@@ -292,7 +292,7 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
                 _run_spmd(args, out, case, method, case_devices, barrier)
                 continue
             start = time.perf_counter()
-            step, state, batch = build_step(case, method, cluster, args.timeout)
+            step, state, batch = build_step(case, method, cluster, args.timeout, case_devices)
             executable = step.get_executable(state, batch)
 
             def run(state):

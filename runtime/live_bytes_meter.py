@@ -68,8 +68,6 @@ class LiveBytesMeter:
         self._shared: dict[int, int] = {}
         self._resident_in_pipeline = [0] * len(self.mesh_devices)
         self._resident_peak = [0] * len(self.mesh_devices)
-        # Shard sizes by array identity, the array kept so its id is not reused while cached.
-        self._sizes: dict[int, tuple[Any, dict[int, int]]] = {}
 
     def around(self, held: Callable[[], Iterable[Any]]) -> None:
         """What the step holds outside the pipeline program: read at every sample (the
@@ -77,14 +75,9 @@ class LiveBytesMeter:
         self._held_around = held
 
     def _bytes(self, array: Any) -> dict[int, int]:
-        if not isinstance(array, jax.Array):
-            return {}  # host data (a numpy batch) holds no device memory
-        cached = self._sizes.get(id(array))
-        if cached is not None and cached[0] is array:
-            return {} if array.is_deleted() else cached[1]
-        sizes = device_bytes(array)
-        self._sizes[id(array)] = (array, sizes)
-        return sizes
+        # Not cached by identity: a cache would keep every sampled array alive, and the step
+        # would then hold (and allocate) memory it frees when not measured.
+        return device_bytes(array)
 
     def sample(self, resident: Iterable[Any] = (), activations: Mapping[BufferId, Any] | None = None) -> None:
         """One sample: ``resident`` arrays (and nested lists of them) besides what ``around``

@@ -257,7 +257,7 @@ def test_targets_compare_the_right_methods():
 
 def test_methods_are_the_papers_and_the_gradient_reductions():
     assert [m.name for m in METHODS] == ["send_recv", "alpa", "broadcast", "overlap", "ours", "zb_h1", "interleaved",
-                                         "upper_bound", "per_step", "per_micro_batch", *SPMD_METHODS]
+                                         "upper_bound", "ours_remat", "per_step", "per_micro_batch", *SPMD_METHODS]
     spmd = {m.name: m for m in METHODS if isinstance(m, SpmdBaseline)}
     assert {m.repeats for m in spmd.values()} == {1, 2} and set(spmd) == set(SPMD_METHODS)
     by = {m.name: m for m in METHODS if not isinstance(m, SpmdBaseline)}
@@ -265,6 +265,9 @@ def test_methods_are_the_papers_and_the_gradient_reductions():
     assert by["interleaved"].schedule == "interleaved_1f1b" and by["interleaved"].stages_per_mesh == 2
     assert by["interleaved"].executor == "auto" and by["interleaved"].weight_delay is False
     assert all(m.stages_per_mesh == 1 for m in METHODS if m.name != "interleaved")
+    # ours_remat is ours on the remat'd GPT, to compare activation bytes with the SPMD baseline's.
+    assert dataclasses.replace(by["ours_remat"], name="ours", remat=False) == by["ours"]
+    assert [m.name for m in METHODS if getattr(m, "remat", False)] == ["ours_remat"]
     assert by["upper_bound"].resharding == "signal"
     assert by["overlap"].executor == "auto" and by["broadcast"].executor == "collective"
     assert {m.name for m in SINGLE_PROCESS_METHODS} == set(by) - {"send_recv", "alpa"} | set(SPMD_METHODS)

@@ -343,6 +343,7 @@ def test_meshes_sharing_cores_compute_in_turn():
         assert not any(b is not a and a.start < b.end and b.start < a.end for b in compute), a
     assert shared.step_seconds == pytest.approx(4 * (1 + 2) + 4 * (2 + 2))
     assert simulate(schedule, durations).step_seconds < shared.step_seconds
+    assert shared.bubble_fraction == pytest.approx(0.0)  # the one group of cores never idles
     assert simulate(schedule, durations, cores=[0, 1]).step_seconds == simulate(schedule, durations).step_seconds
     with pytest.raises(ValueError, match=r"cores: expected one group per mesh \(2\), got 1"):
         simulate(schedule, durations, cores=[0])

@@ -126,8 +126,9 @@ class SimulatedStep:
       step_seconds: from the first task's start to the last one's (or per-step
         reduction's) end.
       bubble_fraction: ``1 - busy / (P * step_seconds)``, ``busy`` the seconds of compute
-        tasks and per-step reductions summed over meshes, ``P`` the meshes: the share of
-        mesh time spent idle or held by a transfer (0 for a step of no time). A reduction
+        tasks and per-step reductions summed over meshes, ``P`` the meshes (the groups of
+        cores they compute on, when they share some): the share of compute time spent idle
+        or held by a transfer (0 for a step of no time). A reduction
         counts as busy either way it runs: inside a backward or once per step.
       peak_live_activations: per stage, most micro-batches whose forward
         residuals are held at once.
@@ -265,7 +266,7 @@ def simulate(schedule: PipelineSchedule, durations: TaskDurations, overlap: bool
     S = schedule.num_stages
     return SimulatedStep(
         step_seconds=step,
-        bubble_fraction=1 - busy / (schedule.num_meshes * step) if step > 0 else 0.0,
+        bubble_fraction=1 - busy / (len(set(cores)) * step) if step > 0 else 0.0,
         peak_live_activations=_peaks(timeline.events, S, F, I if schedule.split_backward else B),
         peak_weight_states=_peaks(timeline.events, S, I, W),
         timeline=timeline,
