@@ -705,8 +705,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--png", help="write timeline figures into this directory")
     plottable = [c.name for c in CASES if set(PLOT_METHODS) <= set(c.methods)]
-    parser.add_argument("--png-case", default=plottable[-1], choices=plottable,
-                        help=f"the case whose timelines --png draws (default {plottable[-1]})")
+    default_png = "u_transformer (4, 1, 2)"
+    parser.add_argument("--png-case", default=default_png, choices=plottable,
+                        help=f"the case whose timelines --png draws (default {default_png})")
     parser.add_argument("--trace-dir", help="keep every traced step's Chrome trace here (default: discarded)")
     parser.add_argument("--no-emulated", action="store_true", help="skip the emulated cluster")
     parser.add_argument("--no-single-process", action="store_true", help="skip the single-process rows")
