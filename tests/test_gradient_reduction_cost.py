@@ -301,13 +301,17 @@ def _random_case(rng):
     """A random schedule (virtual stages, split backwards and delays included) on a chain, with
     random durations and per-mesh reductions (some zero)."""
     name = rng.choice(sorted(SCHEDULES))
-    if SCHEDULES[name].virtual_stages:
+    kind = SCHEDULES[name]
+    if kind.stages_per_mesh:
+        P = rng.randint(1, 3)
+        S, M = kind.stages_per_mesh * P, P * rng.randint(2, 3)
+    elif kind.virtual_stages:
         P = rng.randint(1, 3)
         S, M = P * rng.randint(2, 3), P * rng.randint(1, 3)
     else:
         S = P = rng.randint(1, 4)
         M = rng.randint(1, 5)
-    delays = None if name == "zb_h1" or rng.random() < 0.5 else [rng.randint(0, 3) for _ in range(P)]
+    delays = None if kind.places_weight_passes or rng.random() < 0.5 else [rng.randint(0, 3) for _ in range(P)]
     stages = []
     for _ in range(S):
         i, w = rng.uniform(0.1, 3), rng.uniform(0.1, 3)

@@ -106,7 +106,9 @@ def _interpret(program, quads):
     return peak
 
 
-CONFIGS = [(n, d) for n in sorted(SCHEDULES) if n != "zb_h1" for d in (None, 0, 1, 2)] + [("zb_h1", None)]
+ONE_PER_MESH = sorted(n for n, k in SCHEDULES.items() if k.stages_per_mesh is None)
+V_SCHEDULES = sorted(n for n, k in SCHEDULES.items() if k.stages_per_mesh == 2)
+CONFIGS = [(n, d) for n in ONE_PER_MESH if n != "zb_h1" for d in (None, 0, 1, 2)] + [("zb_h1", None)]
 SHAPES = [(_chain, "distinct"), (_chain, "extra"), (_u_shape, "distinct"), (_u_shape, "shared")]
 
 
@@ -129,6 +131,19 @@ def test_program_runs_and_holds_the_schedules_memory(name, delay, S, M, edges_of
         assert (best > 0) == (name == "zb_h1" or delay is not None)
 
 
+@pytest.mark.parametrize("edges_of,slots", SHAPES)
+@pytest.mark.parametrize("P,M", [(1, 2), (2, 4), (2, 6), (3, 6)])
+@pytest.mark.parametrize("name", V_SCHEDULES)
+def test_v_programs_run_and_hold_the_schedules_memory(name, P, M, edges_of, slots):
+    """2P stages on P meshes in a V: the program runs symbolically, every buffer freed, each
+    stage holding the residuals its schedule's order keeps alive."""
+    S = 2 * P
+    program, quads = _build(name, S, M, edges_of(S), None, slots, num_meshes=P)
+    peak = _interpret(program, quads)
+    for s in range(S):
+        assert peak[BufferKind.RESIDUALS][s] == SCHEDULES[name].peak_live(s, S, M, P)
+
+
 def _rebuild(program, seq):
     """A program whose launch sequence is ``seq``, per-mesh lists following it."""
     lists, order = [[] for _ in program.instructions], []
@@ -140,7 +155,10 @@ def _rebuild(program, seq):
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_verifier_rejects_tampered_programs(name):
-    program, _ = _build(name, 3, 3, _u_shape(3), slots="shared")
+    if name in V_SCHEDULES:
+        program, _ = _build(name, 4, 4, _u_shape(4), slots="shared", num_meshes=2)
+    else:
+        program, _ = _build(name, 3, 3, _u_shape(3), slots="shared")
     seq = program.launch_sequence()
     # A Free removed: the buffer is left live.
     k = next(i for i, (_, x) in enumerate(seq) if isinstance(x, Free) and x.buffer.kind is BufferKind.RESIDUALS)
@@ -161,7 +179,8 @@ def test_verifier_rejects_tampered_programs(name):
     res = seq[k][1].buffer
     f = next(i for i, (_, x) in enumerate(seq) if isinstance(x, RunForward) and x.residuals == res)
     bad = seq[:f + 1] + [seq[k]] + seq[f + 1:k] + seq[k + 1:]
-    with pytest.raises(PlanVerificationError, match=f"mesh {res.index}: .*reads " + re.escape(str(res))):
+    with pytest.raises(PlanVerificationError,
+                       match=f"mesh {program.schedule.stage_mesh[res.index]}: .*reads " + re.escape(str(res))):
         verify(_rebuild(program, bad))
     # A launch order that breaks a mesh's own order: two of mesh 0's launches swapped.
     a, b = [i for i, (mesh, _) in enumerate(program.order) if mesh == 0][:2]

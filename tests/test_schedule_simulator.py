@@ -46,14 +46,21 @@ def _random_stages(rng, S):
 
 
 def _random_case(rng, max_stages=5, max_micro_batches=8):
-    """A random schedule (any name, split or not) on a random graph, with random durations."""
-    S, M = rng.randint(1, max_stages), rng.randint(1, max_micro_batches)
-    edges = rng.choice(GRAPHS)(S)
+    """A random schedule (any name, split or not) on a random graph, with random durations; a V
+    schedule on its 2P stages over P meshes with at least 2P micro-batches."""
     name = rng.choice(list(SCHEDULES))
-    delays = None if name == "zb_h1" or rng.random() < 0.4 else [rng.randint(0, 3) for _ in range(S)]
+    kind = SCHEDULES[name]
+    if kind.stages_per_mesh:
+        P = rng.randint(1, max_stages // 2)
+        S, M = kind.stages_per_mesh * P, rng.randint(kind.min_micro_batches(P), 2 * kind.min_micro_batches(P))
+    else:
+        S = P = rng.randint(1, max_stages)
+        M = rng.randint(1, max_micro_batches)
+    edges = rng.choice(GRAPHS)(S)
+    delays = None if kind.places_weight_passes or rng.random() < 0.4 else [rng.randint(0, 3) for _ in range(P)]
     activation, gradient = (tuple(rng.choice([0.0, rng.uniform(0, 4)]) for _ in edges) for _ in range(2))
     durations = TaskDurations(_random_stages(rng, S), activation, gradient)
-    return make_schedule(name, S, M, edges, delays), durations
+    return make_schedule(name, S, M, edges, delays, P), durations
 
 
 def _step(name, S, M, edges, durations, delays=None, overlap=True):
@@ -165,7 +172,7 @@ def test_without_transfer_time_blocking_transfers_cost_nothing_for_one_micro_bat
     for _ in range(200):
         S = rng.randint(1, 6)
         edges = rng.choice(GRAPHS)(S)
-        name = rng.choice(list(SCHEDULES))
+        name = rng.choice([n for n, k in SCHEDULES.items() if k.min_micro_batches is None])
         durations = TaskDurations(_random_stages(rng, S), (0.0,) * len(edges), (0.0,) * len(edges))
         schedule = make_schedule(name, S, 1, edges)
         assert simulate(schedule, durations, overlap=False).step_seconds == simulate(schedule, durations).step_seconds
@@ -178,15 +185,13 @@ def test_without_transfer_time_blocking_transfers_cost_nothing_for_one_micro_bat
 
 
 def _sequence_peaks(schedule, opens, closes):
-    """The runtime's count: intervals opened minus closed, along each stage's sequence."""
-    peaks = []
+    """The runtime's count: per stage, intervals opened minus closed along its mesh's sequence."""
+    held, peak = [0] * schedule.num_stages, [0] * schedule.num_stages
     for seq in schedule.sequences:
-        held = peak = 0
         for t in seq:
-            held += (t.kind is opens) - (t.kind is closes)
-            peak = max(peak, held)
-        peaks.append(peak)
-    return tuple(peaks)
+            held[t.where] += (t.kind is opens) - (t.kind is closes)
+            peak[t.where] = max(peak[t.where], held[t.where])
+    return tuple(peak)
 
 
 @pytest.mark.parametrize("edges_of", GRAPHS)

@@ -29,6 +29,9 @@ cannot deadlock.
   ``k`` on mesh ``k mod P``; 1F1B over chunks of ``P`` micro-batches, which
   shrinks the bubble to ``(P - 1) / (v·M)`` of the ideal step. ``M`` must be
   a multiple of ``P``, as in Megatron-LM.
+- ``zb_v`` and ``dualpipev`` (``v_schedules``): exactly two stages per mesh on the
+  V placement (stages ``r`` and ``2P - 1 - r`` on mesh ``r``), split backwards
+  with the weight passes placed by the schedule, at least ``2P`` micro-batches.
 
 A new schedule is one function ``(num_meshes, stages_per_mesh, M) -> per-mesh
 compute tasks`` and one ``ScheduleKind`` in ``SCHEDULES``.
@@ -49,6 +52,7 @@ from collections.abc import Callable, Sequence
 
 from .dependency_graph import dependency_graph, launch_order, verify_acyclic
 from .pipeline_tasks import Task, TaskKind, task_dependencies
+from .v_schedules import V_STAGES_PER_MESH, dualpipev_actions, min_micro_batches_v, zb_v_actions
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
@@ -60,8 +64,20 @@ class StagePlacement(enum.Enum):
     """Which mesh hosts each stage, for ``num_stages = num_meshes * stages_per_mesh``."""
 
     LOOP = "loop"  # stage k on mesh k mod P: a micro-batch loops over the meshes stages_per_mesh times
+    # 2P stages: stage k on mesh k for k < P, else on mesh 2P - 1 - k; a micro-batch goes down the
+    # meshes and back up, so the first and last stages share mesh 0.
+    V = "v"
 
     def mesh_of(self, stage: int, num_meshes: int) -> int:
+        """The mesh of ``stage`` (``0 <= stage < num_stages``) among ``num_meshes`` meshes.
+
+        Raises:
+          ValueError: naming ``stage`` outside the V's ``2 * num_meshes`` stages.
+        """
+        if self is StagePlacement.V:
+            if not 0 <= stage < 2 * num_meshes:
+                raise ValueError(f"stage: the V places 2 x {num_meshes} stages, got stage {stage}")
+            return stage if stage < num_meshes else 2 * num_meshes - 1 - stage
         return stage % num_meshes
 
 
@@ -84,6 +100,10 @@ class ScheduleKind:
         itself (then weight delaying does not apply).
       micro_batches_per_round: ``num_meshes -> `` what ``num_micro_batches`` must be a multiple
         of with virtual stages (``None``: any number).
+      stages_per_mesh: the only number of stages per mesh ``actions`` takes (``None``: any
+        its ``virtual_stages`` allows).
+      min_micro_batches: ``num_meshes ->`` the fewest micro-batches ``actions`` takes
+        (``None``: one).
     """
 
     name: str
@@ -92,6 +112,8 @@ class ScheduleKind:
     virtual_stages: bool = False
     places_weight_passes: bool = False
     micro_batches_per_round: Callable[[int], int] | None = None
+    stages_per_mesh: int | None = None
+    min_micro_batches: Callable[[int], int] | None = None
 
     def peak_live(self, stage: int, num_stages: int, num_micro_batches: int, num_meshes: int | None = None) -> int:
         """Micro-batches whose forward residuals stage ``stage`` holds at its peak (counted
@@ -259,13 +281,26 @@ def check_stage_placement(schedule: str, num_stages: int, num_meshes: int, num_m
 
     Raises:
       ValueError: naming ``schedule`` (unknown, or one stage per mesh only), ``num_stages``
-        (not a multiple of the meshes) or ``num_micro_batches`` (not a multiple of what the
-        schedule needs).
+        (not a multiple of the meshes), ``stages_per_mesh`` and ``num_meshes`` (not the one
+        number of stages per mesh the schedule takes, e.g. ``num_stages != 2 * num_meshes``
+        for the V schedules) or ``num_micro_batches`` (fewer than, or not a multiple of, what
+        the schedule needs).
     """
     kind = schedule_kind(schedule)
     if num_meshes < 1 or num_stages < 1 or num_micro_batches < 1:
         raise ValueError(f"num_stages, num_micro_batches: expected positive counts, got {num_stages} stages on "
                          f"{num_meshes} meshes, {num_micro_batches} micro-batches")
+    if kind.stages_per_mesh is not None and num_stages != kind.stages_per_mesh * num_meshes:
+        k = kind.stages_per_mesh
+        if num_stages % k:
+            raise ValueError(f"num_stages: {schedule} places exactly {k} stages on each mesh, so it needs a "
+                             f"multiple of {k} stages, got {num_stages}")
+        raise ValueError(f"stages_per_mesh, num_meshes: {schedule} places exactly {k} stages on each mesh, so "
+                         f"{num_stages} stages need num_meshes={num_stages // k}, got {num_meshes} meshes "
+                         f"({num_stages / num_meshes:g} per mesh); pass stages_per_mesh={k}")
+    if kind.min_micro_batches is not None and num_micro_batches < kind.min_micro_batches(num_meshes):
+        raise ValueError(f"num_micro_batches: {schedule} needs at least {kind.min_micro_batches(num_meshes)} "
+                         f"micro-batches on {num_meshes} meshes, got {num_micro_batches}")
     if num_stages % num_meshes:
         raise ValueError(f"num_stages: {num_stages} stages do not divide over {num_meshes} meshes; pass a multiple "
                          f"of {num_meshes} stages (stages_per_mesh = num_stages / meshes)")
@@ -386,5 +421,10 @@ SCHEDULES: dict[str, ScheduleKind] = {
         ScheduleKind("zb_h1", _one_stage_per_mesh(_one_f_one_b, _zb_h1), places_weight_passes=True),
         # Megatron-LM requires the micro-batches to fill whole rounds of the meshes.
         ScheduleKind("interleaved_1f1b", _interleaved_1f1b, virtual_stages=True, micro_batches_per_round=_one_round),
+        ScheduleKind("zb_v", zb_v_actions, StagePlacement.V, virtual_stages=True, places_weight_passes=True,
+                     stages_per_mesh=V_STAGES_PER_MESH, min_micro_batches=min_micro_batches_v),
+        ScheduleKind("dualpipev", dualpipev_actions, StagePlacement.V, virtual_stages=True,
+                     places_weight_passes=True, stages_per_mesh=V_STAGES_PER_MESH,
+                     min_micro_batches=min_micro_batches_v),
     )
 }
