@@ -7,8 +7,8 @@ reductions, measured and simulated.
 Runs every case of ``benchmarks.pipeline_cases`` with each of its methods
 (``--methods`` narrows them): GPT at (2, 2, 2) and (4, 1, 2) and the
 U-Transformer at (4, 1, 2) with the paper's ``send_recv``, ``alpa``,
-``broadcast``, ``overlap``, ``ours``, ``zb_h1``, ``interleaved`` and
-``upper_bound``; the tied-embedding GPT at (2, 2, 2) on 4 hosts x 2 devices
+``broadcast``, ``overlap``, ``ours``, ``zb_h1``, ``interleaved``, ``zb_v``,
+``dualpipev`` and ``upper_bound``; the tied-embedding GPT at (2, 2, 2) on 4 hosts x 2 devices
 with ``per_step`` and ``per_micro_batch`` gradient reduction (see that
 module), on
 
@@ -25,7 +25,11 @@ the slower process), and the schedule simulator's prediction
 (``passes.schedule_simulator``) from each task's isolated duration and each
 transfer's, the medians over three serialized traced steps (a move's
 measured time includes its latency; a move no trace recorded takes the
-planner's estimate at the measured link rate). In one process every mesh
+planner's estimate at the measured link rate), plus the step's work around
+the pipeline program (``outside_pipeline_s``: inputs placed, micro-batches
+combined, gradients reduced and moved, the update, outputs assembled; each
+instruction alone in the same serialized steps, the slowest process's, the
+median over the steps). In one process every mesh
 computes on the same two cores, so the simulator runs their compute in turn
 (``simulate(cores=...)``); each emulated host has its own core. The schedule
 simulated is the one the worker ran, on its meshes: ``interleaved`` runs two
@@ -127,6 +131,9 @@ TARGET_MEMORY_PREDICTION_ERROR = 0.10
 TARGET_OVER_SPMD = 1.2
 TARGET_ACTIVATIONS_OVER_SPMD = 0.5
 SPMD_METHOD = "spmd_circular"
+# Issue 25: zb_v within this factor of the fastest schedule of a configuration.
+TARGET_ZB_V_OVER_BEST = 1.05
+SCHEDULE_METHODS = ("overlap", "ours", "zb_h1", "interleaved", "zb_v", "dualpipev")
 # Gradient reduction (issue 22): per_step's gradient link bytes within this factor of one
 # reduction either way, its step at most this share of per_micro_batch's, and the case sized so
 # per_micro_batch's reductions are at least this share of its step.
@@ -206,6 +213,14 @@ def _durations(first: dict, schedule, trace_dir: str, reduction: Sequence[float]
     grad = [e if m is None else m for e, m in zip(grad, measured_grad)]
     latency = statistics.median(gaps) if gaps else None
     return TaskDurations(tuple(stages), tuple(act), tuple(grad), tuple(reduction)), latency
+
+
+def _outside_pipeline_s(group: Sequence[dict]) -> float:
+    """The step's work around the pipeline program, each instruction alone: per serialized step
+    the slowest process's, the median over the steps (0 for records without it)."""
+    steps = [g.get("outside_pipeline_s") or [] for g in group]
+    n = min(len(s) for s in steps)
+    return statistics.median([max(s[i] for s in steps) for i in range(n)]) if n else 0.0
 
 
 def _peak(group: Sequence[dict], field: str, part: str) -> int | None:
@@ -328,12 +343,15 @@ def aggregate(lines: Sequence[dict], trace_dir: str, cluster: str, num_processes
         # One process's meshes share its cores; each emulated host computes on its own core.
         cores = [0] * schedule.num_meshes if num_processes == 1 else None
         simulated = simulate(schedule, durations, overlap=first["overlap"], cores=cores)
+        outside = _outside_pipeline_s(group)
+        predicted = simulated.step_seconds + outside
         losses = [g["loss"] for g in group if g["loss"] is not None]
         records.append({
             "model": first["model"], "config": first["config"], "method": method, "cluster": cluster,
-            "case": case, "measured_step_s": measured, "predicted_step_s": simulated.step_seconds,
+            "case": case, "measured_step_s": measured, "predicted_step_s": predicted,
+            "simulated_pipeline_s": simulated.step_seconds, "outside_pipeline_s": outside,
             "samples_per_s": first["batch"] / measured, "step_times_s": per_step,
-            "prediction_error": simulated.step_seconds / measured - 1,
+            "prediction_error": predicted / measured - 1,
             "predicted_bubble": simulated.bubble_fraction,
             "transfer_share": _share(durations, schedule),
             # Per mesh: a reduction inside each backward is part of these measured seconds.
@@ -512,6 +530,9 @@ def targets(records: Sequence[dict]) -> list[str]:
                            f"{r['prediction_error'] * 100:+.0f}% (no target)")
         for ok, text in _spmd_targets(case, [r for r in records if r["cluster"] == "emulated" and r["case"] == case.name]):
             line(ok, text)
+        for cluster in ("emulated", "single_process"):
+            for ok, text in _v_targets(case, cluster, {m: by.get((cluster, case.name, m)) for m in SCHEDULE_METHODS}):
+                line(ok, text)
     for cluster, target in (("emulated", TARGET_PREDICTION_ERROR), ("single_process", TARGET_PREDICTION_ERROR_ONE_PROCESS)):
         errors = [r for r in records if r["cluster"] == cluster and r["method"] not in INFO_METHODS
                   and r["prediction_error"] is not None]
@@ -529,6 +550,25 @@ def targets(records: Sequence[dict]) -> list[str]:
              f"memory prediction within {abs(error(worst)) * 100:.1f}% of every measured peak "
              f"({len(memory)} rows; worst {worst['cluster']} {worst['case']} {worst['method']}; "
              f"target <= {TARGET_MEMORY_PREDICTION_ERROR * 100:.0f}%)")
+    return out
+
+
+def _v_targets(case: Case, cluster: str, rows: dict[str, dict | None]) -> list[tuple[bool, str]]:
+    """Issue 25's targets on one case and cluster: ``zb_v`` at least as fast as ``zb_h1`` and
+    ``interleaved``, and within 5% of the fastest of every schedule's row."""
+    zb_v = rows.get("zb_v")
+    if zb_v is None:
+        return []
+    out = []
+    for other in ("zb_h1", "interleaved"):
+        r = rows.get(other)
+        if r is not None:
+            ratio = r["measured_step_s"] / zb_v["measured_step_s"]
+            out.append((ratio >= 1, f"{case.name} ({cluster}): zb_v {ratio:.2f}x {other} (target >= 1)"))
+    best = min((r for r in rows.values() if r is not None), key=lambda r: r["measured_step_s"])
+    over = zb_v["measured_step_s"] / best["measured_step_s"]
+    out.append((over <= TARGET_ZB_V_OVER_BEST, f"{case.name} ({cluster}): zb_v's step {over:.2f}x the fastest "
+                                               f"schedule's ({best['method']}; target <= {TARGET_ZB_V_OVER_BEST})"))
     return out
 
 

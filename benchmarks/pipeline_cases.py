@@ -64,6 +64,11 @@ per_step         once per step, of the accumulated partial sums
 per_micro_batch  in every micro-batch's backward
 ===============  ===============================================
 
+``zb_v`` and ``dualpipev`` (issue 25) run the model in twice as many stages
+as the meshes too, placed in a V (stages ``r`` and ``2P - 1 - r`` on mesh
+``r``): ZB-V's and DualPipeV's orders, backwards split, at least ``2P``
+micro-batches (the paper cases' 4 on 2 meshes).
+
 ``ours_remat`` (the SPMD comparison only) is ``ours`` on the same GPT with
 its blocks in one ``nn.scan`` under ``nn.remat``, as the SPMD baseline
 recomputes its blocks: each stage keeps only its blocks' inputs for the
@@ -100,7 +105,8 @@ __all__ = ["Case", "CASES", "GRADIENT_METHODS", "Method", "METHODS", "PAPER_HOST
 
 # The emulated cluster of the paper's cases: (hosts, CPU devices per host).
 PAPER_HOSTS = (2, 4)
-PAPER_METHODS = ("send_recv", "alpa", "broadcast", "overlap", "ours", "zb_h1", "interleaved", "upper_bound")
+PAPER_METHODS = ("send_recv", "alpa", "broadcast", "overlap", "ours", "zb_h1", "interleaved", "zb_v", "dualpipev",
+                 "upper_bound")
 GRADIENT_METHODS = ("per_step", "per_micro_batch")
 # Issue 24: our schedules beside the stock-JAX circular SPMD pipeline (R = 1 and 2).
 SPMD_METHODS = ("spmd_circular", "spmd_circular_r2")
@@ -173,6 +179,8 @@ METHODS = (
     Method("ours", "broadcast", "eager_1f1b", "auto", "auto"),
     Method("zb_h1", "broadcast", "zb_h1", False, "auto"),
     Method("interleaved", "broadcast", "interleaved_1f1b", False, "auto", stages_per_mesh=2),
+    Method("zb_v", "broadcast", "zb_v", False, "auto", stages_per_mesh=2),
+    Method("dualpipev", "broadcast", "dualpipev", False, "auto", stages_per_mesh=2),
     Method("upper_bound", "signal", "eager_1f1b", "auto", "auto"),
     Method("ours_remat", "broadcast", "eager_1f1b", "auto", "auto", remat=True),
     Method("per_step", "broadcast", "1f1b", False, "auto", gradient_reduction="per_step"),

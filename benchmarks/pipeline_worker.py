@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 -- reported to the parent, then exit non-zero
         out.write({"kind": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         print(traceback.format_exc(), file=sys.stderr, flush=True)
-        return 1
+        # Exit now, not through interpreter shutdown: with a peer stuck (inside an XLA launch,
+        # where no signal reaches it) jax.distributed's shutdown barrier would wait for it.
+        os._exit(1)
     out.write({"kind": "done"})
     return 0
 
@@ -302,11 +304,12 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
 
             state, loss = run(state)
             compile_s = time.perf_counter() - start
-            serialized, traced = [], None
+            serialized, outside, traced = [], [], None
             for i in range(args.serialized_steps):
                 barrier(f"{tag}/serialized/{i}")
                 serialized.append(f"{tag}-serialized-{i}.json")
                 _, traced = step.trace(os.path.join(args.trace_dir, serialized[-1]), state, batch, serialize=True)
+                outside.append(traced.outside_pipeline_s)
             times, before, link_bytes = [], None, None
             for i in range(args.repeat):
                 barrier(f"{tag}/{i}")
@@ -334,7 +337,7 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
                 "schedule": schedule_spec(schedule),
                 "transfers": _transfer_estimates(executable, method, cluster),
                 "peak_live_activations": executable.peak_live_activations,
-                "serialized_traces": serialized,
+                "serialized_traces": serialized, "outside_pipeline_s": outside,
                 "live_bytes": _bytes_record(traced.live_bytes),
                 "predicted_live_bytes": _bytes_record(predict_live_bytes(executable.program, traced.memory_profile)),
                 "gradient_reduction": method.gradient_reduction, "link_bytes": link_bytes, "gradients": gradient_stages(executable, cluster.host_of),

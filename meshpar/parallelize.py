@@ -117,7 +117,8 @@ class ParallelizedStep:
             stem, ext = os.path.splitext(path)
             path = f"{stem}.p{process}{ext}"
         write_chrome_trace(path, timeline, process)
-        return self._outputs(args, compiled, outputs), StepTrace(timeline, meter.live_bytes(), meter.profile())
+        return self._outputs(args, compiled, outputs), StepTrace(timeline, meter.live_bytes(), meter.profile(),
+                                                                 recorder.outside_pipeline_s)
 
     def get_executable(self, *args: Any) -> PipelineExecutable | SpmdStep:
         """The compiled pipeline for these arguments (compiling it if needed).

@@ -57,15 +57,17 @@ class PipeshardParallel:
         micro-batches fit it (``passes.pipeline.pipeline_schedule.check_stage_placement``).
         The devices are cut into ``num_stages / stages_per_mesh`` meshes. Not with ``"auto"``
         (the planner places one stage per mesh).
-      schedule: ``gpipe``, ``1f1b``, ``eager_1f1b``, ``zb_h1`` or ``interleaved_1f1b`` (the
-        one running virtual stages; ``passes.pipeline.pipeline_schedule.SCHEDULES``).
+      schedule: ``gpipe``, ``1f1b``, ``eager_1f1b``, ``zb_h1``, ``interleaved_1f1b`` (virtual
+        stages, stage k on mesh k mod P), or ``zb_v`` and ``dualpipev`` (exactly
+        ``stages_per_mesh=2`` in a V: stages r and 2P-1-r on mesh r, at least 2P micro-batches;
+        ``passes.pipeline.pipeline_schedule.SCHEDULES``).
       weight_delay: split each backward into an activation-gradient and a
         weight-gradient pass and run the latter later: ``False`` (whole
         backwards), ``True`` (after the stage's next compute task) or
         ``"auto"`` (the least delay whose compute covers the stage's
         transfer round trip, by the cost model). With ``gpipe`` the weight
-        passes then trail the next micro-batch's activation pass. ``zb_h1``
-        always splits and places weight passes itself.
+        passes then trail the next micro-batch's activation pass. ``zb_h1``,
+        ``zb_v`` and ``dualpipev`` always split and place weight passes themselves.
       resharding, balancer: strategy and balancer of cross-mesh transfers.
         ``resharding="signal"`` sends one byte per transfer instead, with the
         same dependencies, and delivers zeros: the schedule's communication
@@ -293,9 +295,8 @@ class PipeshardParallel:
           ValueError: naming ``stage_meshes``, ``stages_per_mesh``, ``schedule`` or
             ``num_micro_batches``, with a fix.
         """
-        meshes = self.num_meshes(num_stages, counted)
-        if meshes != num_stages:
-            check_stage_placement(self.schedule, num_stages, meshes, self.num_micro_batches)
+        # Always: a V schedule (zb_v, dualpipev) rejects one stage per mesh too.
+        check_stage_placement(self.schedule, num_stages, self.num_meshes(num_stages, counted), self.num_micro_batches)
 
     def pipeline_options(self, micro_batch_size: int) -> PipelineOptions:
         """These options grouped for the compiler, for micro-batches of ``micro_batch_size``.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -250,8 +251,15 @@ class PipelineExecutable:
         state = _StepState(leaves, recorder, meter, arrivals)
         if meter is not None:
             meter.around(state.held)
+        timed = recorder is not None and recorder.serialize
         for ins in self.step_program:
+            start = time.perf_counter()
             self._handlers[type(ins)](ins, state)
+            if timed and not isinstance(ins, RunPipeline):
+                # Serialized: the work around the pipeline, each instruction alone.
+                jax.block_until_ready([a for a in jax.tree.leaves(state.held())
+                                       if isinstance(a, jax.Array) and not a.is_deleted()])
+                recorder.outside_pipeline(time.perf_counter() - start)
             if meter is not None:
                 meter.sample()
         return state.outputs

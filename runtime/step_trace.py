@@ -86,11 +86,16 @@ class StepTrace:
         held (``passes.simulation.live_bytes``).
       memory_profile: the per-buffer and resident bytes behind them, from which
         ``passes.simulation.live_bytes.predict_live_bytes`` predicts the peaks of a schedule.
+      outside_pipeline_s: serialized steps only (else 0): the seconds this process spent on
+        the step's work around the pipeline program (placing inputs, the work before and after
+        the gradient, micro-batches combined, gradients reduced and moved to their owners,
+        outputs assembled), each instruction run alone.
     """
 
     timeline: Timeline
     live_bytes: LiveBytes
     memory_profile: MemoryProfile
+    outside_pipeline_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +159,7 @@ class StepRecorder:
         self._records: list[_Record] = []  # serialized runs only
         self._seq = 0
         self._switch_interval: float | None = None
+        self.outside_pipeline_s = 0.0
 
     def __enter__(self) -> StepRecorder:
         if not self.serialize:
@@ -205,6 +211,10 @@ class StepRecorder:
         if lane not in self._waiters:
             self._waiters[lane] = _LaneWaiter(lane)
         self._waiters[lane].pending.put(_Launch(seq, task, launch_time, witness))
+
+    def outside_pipeline(self, seconds: float) -> None:
+        """An instruction of the step around the pipeline program took ``seconds`` (run alone)."""
+        self.outside_pipeline_s += seconds
 
     def _task_lane(self, mesh: int, instruction: Instruction) -> tuple[Task, Lane] | None:
         """The task ``instruction`` runs and its lane, or ``None`` when this process cannot see it."""

@@ -111,6 +111,15 @@ def test_interleaved_1f1b_across_two_processes():
 
 
 @pytest.mark.multiprocess
+def test_v_schedules_across_two_processes():
+    """ZB-V (GPT on 2 meshes, one per process) and DualPipeV (U-Transformer on 4 meshes, two per
+    process) with p2p moves between processes and none at the V's turn."""
+    results, output = run_all_ok("mp_v_schedule_worker.py", timeout_s=600)
+    for schedule, name, meshes in (("zb_v", "gpt", 2), ("dualpipev", "ut", 4)):
+        assert all(f"{schedule} {name} on {meshes} meshes matches" in r.stdout for r in results), output
+
+
+@pytest.mark.multiprocess
 def test_p2p_moves_overlap_with_the_senders_compute_and_collective_ones_do_not():
     results, output = run_all_ok("mp_overlap_worker.py", timeout_s=300)
     assert "p2p: sender compute finished while the receiver was busy" in results[0].stdout, output

@@ -128,7 +128,10 @@ def test_aggregate_takes_medians_of_serialized_steps_measured_moves_and_shared_c
     link = [TimelineEvent(Task(TaskKind.SEND_ACT, 0, m), Lane(LaneKind.LINK, 0, 1), 10.0, 10.0 + d)
             for m, d in ((0, 0.015), (1, 0.025))]
     write_chrome_trace(str(tmp_path / "overlap-serialized-0.p2.json"), timeline_of(link, "measured"), 2)
-    lines = [dict(_line(p, "overlap", [0.5, 0.5, 0.5]), serialized_traces=names) for p in (0, 1)]
+    # The work around the pipeline: per step the slower process's (0.05, 0.2, 0.04), their median.
+    outside = {0: [0.05, 0.2, 0.03], 1: [0.01, 0.1, 0.04]}
+    lines = [dict(_line(p, "overlap", [0.5, 0.5, 0.5]), serialized_traces=names, outside_pipeline_s=outside[p])
+             for p in (0, 1)]
     emulated, = pipeline.aggregate(lines, str(tmp_path), "emulated", 2, 3e7)
     assert emulated["stage_seconds"][0]["forward"] == pytest.approx(0.02)
     assert emulated["transfer_seconds"] == {"activation": [pytest.approx(0.02)], "gradient": [0.01]}
@@ -136,9 +139,11 @@ def test_aggregate_takes_medians_of_serialized_steps_measured_moves_and_shared_c
     durations = TaskDurations((StageSeconds(0.02, 0.04, 0.02, 0.02), StageSeconds(0.03, 0.05, 0.025, 0.025)),
                               (0.02,), (0.01,))
     schedule = make_schedule("1f1b", 2, 4, [(0, 1)])
-    assert emulated["predicted_step_s"] == pytest.approx(simulate(schedule, durations).step_seconds)
+    assert emulated["outside_pipeline_s"] == pytest.approx(0.05)
+    assert emulated["predicted_step_s"] == pytest.approx(simulate(schedule, durations).step_seconds + 0.05)
     one, = pipeline.aggregate([dict(lines[0], process=0)], str(tmp_path), "single_process", 1, 3e7)
-    assert one["predicted_step_s"] == pytest.approx(simulate(schedule, durations, cores=[0, 0]).step_seconds)
+    assert one["predicted_step_s"] == pytest.approx(
+        simulate(schedule, durations, cores=[0, 0]).step_seconds + 0.05)
     assert one["predicted_step_s"] > emulated["predicted_step_s"]
 
 
@@ -179,6 +184,20 @@ def test_spmd_rows_and_their_targets(tmp_path):
     assert any(t.startswith(f"met    {case.name}: ours 1.32x spmd_circular R=2 samples/s") for t in got), got
     assert any(t.startswith(f"met    {case.name}: ours's activation bytes per device 0.30x") for t in got), got
     assert any(t.startswith("met    memory prediction within 5.0% of every measured peak") for t in got), got
+
+
+def test_zb_v_targets_compare_it_with_every_schedule():
+    def rec(cluster, method, step):
+        return {"cluster": cluster, "case": "gpt (4, 1, 2)", "method": method, "measured_step_s": step,
+                "prediction_error": 0.0, "over_upper_bound": None}
+
+    records = [rec(c, m, s) for c in ("emulated", "single_process")
+               for m, s in (("ours", 0.40), ("zb_h1", 0.44), ("interleaved", 0.60), ("zb_v", 0.43))]
+    got = [t for t in pipeline.targets(records) if "zb_v" in t]
+    assert got[:3] == ["met    gpt (4, 1, 2) (emulated): zb_v 1.02x zb_h1 (target >= 1)",
+                       "met    gpt (4, 1, 2) (emulated): zb_v 1.40x interleaved (target >= 1)",
+                       "MISSED gpt (4, 1, 2) (emulated): zb_v's step 1.07x the fastest schedule's (ours; target <= 1.05)"]
+    assert len(got) == 6 and got[3].startswith("met    gpt (4, 1, 2) (single_process): zb_v 1.02x zb_h1")
 
 
 def test_aggregate_simulates_the_interleaved_schedule_on_its_meshes(tmp_path):
@@ -257,14 +276,16 @@ def test_targets_compare_the_right_methods():
 
 def test_methods_are_the_papers_and_the_gradient_reductions():
     assert [m.name for m in METHODS] == ["send_recv", "alpa", "broadcast", "overlap", "ours", "zb_h1", "interleaved",
-                                         "upper_bound", "ours_remat", "per_step", "per_micro_batch", *SPMD_METHODS]
+                                         "zb_v", "dualpipev", "upper_bound", "ours_remat", "per_step",
+                                         "per_micro_batch", *SPMD_METHODS]
     spmd = {m.name: m for m in METHODS if isinstance(m, SpmdBaseline)}
     assert {m.repeats for m in spmd.values()} == {1, 2} and set(spmd) == set(SPMD_METHODS)
     by = {m.name: m for m in METHODS if not isinstance(m, SpmdBaseline)}
     assert by["ours"].schedule == "eager_1f1b" and by["ours"].weight_delay == "auto"
     assert by["interleaved"].schedule == "interleaved_1f1b" and by["interleaved"].stages_per_mesh == 2
     assert by["interleaved"].executor == "auto" and by["interleaved"].weight_delay is False
-    assert all(m.stages_per_mesh == 1 for m in METHODS if m.name != "interleaved")
+    assert all(m.stages_per_mesh == (2 if m.name in ("interleaved", "zb_v", "dualpipev") else 1) for m in METHODS)
+    assert by["zb_v"].schedule == "zb_v" and by["dualpipev"].schedule == "dualpipev"
     # ours_remat is ours on the remat'd GPT, to compare activation bytes with the SPMD baseline's.
     assert dataclasses.replace(by["ours_remat"], name="ours", remat=False) == by["ours"]
     assert [m.name for m in METHODS if getattr(m, "remat", False)] == ["ours_remat"]

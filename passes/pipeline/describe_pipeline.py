@@ -27,9 +27,11 @@ def describe_pipeline(compiled: Any) -> str:
              "backwards split into input (I) and weight (W) passes, "
              + (f"weight passes delayed by {list(schedule.weight_delays)} compute tasks per mesh"
                 if schedule.weight_delays is not None else "stage s holding back s weight passes"))
-    placement = ("one stage per mesh" if schedule.num_meshes == schedule.num_stages
-                 else f"{schedule.num_stages // schedule.num_meshes} stages per mesh, stage k on mesh k mod "
-                      f"{schedule.num_meshes}")
+    per_mesh = schedule.num_stages // schedule.num_meshes
+    placement = ("one stage per mesh" if per_mesh == 1 else
+                 f"{per_mesh} stages per mesh, " + ", ".join(
+                     f"mesh {m}: stages {[s for s in range(schedule.num_stages) if schedule.stage_mesh[s] == m]}"
+                     for m in range(schedule.num_meshes)))
     lines = [f"pipeline: {graph.num_stages} stages on {schedule.num_meshes} meshes ({placement}), "
              f"{schedule.num_micro_batches} micro-batches of {compiled.micro_batch_size}, schedule {schedule.name}, "
              f"{split}"]
