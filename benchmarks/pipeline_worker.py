@@ -219,6 +219,21 @@ def move_link_bytes(executable, host_of: Callable[[int], int]) -> int | None:
     return total
 
 
+def _waited(step: Callable, batch, timeout_s: float, what: str) -> Callable:
+    """``state -> (state, loss)``: one call of ``step`` on ``batch``, returning once its outputs
+    are ready here (bounded by ``timeout_s``, naming ``what``)."""
+    import jax
+
+    from meshpar.runtime.coordination import wait_ready
+
+    def run(state):
+        new_state, loss = step(state, batch)
+        wait_ready(jax.tree.leaves((new_state, loss)), timeout_s, what)
+        return new_state, loss
+
+    return run
+
+
 def _run_spmd(args: argparse.Namespace, out: RecordWriter, case, method: SpmdBaseline, devices,
               barrier: Callable[[str], None]) -> None:
     """One SPMD baseline row: compile, one warm-up step, ``--repeat`` timed steps as for the
@@ -226,18 +241,13 @@ def _run_spmd(args: argparse.Namespace, out: RecordWriter, case, method: SpmdBas
     import jax
 
     from benchmarks.spmd_pipeline import bubble, memory_bytes_per_device
-    from meshpar.runtime.coordination import wait_ready
 
     tag = f"{slug(case.name)}-{method.name}"
     start = time.perf_counter()
     step, state, batch, config = build_spmd_step(case, method, devices)
     compiled = step.lower(state, batch).compile()
 
-    def run(state):
-        new_state, loss = compiled(state, batch)
-        wait_ready(jax.tree.leaves((new_state, loss)), args.timeout, f"{case.name} {method.name} step")
-        return new_state, loss
-
+    run = _waited(compiled, batch, args.timeout, f"{case.name} {method.name} step")
     state, loss = run(state)
     compile_s = time.perf_counter() - start
     times = []
@@ -266,7 +276,7 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     from benchmarks.emulated_cluster import interface_counters
     from meshpar.passes.pipeline.edge_transfer import TransferKind
     from meshpar.passes.simulation.live_bytes import predict_live_bytes
-    from meshpar.runtime.coordination import kv_client, wait_ready
+    from meshpar.runtime.coordination import kv_client
 
     me, nproc = jax.process_index(), jax.process_count()
     devices = jax.devices()
@@ -297,11 +307,7 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
             step, state, batch = build_step(case, method, cluster, args.timeout, case_devices)
             executable = step.get_executable(state, batch)
 
-            def run(state):
-                new_state, loss = step(state, batch)
-                wait_ready(jax.tree.leaves((new_state, loss)), args.timeout, f"{case.name} {method.name} step")
-                return new_state, loss
-
+            run = _waited(step, batch, args.timeout, f"{case.name} {method.name} step")
             state, loss = run(state)
             compile_s = time.perf_counter() - start
             serialized, outside, traced = [], [], None

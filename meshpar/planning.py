@@ -242,9 +242,9 @@ def calibrate_pipeline(hardware: Hardware, fun: Callable, args: Sequence[Any], b
     lacks: per-task launches, moves between meshes, per-stage updates).
 
     ``move_s`` is the median over the moves of a serialized step (each move alone) of its time
-    minus ``estimated_transfer_s``; ``task_s`` then makes ``predict`` give the pipeline's
-    measured step (the median of ``repeats``), by bisection (the prediction grows with it),
-    0 when the prediction without it is already as slow.
+    minus ``estimated_transfer_s``; ``task_s`` (per device of a stage's mesh) then makes
+    ``predict`` give the pipeline's measured step (the median of ``repeats``), by bisection
+    (the prediction grows with it), 0 when the prediction without it is already as slow.
 
     Returns:
       The hardware and what was measured (``measured_step_s``, ``predicted_before_s``,

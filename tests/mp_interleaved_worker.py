@@ -1,10 +1,11 @@
-"""One process of the two-process interleaved 1F1B test: python mp_interleaved_worker.py PID NUM_PROCESSES PORT.
+"""One process of the two-process virtual-stages test: python mp_interleaved_worker.py PID NUM_PROCESSES PORT.
 
-Each process owns four devices. GPT in 4 stages on 2 meshes (one per process: every move
-between consecutive stages crosses processes, p2p), and U-Transformer in 8 stages on 4
-meshes (two per process: moves inside a process and across). Each process checks the loss
-where it lives and every parameter shard it holds against the same step under jax.jit on one
-local device.
+Each process owns four devices. Interleaved 1F1B runs GPT in 4 stages on 2 meshes (one per
+process: every move between consecutive stages crosses processes, p2p), and U-Transformer in 8
+stages on 4 meshes (two per process: moves inside a process and across); ZB-V runs GPT on 2
+meshes in a V (both arms cross processes, its turn stays inside one), DualPipeV U-Transformer
+on 4 (its skips stay on their mesh). Each process checks the loss where it lives and every
+parameter shard it holds against the same step under jax.jit on one local device.
 """
 
 import os
@@ -28,9 +29,11 @@ from meshpar.passes.pipeline.edge_transfer import TransferKind  # noqa: E402
 from pipeline_models import assert_local_shards_close, make_state  # noqa: E402
 
 local = jax.local_devices()[0]
-for name, model, batch, loss, num_meshes, shape in (
-        ("gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2)),
-        ("ut", UTransformer(num_stages=8), ut_batch(0, 16), ut_loss, 4, (2, 1))):
+for schedule, name, model, batch, loss, num_meshes, shape in (
+        ("interleaved_1f1b", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2)),
+        ("interleaved_1f1b", "ut", UTransformer(num_stages=8), ut_batch(0, 16), ut_loss, 4, (2, 1)),
+        ("zb_v", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2)),
+        ("dualpipev", "ut", UTransformer(num_stages=8), ut_batch(0, 16), ut_loss, 4, (2, 1))):
     step = supervised_step(loss)
     with jax.default_device(local):
         state = make_state(model, batch["x"][:1])
@@ -40,7 +43,7 @@ for name, model, batch, loss, num_meshes, shape in (
             ref_losses.append(float(ref_loss))
     parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(
         num_micro_batches=2 * num_meshes, num_stages=2 * num_meshes, stages_per_mesh=2, stage_mesh_shape=shape,
-        schedule="interleaved_1f1b"))
+        schedule=schedule))
     par_state = state
     for i in range(2):
         par_state, par_loss = parallel(par_state, batch)
@@ -49,8 +52,8 @@ for name, model, batch, loss, num_meshes, shape in (
     checked = assert_local_shards_close(par_state.params, ref_state.params)
     assert checked > 0, "this process holds no parameters"
     kinds = {t.kind for t in parallel.get_executable(par_state, batch).program.transfers}
-    assert TransferKind.P2P in kinds, kinds
-    print(f"process {pid}: {name} interleaved on {num_meshes} meshes matches ({checked} shards, moves "
+    assert TransferKind.P2P in kinds and (schedule == "interleaved_1f1b" or TransferKind.LOCAL in kinds), kinds
+    print(f"process {pid}: {schedule} {name} on {num_meshes} meshes matches ({checked} shards, moves "
           f"{sorted(k.value for k in kinds)})", flush=True)
 print(f"process {pid}: ALL OK", flush=True)
 os._exit(0)

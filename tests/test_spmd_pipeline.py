@@ -66,7 +66,13 @@ def _assert_trees_close(actual, expected):
         np.testing.assert_allclose(a, b, **TOL, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"S{s}-D{d}-M{m}-R{r}" for s, d, m, r in CASES])
+# In CI the two cases that catch the most (a wrong circular-buffer slot shows only at M=4 R=2,
+# a roll the wrong way only at S=4); the others are slow.
+CI_CASES = {(2, 2, 4, 2), (4, 1, 4, 1)}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in CI_CASES else pytest.mark.slow) for c in CASES],
+                         ids=[f"S{s}-D{d}-M{m}-R{r}" for s, d, m, r in CASES])
 def test_loss_and_grads_equal_jit(case):
     params, batch = _host_inputs()
     want_loss, want_grads = _reference_loss_and_grads(params, batch)

@@ -74,8 +74,9 @@ class Hardware:
     every compute estimate: a model's measured step over its FLOP-and-op estimate on this
     machine (what fusion and memory traffic make of its FLOPs), 1 when not calibrated;
     ``task_s`` the seconds each compute task of a pipeline (a forward or a backward of one
-    stage and micro-batch) costs beyond its compute (launching it, its operands and results,
-    its share of the stage's update), and ``move_s`` the seconds each move between two stage
+    stage and micro-batch) costs beyond its compute per device of its stage's mesh (launching
+    its program on each device, its operands and results, its share of the stage's update:
+    on CPU each device's partition is launched and run on its own), and ``move_s`` the seconds each move between two stage
     meshes costs beyond its bytes (its latency): 0 until fitted on a measured pipeline
     (``meshpar.planning.calibrate_pipeline``). A step of one stage and one micro-batch runs as
     one program and pays neither."""
@@ -276,9 +277,9 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
              + hardware.move_s for p, c in edges]
     pipelined = not S == M == 1
     if pipelined and hardware.task_s:
-        seconds = [StageSeconds(st.forward + hardware.task_s, st.backward + hardware.task_s,
-                                st.backward_input + hardware.task_s, st.backward_weight + hardware.task_s)
-                   for st in seconds]
+        seconds = [StageSeconds(*(t + _task_overhead(hardware, plan) for t in (
+                       st.forward, st.backward, st.backward_input, st.backward_weight)))
+                   for st, plan in zip(seconds, stages)]
     simulated = simulate(make_schedule(schedule, S, M, edges),
                          TaskDurations(tuple(seconds), tuple(times), tuple(times)), overlap=True)
     step = simulated.step_seconds
@@ -292,8 +293,14 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
         work = 3.0 * float(pre.flops[-1]) * profile.batch_size / hardware.total_flops + 3.0 * M * sum(
             pre.span(pre.ops, st.start, st.stop) * hardware.op_seconds(st.shape[0] * st.shape[1]) for st in stages)
         # A task's overhead is work of the shared cores too.
-        step = max(step, work * hardware.compute_scale + (2 * M * S * hardware.task_s if pipelined else 0.0))
+        overheads = 2 * M * sum(_task_overhead(hardware, st) for st in stages) if pipelined else 0.0
+        step = max(step, work * hardware.compute_scale + overheads)
     return PipelinePlan(tuple(stages), M, schedule, step, tuple(memory), planner)
+
+
+def _task_overhead(hardware: Hardware, stage: StagePlan) -> float:
+    """What one compute task of ``stage`` costs beyond its compute: ``task_s`` per device."""
+    return hardware.task_s * stage.shape[0] * stage.shape[1]
 
 
 def _stage_costs(pre: _Prefix, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
