@@ -631,7 +631,8 @@ def _selected(args: argparse.Namespace) -> list[Case]:
 
 def _worker_argv(args: argparse.Namespace, cases: Sequence[Case], out: str, traces: str, rate: float) -> list[str]:
     argv = ["-m", "benchmarks.pipeline_worker", "--out", out, "--trace-dir", traces, "--link-rate", repr(rate),
-            "--repeat", str(args.repeat), "--timeout", repr(args.step_timeout), "--cases", *[c.name for c in cases],
+            "--repeat", str(args.repeat), "--serialized-steps", str(args.serialized_steps),
+            "--timeout", repr(args.step_timeout), "--cases", *[c.name for c in cases],
             "--methods", *args.methods]
     if args.png:
         argv += ["--trace-methods", *PLOT_METHODS]
@@ -740,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--link-gbit", type=float, default=0.25, help="emulated link rate (default 0.25)")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps per method (default 5)")
+    parser.add_argument("--serialized-steps", type=int, default=3,
+                        help="serialized traced steps per method, whose medians the simulator takes (default 3)")
     parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES], choices=[c.name for c in CASES])
     parser.add_argument("--methods", nargs="+", default=[m.name for m in METHODS], choices=[m.name for m in METHODS])
     parser.add_argument("--json", help="write the records here")

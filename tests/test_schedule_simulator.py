@@ -225,7 +225,8 @@ def test_peaks_match_the_runtime_count_along_each_sequence():
 
 
 def _transfer_ends(schedule, task):
-    p, c = schedule.edges[task.where]
+    """The meshes a transfer leaves and reaches (the same one between two stages of a mesh)."""
+    p, c = (schedule.stage_mesh[s] for s in schedule.edges[task.where])
     return (p, c) if task.kind is A else (c, p)
 
 
@@ -244,14 +245,14 @@ def test_timeline_invariants():
             for d in task_dependencies(t, schedule.edges, schedule.split_backward):
                 assert e.start >= events[d].end
             if t.kind.is_compute:
-                assert e.lane == Lane(LaneKind.COMPUTE, t.where)
+                assert e.lane == Lane(LaneKind.COMPUTE, schedule.stage_mesh[t.where])
             else:
                 assert e.lane == Lane(LaneKind.LINK, *_transfer_ends(schedule, t))
         # What holds each lane: its own events, and without overlap a transfer holds both meshes too.
         held = {}
         for t, e in events.items():
             lanes = [e.lane]
-            if not overlap and not t.kind.is_compute:
+            if not overlap and not t.kind.is_compute and len(set(_transfer_ends(schedule, t))) == 2:
                 lanes += [Lane(LaneKind.COMPUTE, s) for s in _transfer_ends(schedule, t)]
             for lane in lanes:
                 held.setdefault(lane, []).append(e)
@@ -269,10 +270,10 @@ def _fixed_point_starts(schedule, durations, overlap):
     holders = {}
     for t in schedule.order:
         if t.kind.is_compute:
-            resources = [("mesh", t.where)]
+            resources = [("mesh", schedule.stage_mesh[t.where])]
         else:
             src, dst = _transfer_ends(schedule, t)
-            resources = [("link", src, dst)] if overlap else [("mesh", src), ("mesh", dst)]
+            resources = [("link", src, dst)] if overlap or src == dst else [("mesh", src), ("mesh", dst)]
         for r in resources:
             holders.setdefault(r, []).append(t)
     before = {t: [] for t in schedule.order}

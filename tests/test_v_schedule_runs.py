@@ -26,7 +26,7 @@ def _model(name, num_stages):
     return UTransformer(num_stages=num_stages), ut_batch(0, 32), ut_loss
 
 
-CI = {("zb_v", "gpt", 2, 2), ("dualpipev", "ut", 2, 2)}
+CI = {("zb_v", "gpt", 2, 2)}
 
 
 @pytest.mark.parametrize("schedule,name,num_meshes,rounds", [
