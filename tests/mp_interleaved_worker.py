@@ -3,8 +3,7 @@
 Each process owns four devices. Interleaved 1F1B runs GPT in 4 stages on 2 meshes (one per
 process: every move between consecutive stages crosses processes, p2p), and U-Transformer in 8
 stages on 4 meshes (two per process: moves inside a process and across); ZB-V runs GPT on 2
-meshes in a V (both arms cross processes, its turn stays inside one), DualPipeV U-Transformer
-on 4 (its skips stay on their mesh). Each process checks the loss where it lives and every
+meshes in a V (both arms cross processes, its turn stays inside one), and so does DualPipeV. Each process checks the loss where it lives and every
 parameter shard it holds against the same step under jax.jit on one local device.
 """
 
@@ -33,7 +32,7 @@ for schedule, name, model, batch, loss, num_meshes, shape in (
         ("interleaved_1f1b", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2)),
         ("interleaved_1f1b", "ut", UTransformer(num_stages=8), ut_batch(0, 16), ut_loss, 4, (2, 1)),
         ("zb_v", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2)),
-        ("dualpipev", "ut", UTransformer(num_stages=8), ut_batch(0, 16), ut_loss, 4, (2, 1))):
+        ("dualpipev", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2))):
     step = supervised_step(loss)
     with jax.default_device(local):
         state = make_state(model, batch["x"][:1])

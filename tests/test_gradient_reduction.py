@@ -77,7 +77,7 @@ def test_every_schedule_matches_single_device_jit(schedule, M, data):
 @pytest.mark.parametrize("model_name, schedule, M", [
     pytest.param("gpt_tied", "1f1b", 8, id="gpt_tied-1f1b-M8"),
     pytest.param("gpt_tied", "zb_h1", 2, id="gpt_tied-zb_h1-M2", marks=pytest.mark.slow),
-    pytest.param("u_transformer", "eager_1f1b", 2, id="u_transformer-eager_1f1b-M2"),
+    pytest.param("u_transformer", "eager_1f1b", 2, id="u_transformer-eager_1f1b-M2", marks=pytest.mark.slow),
     pytest.param("u_transformer", "gpipe", 8, id="u_transformer-gpipe-M8", marks=pytest.mark.slow),
 ])
 def test_tied_gpt_and_u_transformer_match_single_device_jit(model_name, schedule, M):

@@ -25,6 +25,7 @@ def test_main_job_trains_as_jit_does(args, stages):
         assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (got, want)
 
 
+@pytest.mark.slow
 def test_main_job_with_its_blocks_in_one_scan_cuts_the_scan_and_holds_slices():
     out = subprocess.run([sys.executable, "-m", "examples.train_gpt", "--steps", "3", "--scan-layers"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)

@@ -66,6 +66,7 @@ def _check_run(cut, optimizer, remat, steps=2):
     return state, batch, par, parallel
 
 
+@pytest.mark.slow
 def test_a_gpt_scanned_in_one_nn_scan_cut_into_4_stages_equals_jit_and_each_stage_holds_its_slice():
     state, batch, par, parallel = _check_run("4 stages", "adam", remat=False)
     executable = parallel.get_executable(par, batch)

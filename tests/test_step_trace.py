@@ -45,6 +45,7 @@ class Traced:
     path: str
     serialized: Any
     serialized_timeline: Timeline
+    outside_pipeline_s: tuple[float, float]  # the traced step's, the serialized one's
 
 
 @pytest.fixture(scope="module", params=SCHEDULES, ids=lambda p: f"{p[0]}-weight_delay={p[1]}")
@@ -64,7 +65,8 @@ def traced(request, tmp_path_factory) -> Traced:
     serialized, serialized_trace = parallel.trace(path + ".serialized", state, batch, serialize=True)
     timeline, serialized_timeline = trace.timeline, serialized_trace.timeline
     return Traced(executable, before, executable.compiled_count(), plain, jax.jit(step)(state, batch),
-                  outputs, timeline, path, serialized, serialized_timeline)
+                  outputs, timeline, path, serialized, serialized_timeline,
+                  (trace.outside_pipeline_s, serialized_trace.outside_pipeline_s))
 
 
 def test_trace_returns_the_steps_outputs(traced):
@@ -75,6 +77,14 @@ def test_trace_returns_the_steps_outputs(traced):
     (state, loss), (ref_state, ref_loss) = traced.traced, traced.jitted
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(state.params, ref_state.params)
+
+
+def test_serialized_steps_time_the_work_around_the_pipeline(traced):
+    """Only a serialized step times the step program's other instructions (placing inputs, the
+    update of every stage, ...), each run alone."""
+    overlapped, serialized = traced.outside_pipeline_s
+    assert overlapped == 0.0
+    assert 0.0 < serialized
 
 
 def test_tracing_compiles_nothing_for_the_step(traced):

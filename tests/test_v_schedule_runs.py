@@ -64,6 +64,7 @@ def _mesh_peaks(schedule):
     return peaks
 
 
+@pytest.mark.slow
 def test_zb_v_holds_what_1f1b_holds_and_dualpipev_one_more(tmp_path):
     """ZB-V keeps 2P micro-batches of a half-depth stage alive per mesh, what 1F1B keeps of a
     whole one (P): the runtime's live activation bytes on the first mesh come out alike.
