@@ -234,7 +234,7 @@ def _waited(step: Callable, batch, timeout_s: float, what: str) -> Callable:
     return run
 
 
-def _run_spmd(args: argparse.Namespace, out: RecordWriter, case, method: SpmdBaseline, devices,
+def _run_spmd(args: argparse.Namespace, out: RecordWriter, case, method: SpmdBaseline, tag: str, devices,
               barrier: Callable[[str], None]) -> None:
     """One SPMD baseline row: compile, one warm-up step, ``--repeat`` timed steps as for the
     pipeline's rows; its bytes per device from XLA's memory analysis of the compiled step."""
@@ -242,7 +242,6 @@ def _run_spmd(args: argparse.Namespace, out: RecordWriter, case, method: SpmdBas
 
     from benchmarks.spmd_pipeline import bubble, memory_bytes_per_device
 
-    tag = f"{slug(case.name)}-{method.name}"
     start = time.perf_counter()
     step, state, batch, config = build_spmd_step(case, method, devices)
     compiled = step.lower(state, batch).compile()
@@ -301,7 +300,7 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
         for method in (m for m in methods if m.name in case.methods):
             tag = f"{slug(case.name)}-{method.name}"
             if isinstance(method, SpmdBaseline):
-                _run_spmd(args, out, case, method, case_devices, barrier)
+                _run_spmd(args, out, case, method, tag, case_devices, barrier)
                 continue
             start = time.perf_counter()
             step, state, batch = build_step(case, method, cluster, args.timeout, case_devices)

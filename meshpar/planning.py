@@ -251,7 +251,12 @@ def calibrate_pipeline(hardware: Hardware, fun: Callable, args: Sequence[Any], b
       ``move_s``, ``task_s``); unchanged, with ``{}``, when the step cannot be cut so (fewer
       than two layers or devices, a batch that does not split over the devices, arguments that
       are only shapes).
+
+    Raises:
+      ValueError: ``repeats`` is not a positive integer.
     """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected a positive number of timed steps, got {repeats!r}")
     n, L = len(devices), profile.num_layers
     if (n < 2 or n % 2 or L < 2 or profile.batch_size % n
             or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tuple(args)))):
@@ -281,12 +286,13 @@ def calibrate_pipeline(hardware: Hardware, fun: Callable, args: Sequence[Any], b
         fitted = dataclasses.replace(hardware, move_s=move_s, task_s=task_s)
         return predict(profile, cluster, fitted, stages, 2, "1f1b").predicted_step_s
 
-    low, high = 0.0, measured
-    if predicted(low) < measured:
+    task_s = 0.0
+    if predicted(0.0) < measured:
+        low, high = 0.0, measured
         for _ in range(40):
             mid = (low + high) / 2
             low, high = (mid, high) if predicted(mid) < measured else (low, mid)
-    task_s = (low + high) / 2 if predicted(0.0) < measured else 0.0
+        task_s = (low + high) / 2
     return dataclasses.replace(hardware, move_s=move_s, task_s=task_s), {
         "measured_step_s": measured, "predicted_before_s": plan.best.predicted_step_s, "move_s": move_s,
         "task_s": task_s}

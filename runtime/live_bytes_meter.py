@@ -51,6 +51,16 @@ def _arrays(value: Any) -> Iterable[Any]:
         yield value
 
 
+def _unseen(value: Any, seen: set[int]) -> Iterable[dict[int, int]]:
+    """Per array of ``value`` not in ``seen`` (added to it), its bytes per device: an array held
+    by several references counts once. Not cached by identity: a cache would keep every sampled
+    array alive, and the step would then hold memory it frees when not measured."""
+    for array in _arrays(value):
+        if id(array) not in seen:
+            seen.add(id(array))
+            yield device_bytes(array)
+
+
 class LiveBytesMeter:
     """Per device, the peak resident, activation and total bytes over the samples of one step.
 
@@ -74,22 +84,14 @@ class LiveBytesMeter:
         executor's placed inputs, values and outputs, as they are then)."""
         self._held_around = held
 
-    def _bytes(self, array: Any) -> dict[int, int]:
-        # Not cached by identity: a cache would keep every sampled array alive, and the step
-        # would then hold (and allocate) memory it frees when not measured.
-        return device_bytes(array)
-
     def sample(self, resident: Iterable[Any] = (), activations: Mapping[BufferId, Any] | None = None) -> None:
         """One sample: ``resident`` arrays (and nested lists of them) besides what ``around``
         returns; ``activations`` the pipeline program's buffers (``None`` outside it)."""
         seen: set[int] = set()
         per_device: dict[int, int] = {}
         for value in (*self._held_around(), *resident):
-            for array in _arrays(value):
-                if id(array) in seen:
-                    continue
-                seen.add(id(array))
-                for d, n in self._bytes(array).items():
+            for sizes in _unseen(value, seen):
+                for d, n in sizes.items():
                     per_device[d] = per_device.get(d, 0) + n
         by_mesh = [0] * len(self.mesh_devices)
         for d, n in per_device.items():
@@ -107,11 +109,7 @@ class LiveBytesMeter:
                 self._note_shared(buffer, value, activations)
         for buffer, value in activations.items():
             largest = 0
-            for array in _arrays(value):
-                if id(array) in seen:
-                    continue
-                seen.add(id(array))
-                sizes = self._bytes(array)
+            for sizes in _unseen(value, seen):
                 for d, n in sizes.items():
                     acts[d] = acts.get(d, 0) + n
                 largest += max(sizes.values(), default=0)
@@ -127,7 +125,7 @@ class LiveBytesMeter:
         if residuals is None:
             return
         ids = {id(a) for a in _arrays(residuals)}
-        shared = sum(max(self._bytes(a).values(), default=0) for a in _arrays(value) if id(a) in ids)
+        shared = sum(max(device_bytes(a).values(), default=0) for a in _arrays(value) if id(a) in ids)
         self._shared[state.index] = max(self._shared.get(state.index, 0), shared)
 
     def live_bytes(self) -> LiveBytes:

@@ -253,7 +253,7 @@ class PipelineExecutable:
             meter.around(state.held)
         timed = recorder is not None and recorder.serialize
         for ins in self.step_program:
-            start = time.perf_counter()
+            start = time.perf_counter() if timed else 0.0
             self._handlers[type(ins)](ins, state)
             if timed and not isinstance(ins, RunPipeline):
                 # Serialized: the work around the pipeline, each instruction alone.

@@ -98,14 +98,13 @@ def test_prediction_follows_the_schedule(traces):
     assert (M - S) * residuals <= extra <= (M - S + 1) * residuals
 
 
-def test_profile_and_merge_checks(traces):
+def test_profile_checks_and_peaks(traces):
     with pytest.raises(ValueError, match="resident_peak"):
         MemoryProfile({}, (0, 0), (0,), ((0,), (1,)))
     with pytest.raises(ValueError, match="negative"):
         MemoryProfile({(BufferKind.RESIDUALS, 0, 0): -1}, (0,), (0,), ((0,),))
     with pytest.raises(ValueError, match=f"profile: expected {S} meshes"):
         predict_live_bytes(traces["1f1b"][2].program, MemoryProfile({}, (0,), (0,), ((0,),)))
-    a = LiveBytes({0: 5, 1: 2}, {0: 1}, "measured")
-    b = LiveBytes({1: 3, 2: 4}, {2: 2}, "measured")
-    merged = a.merged(b)
-    assert merged.total == {0: 5, 1: 3, 2: 4} and merged.peak_bytes == 5 and merged.peak_activation_bytes == 2
+    peaks = LiveBytes({0: 5, 1: 3, 2: 4}, {0: 1, 2: 2}, "measured")
+    assert peaks.peak_bytes == 5 and peaks.peak_activation_bytes == 2
+    assert LiveBytes({}, {}, "measured").peak_bytes == 0

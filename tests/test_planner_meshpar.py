@@ -264,6 +264,8 @@ def test_pipeline_calibration_fits_the_measured_two_stage_step():
     assert calibrate_pipeline(hardware, step, shapes, (1,), devices, cluster, profile) == (hardware, {})
     with pytest.raises(ValueError, match="task_s"):
         Hardware(1e9, task_s=-1.0)
+    with pytest.raises(ValueError, match="^repeats: expected a positive number"):
+        calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile, repeats=0)
 
 
 @pytest.mark.parametrize("planner", ["amp", "galvatron", "alpa_dp"])

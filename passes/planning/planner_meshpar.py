@@ -76,8 +76,9 @@ class Hardware:
     ``task_s`` the seconds each compute task of a pipeline (a forward or a backward of one
     stage and micro-batch) costs beyond its compute per device of its stage's mesh (launching
     its program on each device, its operands and results, its share of the stage's update:
-    on CPU each device's partition is launched and run on its own), and ``move_s`` the seconds each move between two stage
-    meshes costs beyond its bytes (its latency): 0 until fitted on a measured pipeline
+    on CPU each device's partition is launched and run on its own), and ``move_s`` the seconds
+    each move between two stage meshes costs beyond its bytes (its latency): 0 until fitted on
+    a measured pipeline
     (``meshpar.planning.calibrate_pipeline``). A step of one stage and one micro-batch runs as
     one program and pays neither."""
 

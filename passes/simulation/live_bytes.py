@@ -62,12 +62,6 @@ class LiveBytes:
         """The largest ``activations`` over devices (0 with none)."""
         return max(self.activations.values(), default=0)
 
-    def merged(self, other: LiveBytes) -> LiveBytes:
-        """Both processes' devices in one (a device in both keeps its larger figures)."""
-        def union(a: Mapping[int, int], b: Mapping[int, int]) -> dict[int, int]:
-            return {d: max(a.get(d, 0), b.get(d, 0)) for d in {*a, *b}}
-        return LiveBytes(union(self.total, other.total), union(self.activations, other.activations), self.source)
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryProfile:
