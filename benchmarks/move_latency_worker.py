@@ -107,9 +107,9 @@ def payload(nbytes: int, call: int):
 
 
 def _barrier(timeout_s: float) -> Callable[[str], None]:
-    from jax._src import distributed
+    from meshpar.passes import jax_ir
 
-    client = distributed.global_state.client
+    client = jax_ir.distributed_client()
 
     def barrier(name: str) -> None:
         client.wait_at_barrier(f"meshpar-move-latency/{name}", int(timeout_s * 1000))

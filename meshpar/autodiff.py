@@ -36,9 +36,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src import linear_util as lu
 
+from meshpar.passes import jax_ir
 from meshpar.nnx_state import has_variables
 from meshpar.passes.pipeline.micro_batching import REDUCTIONS, AuxReduction
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
@@ -215,20 +214,20 @@ def _pipeline_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...]
     # compiler can cut the loss anywhere.
     jaxpr = closed.jaxpr
     n = len(leaves)
-    reordered = core.Jaxpr(
+    reordered = jax_ir.Jaxpr(
         constvars=(),
         invars=[*jaxpr.invars[:n], *jaxpr.constvars, *jaxpr.invars[n:]],
         outvars=jaxpr.outvars,
         eqns=jaxpr.eqns,
         effects=jaxpr.effects,
-        debug_info=lu.DebugInfo(
+        debug_info=jax_ir.DebugInfo(
             "meshpar.value_and_grad", getattr(fun, "__name__", "loss"),
             tuple(f"arg{i}" for i in range(len(jaxpr.invars) + len(jaxpr.constvars))),
             ("loss", *(f"aux{k}" for k in range(aux_tree.num_leaves))),
         ),
     )
     outs = pipeline_grad_p.bind(
-        *leaves, *closed.consts, *consts, loss_jaxpr=core.ClosedJaxpr(reordered, ()), num_diff=n,
+        *leaves, *closed.consts, *consts, loss_jaxpr=jax_ir.ClosedJaxpr(reordered, ()), num_diff=n,
         num_aux=aux_tree.num_leaves, aux_reductions=reductions, reduction=reduction, fold_rng=fold_rng,
     )
     value, aux, grads = outs[0], outs[1:1 + aux_tree.num_leaves], outs[1 + aux_tree.num_leaves:]
@@ -299,8 +298,8 @@ def _nnx_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], sev
     return ((value, aux), grads) if has_aux else (value, grads)
 
 
-def _computed(jaxpr: core.Jaxpr, v: core.Atom) -> bool:
-    return isinstance(v, core.Var) and any(v in e.outvars for e in jaxpr.eqns)
+def _computed(jaxpr: jax_ir.Jaxpr, v: jax_ir.Atom) -> bool:
+    return isinstance(v, jax_ir.Var) and any(v in e.outvars for e in jaxpr.eqns)
 
 
 def grad(

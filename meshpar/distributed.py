@@ -9,6 +9,8 @@ from typing import Any
 
 import jax
 
+from meshpar.passes import jax_ir
+
 __all__ = ["MIN_HEARTBEAT_TIMEOUT_S", "ephemeral_ports", "free_port", "heartbeat_timeout", "initialize", "own_address"]
 
 # JAX's client heartbeats every half of the timeout from a thread of its own, so compiles and
@@ -146,9 +148,7 @@ def initialize(
         isinstance(transport_addresses, str) or not all(isinstance(a, str) and ":" in a for a in transport_addresses)
     ):
         raise ValueError(f"transport_addresses: expected a sequence of 'ip:port' strings, got {transport_addresses!r}")
-    from jax._src import xla_bridge
-
-    if xla_bridge.backends_are_initialized():
+    if jax_ir.backends_are_initialized():
         raise RuntimeError(
             "meshpar.distributed.initialize: JAX's backend has already started in this process; "
             "call it first, before any jax.devices(), array creation or computation"

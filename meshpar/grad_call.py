@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from jax._src import core
 
+from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.stage_graph import first_user_frame, user_location
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
@@ -32,7 +32,7 @@ _LINEN_FORM = """    def loss_fn(params):
     state = state.apply_gradients(grads=grads)"""
 
 
-def _differentiated_by(jaxpr: core.Jaxpr) -> tuple[str, str] | None:
+def _differentiated_by(jaxpr: jax_ir.Jaxpr) -> tuple[str, str] | None:
     """The differentiation API the first differentiated equation of ``jaxpr`` came from, and
     the user's line that called it; ``None`` when no equation was differentiated."""
     for eqn in jaxpr.eqns:
@@ -50,7 +50,7 @@ def _differentiated_by(jaxpr: core.Jaxpr) -> tuple[str, str] | None:
     return None
 
 
-def find_grad_call(name: str, traced: core.ClosedJaxpr, nnx_arguments: bool) -> core.JaxprEqn:
+def find_grad_call(name: str, traced: jax_ir.ClosedJaxpr, nnx_arguments: bool) -> jax_ir.JaxprEqn:
     """The step's one ``meshpar.value_and_grad`` / ``meshpar.grad`` equation.
 
     Args:

@@ -18,6 +18,8 @@ from typing import NoReturn
 
 import jax
 
+from meshpar.passes import jax_ir
+
 __all__ = [
     "Arrival", "CoordinationError", "PeerLostError", "agree", "kv_client", "not_delivered", "owns_a_device_of",
     "raise_lost_peer", "senders", "wait_arrivals", "wait_ready",
@@ -50,9 +52,7 @@ class Arrival:
 
 def kv_client():
     """The distributed runtime's client, or ``None`` in a single-process run."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    return jax_ir.distributed_client()
 
 
 _rounds: dict[str, int] = {}

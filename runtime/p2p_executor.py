@@ -42,6 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.mesh_assignment import device_sharding
 from meshpar.passes.pipeline.plan_moves import P2P_ORDERS
 from meshpar.passes.resharding.hop_program import HopProgram
@@ -75,12 +76,10 @@ class HopArrival:
 def require_cross_host_transfers(what: str) -> None:
     """Raises a ``RuntimeError`` naming ``meshpar.distributed.initialize`` when this
     process cannot move arrays to other processes with ``jax.device_put``."""
-    from jax._src import xla_bridge
-
-    native = getattr(xla_bridge.get_backend(), "supports_cross_host_transfers", False)
-    if native and not xla_bridge.FORCE_DCN_CROSS_HOST_TRANSFERS.value:
+    native, forced_over_network, server_address = jax_ir.cross_host_transfer_settings()
+    if native and not forced_over_network:
         return
-    if not xla_bridge.CROSS_HOST_TRANSFER_SOCKET_ADDRESS.value:
+    if not server_address:
         raise RuntimeError(
             f"{what} moves data between processes with jax.device_put, which on "
             f"{jax.default_backend()} needs a cross-host transfer server: start every process with "

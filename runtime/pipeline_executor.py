@@ -19,9 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.edge_transfer import Direction, MoveKey
 from meshpar.passes.pipeline.micro_batching import AuxReduction
 from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline
@@ -167,7 +167,7 @@ class PipelineExecutable:
         return self._prepared[key]
 
     def _compile_compute(self, compute: OuterCompute) -> Callable:
-        fn = core.jaxpr_as_fun(compute.jaxpr)
+        fn = jax_ir.jaxpr_as_fun(compute.jaxpr)
         targets = [self.layout.value_shardings.get((ref, compute.mesh)) for ref in compute.outputs]
 
         def run(*args):
@@ -217,7 +217,8 @@ class PipelineExecutable:
 
     def compiled_count(self) -> int:
         """Executables compiled so far: constant across steps after the first."""
-        return sum(e.compiled_count() for e in self.executables) + sum(f._cache_size() for f in self._compute_fns.values())
+        return (sum(e.compiled_count() for e in self.executables)
+                + sum(jax_ir.compiled_count(f.jitted) for f in self._compute_fns.values()))
 
     # -- the step -------------------------------------------------------------
 

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax._src import core
 from jax.sharding import Mesh, NamedSharding
 
+from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 from meshpar.passes.pipeline.micro_batching import MicroBatching
 from meshpar.passes.pipeline.step_layout import StepLayout
@@ -43,7 +43,7 @@ class SpmdStep:
         shardings come from (what ``meshpar.checkpoint`` reads of any compiled step).
     """
 
-    def __init__(self, jaxpr: core.ClosedJaxpr, micro_batching: MicroBatching,
+    def __init__(self, jaxpr: jax_ir.ClosedJaxpr, micro_batching: MicroBatching,
                  in_shardings: Sequence[NamedSharding], out_shardings: Sequence[NamedSharding | None],
                  out_tree: Any, layout: StepLayout, meshes: Sequence[Mesh], description: str = "") -> None:
         if micro_batching.num_micro_batches != 1:
@@ -75,15 +75,15 @@ class SpmdStep:
 
     def compiled_count(self) -> int:
         """Executables compiled so far: one after the first step."""
-        return self._run._cache_size()
+        return jax_ir.compiled_count(self._run)
 
 
-def _evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fold_keys: frozenset[int]) -> list[Any]:
+def _evaluate(jaxpr: jax_ir.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fold_keys: frozenset[int]) -> list[Any]:
     """``jaxpr`` evaluated with its gradient equation as ``value_and_grad`` over one micro-batch."""
-    env: dict[core.Var, Any] = {}
+    env: dict[jax_ir.Var, Any] = {}
 
-    def read(v: core.Atom) -> Any:
-        return v.val if isinstance(v, core.Literal) else env[v]
+    def read(v: jax_ir.Atom) -> Any:
+        return v.val if isinstance(v, jax_ir.Literal) else env[v]
 
     for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
         env[var] = value
@@ -95,8 +95,7 @@ def _evaluate(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fol
                                      for k, x in enumerate(invals[n:]))]
             outs = pipeline_grad_p.impl(*invals, **eqn.params)
         else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = jax_ir.bind_equation(eqn, invals)
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]

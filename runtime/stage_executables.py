@@ -36,9 +36,9 @@ from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.data_replicas import StageAccumulation, StageReplicas
 from meshpar.passes.pipeline.pipeline_program import StageIO
 from meshpar.passes.pipeline.stage_graph import RefKind, Stage
@@ -57,7 +57,7 @@ def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
         with jax.set_mesh(mesh):
             return fn(*args)
 
-    run._cache_size = fn._cache_size  # type: ignore[attr-defined]
+    run.jitted = fn  # type: ignore[attr-defined]  # for compiled_count
     return run
 
 
@@ -76,7 +76,8 @@ class StageExecutables:
 
     def compiled_count(self) -> int:
         """Executables compiled so far (constant across steps once the first has run)."""
-        return sum(f._cache_size() for f in (self.forward, self.backward, self.backward_input, self.backward_weight))
+        return sum(jax_ir.compiled_count(f.jitted)
+                   for f in (self.forward, self.backward, self.backward_input, self.backward_weight))
 
 
 def compile_stage(
@@ -104,10 +105,10 @@ def compile_stage(
     batch_pos = [o.position for o in operands if o.per_micro_batch]
     act_pos = [k for k, r in enumerate(stage.inputs) if r.kind is RefKind.ACT]
     out_avals = stage.jaxpr.out_avals
-    forward_fn = core.jaxpr_as_fun(parts.forward)
-    backward_fn = core.jaxpr_as_fun(parts.backward)
-    input_fn = core.jaxpr_as_fun(parts.backward_input)
-    weight_fn = core.jaxpr_as_fun(parts.backward_weight)
+    forward_fn = jax_ir.jaxpr_as_fun(parts.forward)
+    backward_fn = jax_ir.jaxpr_as_fun(parts.backward)
+    input_fn = jax_ir.jaxpr_as_fun(parts.backward_input)
+    weight_fn = jax_ir.jaxpr_as_fun(parts.backward_weight)
     num_acts = parts.num_act_cotangents
     in_avals = stage.jaxpr.in_avals
     state_from_residual = tuple(

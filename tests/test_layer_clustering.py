@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import core
 
+from meshpar.passes import jax_ir
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
@@ -66,7 +66,7 @@ def test_markers_cut_a_chain_into_balanced_layers_and_compute_the_same():
     graph = split_stages(marked, 6)
     # Three layers of two matmuls each: each stage owns two of the weights.
     assert [sorted(r.index for r in s.inputs if r.kind is RefKind.PARAM) for s in graph.stages] == [[0, 1], [2, 3], [4, 5]]
-    np.testing.assert_allclose(core.jaxpr_as_fun(marked)(*ws, x)[0], _chain_loss(ws, x), rtol=1e-6)
+    np.testing.assert_allclose(jax_ir.jaxpr_as_fun(marked)(*ws, x)[0], _chain_loss(ws, x), rtol=1e-6)
     with pytest.raises(ValueError, match="has stage markers"):
         insert_layer_markers(marked, 2, 0)
     with pytest.raises(ValueError, match="num_layers"):

@@ -3,6 +3,8 @@
 - The compiler (``meshpar.passes``) imports nothing from the API package or the runtime.
 - The runtime (``meshpar.runtime``) imports only the compiler's IR types and its own modules.
 - No import cycles among meshpar's modules, counting imports inside functions too.
+- JAX's internals (``jax._src``) are imported by ``meshpar.passes.jax_ir`` alone, in the
+  packages, the benchmarks, the examples and the tests.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"meshpar": ROOT / "meshpar", "meshpar.passes": ROOT / "passes", "meshpar.runtime": ROOT / "runtime"}
+JAX_INTERNALS_MODULE = ROOT / "passes" / "jax_ir.py"
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -88,3 +91,27 @@ def test_no_import_cycles():
     cycles = list(nx.simple_cycles(graph, length_bound=6))
     real = [c for c in cycles if not any(m in ("meshpar", "meshpar.passes", "meshpar.runtime") for m in c)]
     assert not real, "import cycles: " + "; ".join(" -> ".join(c + [c[0]]) for c in real[:5])
+
+
+def _imports_jax_internals(path: pathlib.Path) -> list[str]:
+    """The ``jax._src`` modules ``path`` imports, wherever in the file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        found += [n for n in names if n == "jax._src" or n.startswith("jax._src.")]
+    return found
+
+
+@pytest.mark.parametrize("folder", ["meshpar", "passes", "runtime", "benchmarks", "examples", "tests"])
+def test_jax_internals_only_in_jax_ir(folder):
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert files, f"no Python files under {folder}"
+    offenders = {str(f.relative_to(ROOT)): _imports_jax_internals(f) for f in files if f != JAX_INTERNALS_MODULE}
+    offenders = {f: names for f, names in offenders.items() if names}
+    assert not offenders, f"import JAX's internals outside passes/jax_ir.py: {offenders}"
+
+
+def test_jax_internals_scan_sees_them():
+    # The rule above is vacuous if the scan misses imports: the one module that has them must show them.
+    assert "jax._src.interpreters" in _imports_jax_internals(JAX_INTERNALS_MODULE)

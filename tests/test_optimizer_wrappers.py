@@ -14,11 +14,11 @@ import optax
 import pytest
 from flax import linen as nn
 from flax.training import train_state
-from jax._src import core
 
 import meshpar
 from meshpar.autodiff import tracing_pipeline
-from meshpar.passes.pipeline.split_conditionals import cut_cond, inline_constant_conds, split_cond
+from meshpar.passes import jax_ir
+from meshpar.passes.pipeline.split_conditionals import cut_cond, inline_fixed_calls, split_cond
 from meshpar.passes.pipeline.stage_graph import Ref, RefKind, split_stages
 from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, split_step
 from pipeline_models import TwoStages, assert_trees_close
@@ -185,11 +185,11 @@ def _random_args(avals, seed):
 
 
 def _one_element(v):
-    return isinstance(v, core.Literal) or int(np.prod(v.aval.shape)) <= 1
+    return isinstance(v, jax_ir.Literal) or int(np.prod(v.aval.shape)) <= 1
 
 
 def _owners(e, owner):
-    return [owner.get(v) if isinstance(v, core.Var) else None for v in e.invars]
+    return [owner.get(v) if isinstance(v, jax_ir.Var) else None for v in e.invars]
 
 
 def _split_all(jaxpr, owner):
@@ -197,7 +197,7 @@ def _split_all(jaxpr, owner):
     it; a cond's results belong to the mesh of its label, other values to their inputs' one mesh
     (a value of several meshes' or no mesh's values to none). Also, per cond, its label and the
     meshes of the operands it reads that are not one element."""
-    jaxpr = inline_constant_conds(jaxpr)
+    jaxpr = inline_fixed_calls(jaxpr)
     eqns, conds = [], []
     for eqn in jaxpr.eqns:
         work = [eqn]
@@ -208,7 +208,7 @@ def _split_all(jaxpr, owner):
                 work.extend(reversed(cut))
                 continue
             for part, label in split_cond(e, _owners(e, owner)) or [(e, None)]:
-                read = {owner.get(v) for v in part.invars if isinstance(v, core.Var)} - {None}
+                read = {owner.get(v) for v in part.invars if isinstance(v, jax_ir.Var)} - {None}
                 if label is not None:
                     conds.append((label, {owner.get(v) for v in part.invars if not _one_element(v)} - {None}))
                 meshes = read if label is None else label
@@ -218,8 +218,8 @@ def _split_all(jaxpr, owner):
 
 
 def _evaluate_equal(closed, rewritten, args):
-    expected = core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
-    actual = core.eval_jaxpr(rewritten, closed.consts, *args)
+    expected = jax_ir.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    actual = jax_ir.eval_jaxpr(rewritten, closed.consts, *args)
     for a, e in zip(actual, expected):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-6, atol=1e-6)
 
@@ -243,7 +243,7 @@ def test_split_wrapper_updates_evaluate_like_the_original(wrapper):
     mesh_of_leaf = [0, 0, 1, 1]
     owner = {**{invars[k]: mesh_of_leaf[k] for k in range(n)}, **{invars[-n + k]: mesh_of_leaf[k] for k in range(n)}}
     rewritten, conds = _split_all(closed.jaxpr, owner)
-    core.check_jaxpr(rewritten)
+    jax_ir.check_jaxpr(rewritten)
     for label, meshes in conds:
         assert meshes <= label and len(label) <= 1, (label, meshes)
     if wrapper.startswith("apply_if_finite"):
@@ -282,7 +282,7 @@ def test_split_groups_outputs_by_the_meshes_they_read_and_keeps_a_mixed_group_wh
     assert operands[frozenset({0})] == {a0, b0, s1} and operands[frozenset({1})] == {a1, b1, s1}
     rewritten = closed.jaxpr.replace(eqns=[p for e in closed.jaxpr.eqns
                                            for p, _ in (split_cond(e, _owners(e, owners)) or [(e, None)])])
-    core.check_jaxpr(rewritten)
+    jax_ir.check_jaxpr(rewritten)
     for k in range(3):
         _evaluate_equal(closed, rewritten, [np.int32(k), *_random_args([v.aval for v in closed.jaxpr.invars[1:]], k)])
 
@@ -320,7 +320,7 @@ def test_a_cut_separates_a_global_norm_into_per_mesh_sums_then_per_mesh_updates(
         frozenset(): [4], frozenset({0}): [0, 1, 3], frozenset({1}): [2]}
     rewritten = closed.jaxpr.replace(eqns=[*closed.jaxpr.eqns[:-1], *(p for p, _ in first_parts),
                                            *(p for p, _ in second_parts)])
-    core.check_jaxpr(rewritten)
+    jax_ir.check_jaxpr(rewritten)
     for k in range(2):
         _evaluate_equal(closed, rewritten, [np.int32(k), *_random_args([v.aval for v in closed.jaxpr.invars[1:]], k)])
 
@@ -353,14 +353,14 @@ def test_constant_conds_are_inlined_recursively_and_others_kept():
         return jax.lax.cond(index > 0, lambda v: v + 1, lambda v: v - 1, x2), y2, y
 
     closed = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(3), jnp.int32(1))
-    inlined = inline_constant_conds(closed.jaxpr)
-    core.check_jaxpr(inlined)
+    inlined = inline_fixed_calls(closed.jaxpr)
+    jax_ir.check_jaxpr(inlined)
     conds = [e for e in inlined.eqns if e.primitive.name == "cond"]
-    assert len(conds) == 1 and not isinstance(conds[0].invars[0], core.Literal)
+    assert len(conds) == 1 and not isinstance(conds[0].invars[0], jax_ir.Literal)
     assert inlined.outvars[1] is closed.jaxpr.invars[1], "a branch passing an operand through returns it"
     for k in range(2):
         _evaluate_equal(closed, inlined, [*_random_args([v.aval for v in closed.jaxpr.invars[:2]], k), np.int32(k)])
-    assert inline_constant_conds(inlined) is inlined
+    assert inline_fixed_calls(inlined) is inlined
 
 
 # -- the step split over a traced step, without meshes ----------------------------------------
@@ -382,7 +382,7 @@ def _run_original(outer, grad, inputs, pipeline_results):
     """The traced step with the pipeline's results given in place of its gradient equation."""
     jaxpr = outer.jaxpr
     given = jaxpr.replace(invars=[*jaxpr.invars, *grad.outvars], eqns=[e for e in jaxpr.eqns if e is not grad])
-    return core.eval_jaxpr(given, outer.consts, *inputs, *pipeline_results)
+    return jax_ir.eval_jaxpr(given, outer.consts, *inputs, *pipeline_results)
 
 
 def _run_split(split, inputs, pipeline_results):
@@ -394,7 +394,7 @@ def _run_split(split, inputs, pipeline_results):
                         else values[(ref.kind, ref.index)])
     for step in (*split.before, *split.after):
         if isinstance(step, OuterCompute):
-            outs = core.eval_jaxpr(step.jaxpr.jaxpr, step.jaxpr.consts, *map(read, step.inputs))
+            outs = jax_ir.eval_jaxpr(step.jaxpr.jaxpr, step.jaxpr.consts, *map(read, step.inputs))
             values.update(((r.kind, r.index), o) for r, o in zip(step.outputs, outs))
     return [read(ref) if ref.kind is not OuterKind.LITERAL else split.literals[ref.index] for ref, _ in split.outputs]
 

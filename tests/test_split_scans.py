@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import core
 
+from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.layer_clustering import even_layer_markers, insert_layer_markers, max_layers
 from meshpar.passes.pipeline.split_scans import layer_scans, split_layer_scans, verify_split_scans
 from meshpar.passes.pipeline.stage_graph import count_markers, split_stages
@@ -38,7 +38,7 @@ def _loss_jaxpr(fun=_stack, **kw):
 
 def _eval(closed, *args):
     split_free = closed.jaxpr.replace(eqns=[e for e in closed.jaxpr.eqns if e.primitive.name != "meshpar_stage_boundary"])
-    return core.eval_jaxpr(split_free, closed.consts, *args)
+    return jax_ir.eval_jaxpr(split_free, closed.consts, *args)
 
 
 @pytest.mark.parametrize("reverse", [False, True])
@@ -70,7 +70,7 @@ def test_the_verifier_fails_on_a_split_that_changes_the_result():
     eqns = list(split.jaxpr.eqns)
     eqns[scans[1]] = broken
     with pytest.raises(PlanVerificationError, match="output 0 of the split loss differs"):
-        verify_split_scans(loss, core.ClosedJaxpr(split.jaxpr.replace(eqns=eqns), split.consts))
+        verify_split_scans(loss, jax_ir.ClosedJaxpr(split.jaxpr.replace(eqns=eqns), split.consts))
 
 
 def test_layer_scans_are_scans_over_parameters_not_over_the_batch_or_a_loop_indexing_the_stack():

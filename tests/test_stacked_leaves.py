@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import meshpar
 from meshpar.autodiff import tracing_pipeline
+from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.pipeline_passes import state_counterparts
 from meshpar.passes.pipeline.stacked_leaves import (LeafPieces, split_stacked_leaves, stacked_arrays, stacked_params,
                                                     take_pieces, verify_leaf_pieces)
@@ -60,7 +60,7 @@ def test_stacked_params_are_those_read_only_as_slices_that_partition_the_stack()
     assert stacked_params(closed, 4) == {0: (0, 1, 4)}  # b is read whole, c overlaps, d is not covered
     pieced = take_pieces(closed, 4, {0: (0, 1, 4)})
     assert [v.aval.shape for v in pieced.jaxpr.invars] == [(1, 2), (3, 2), (4, 2), (4, 2), (4, 2)]
-    got = core.eval_jaxpr(pieced.jaxpr, pieced.consts, x[:1], x[1:], x, x, x)
+    got = jax_ir.eval_jaxpr(pieced.jaxpr, pieced.consts, x[:1], x[1:], x, x, x)
     np.testing.assert_allclose(float(got[0]), float(loss(x, x, x, x)), rtol=1e-6)
 
 
@@ -83,8 +83,8 @@ def test_the_rewritten_step_equals_the_step_and_updates_each_piece_on_its_own():
     assert not any(e.primitive.name == "concatenate" for e in rewritten.jaxpr.eqns)
     args = [leaves[i] if p is None else leaves[i][pieces.inputs[i][p]:pieces.inputs[i][p + 1]]
             for i, p in pieces.piece_inputs()]
-    got = iter(core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *args))
-    want = core.eval_jaxpr(step.jaxpr, step.consts, *leaves)
+    got = iter(jax_ir.eval_jaxpr(rewritten.jaxpr, rewritten.consts, *args))
+    want = jax_ir.eval_jaxpr(step.jaxpr, step.consts, *leaves)
     for w, b in zip(want, pieces.outputs):
         g = next(got) if b is None else np.concatenate([next(got) for _ in range(len(b) - 1)])
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import core
 
 import meshpar
+from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.stage_graph import Ref, RefKind, Stage, split_stages
 from meshpar.passes.pipeline.stage_parts import StageParts, stage_parts, verify_stage_parts
 from meshpar.passes.verification import PlanVerificationError
@@ -38,7 +38,7 @@ def _values(avals, seed):
 
 
 def _run(closed, *args):
-    return jax.jit(core.jaxpr_as_fun(closed))(*args)
+    return jax.jit(jax_ir.jaxpr_as_fun(closed))(*args)
 
 
 def _mlp(x, w, b, y):
@@ -115,7 +115,7 @@ def built(request):
 
 def _reference_vjp(name, stage, args, cts):
     """Cotangents of the act then param inputs, by jax.vjp of the Python function (or the stage jaxpr)."""
-    fun = CASES[name][0] if name in CASES else core.jaxpr_as_fun(stage.jaxpr)
+    fun = CASES[name][0] if name in CASES else jax_ir.jaxpr_as_fun(stage.jaxpr)
     diff = [i for i, r in enumerate(stage.inputs) if r.kind in (RefKind.ACT, RefKind.PARAM)
             and jnp.issubdtype(stage.jaxpr.in_avals[i].dtype, jnp.inexact)]
     floating = [k for k, a in enumerate(stage.jaxpr.out_avals) if jnp.issubdtype(a.dtype, jnp.inexact)]
@@ -216,8 +216,8 @@ def test_counts_and_positions():
 
 def _tampered(parts: StageParts) -> list[StageParts]:
     b, w = parts.backward_input, parts.backward_weight
-    fewer = core.ClosedJaxpr(b.jaxpr.replace(outvars=b.jaxpr.outvars[:-1]), b.consts)
-    twice = core.ClosedJaxpr(b.jaxpr.replace(eqns=[*b.jaxpr.eqns, *w.jaxpr.eqns], outvars=b.jaxpr.outvars), b.consts)
+    fewer = jax_ir.ClosedJaxpr(b.jaxpr.replace(outvars=b.jaxpr.outvars[:-1]), b.consts)
+    twice = jax_ir.ClosedJaxpr(b.jaxpr.replace(eqns=[*b.jaxpr.eqns, *w.jaxpr.eqns], outvars=b.jaxpr.outvars), b.consts)
     return [
         dataclasses.replace(parts, backward_input=w, backward_weight=b),
         dataclasses.replace(parts, num_weight_state=parts.num_weight_state + 1),

@@ -224,9 +224,9 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
     first_timed = True
     client = None
     if nproc > 1:
-        from jax._src import distributed
+        from meshpar.passes import jax_ir
 
-        client = distributed.global_state.client
+        client = jax_ir.distributed_client()
 
     def barrier(name: str) -> None:
         if client is not None:

@@ -38,14 +38,14 @@ from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import jax_ir
 from ..verification import PlanVerificationError
 from .drop_mesh_axis import manual_mesh_axis, spec_without
 from .micro_batching import AuxReduction, MicroBatching
 from .pipeline_options import GradientOptions
-from .stage_graph import RefKind, StageGraph, subjaxprs
+from .stage_graph import RefKind, StageGraph
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout
 
@@ -134,7 +134,7 @@ class _NoSplit(Exception):
     """A stage that does not split into replicas; the message says why."""
 
 
-def _split_dim(micro: core.AbstractValue, replica: core.AbstractValue, count: int, what: str) -> int | None:
+def _split_dim(micro: jax_ir.AbstractValue, replica: jax_ir.AbstractValue, count: int, what: str) -> int | None:
     """The one dimension ``micro`` splits along into ``count`` values shaped ``replica``; ``None``
     when they are alike (the value does not follow the batch)."""
     if micro.dtype != replica.dtype or len(micro.shape) != len(replica.shape):
@@ -148,12 +148,13 @@ def _split_dim(micro: core.AbstractValue, replica: core.AbstractValue, count: in
                    f"not a split into {count}")
 
 
-def _follows(micro: core.Atom, replica: core.Atom) -> bool:
+def _follows(micro: jax_ir.Atom, replica: jax_ir.Atom) -> bool:
     """Whether a value's shape changes with the examples it is computed on."""
-    return not isinstance(micro, core.Literal) and getattr(micro.aval, "shape", ()) != getattr(replica.aval, "shape", ())
+    return (not isinstance(micro, jax_ir.Literal)
+            and getattr(micro.aval, "shape", ()) != getattr(replica.aval, "shape", ()))
 
 
-def _batch_reductions(micro: core.Jaxpr, replica: core.Jaxpr) -> set[core.Var]:
+def _batch_reductions(micro: jax_ir.Jaxpr, replica: jax_ir.Jaxpr) -> set[jax_ir.Var]:
     """The values of ``micro`` (the stage traced per micro-batch; ``replica`` the same traced per
     replica) that reduce over its examples, and what is computed from them.
 
@@ -168,14 +169,14 @@ def _batch_reductions(micro: core.Jaxpr, replica: core.Jaxpr) -> set[core.Var]:
     """
     if len(micro.eqns) != len(replica.eqns):
         raise _NoSplit("traced per replica, its equations differ from the micro-batch's")
-    reduced: set[core.Var] = set()
+    reduced: set[jax_ir.Var] = set()
     for em, er in zip(micro.eqns, replica.eqns):
         if em.primitive is not er.primitive or len(em.outvars) != len(er.outvars):
             raise _NoSplit("traced per replica, its equations differ from the micro-batch's")
-        for jm, jr in zip(subjaxprs(em), subjaxprs(er)):
+        for jm, jr in zip(jax_ir.nested_jaxprs(em), jax_ir.nested_jaxprs(er)):
             _batch_reductions(jm, jr)
         outs = [_follows(a, b) for a, b in zip(em.outvars, er.outvars)]
-        if any(isinstance(v, core.Var) and v in reduced for v in em.invars):
+        if any(isinstance(v, jax_ir.Var) and v in reduced for v in em.invars):
             if any(outs):
                 raise _NoSplit(f"its examples are coupled: {em.primitive} makes a value that follows the batch "
                                f"from a reduction over it (batch statistics)")
@@ -229,7 +230,7 @@ def _stage_replicas(s: int, graph: StageGraph, replica: StageGraph, parts: Stage
                 raise _NoSplit(f"output {k}, an aux value concatenated over micro-batches, does not follow the "
                                f"batch")
             out = stage.jaxpr.jaxpr.outvars[k]
-            if how is AuxReduction.LAST and isinstance(out, core.Var) and out in reduced:
+            if how is AuxReduction.LAST and isinstance(out, jax_ir.Var) and out in reduced:
                 raise _NoSplit(f"output {k}, an aux value taken from the last micro-batch, reduces over the "
                                f"examples")
         output_dims.append(dim)

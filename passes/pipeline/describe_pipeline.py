@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jax._src import core
 
+from .. import jax_ir
 from .edge_transfer import Direction
 from .stage_graph import RefKind
 from .step_split import OuterCompute, OuterMove
@@ -54,7 +54,7 @@ def describe_pipeline(compiled: Any) -> str:
     for t in compiled.program.transfers:
         how = compiled.moves.of(t.move_key).summary()
         what = "activation" if t.direction is Direction.ACTIVATION else "gradient"
-        value = core.ShapedArray(t.shape, t.dtype).str_short()
+        value = jax_ir.ShapedArray(t.shape, t.dtype).str_short()
         lines.append(f"  {what} {edges[t.edge][2]} {value} stage {t.src_stage} -> {t.dst_stage}: {how}")
     lines.append("  launch order: " + " ".join(map(str, schedule.order)))
     mb = compiled.micro_batching

@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jax._src import core
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from .. import jax_ir
 
 __all__ = ["drop_mesh_axis", "manual_mesh_axis", "spec_without"]
 
@@ -42,15 +43,31 @@ def _manual(mesh: Mesh | AbstractMesh, axis: str) -> AbstractMesh:
 
 class _Rewrite:
     """One rewrite of a jaxpr's equation parameters (``leaf`` on each value that is not a jaxpr
-    or a tuple) and context meshes (``ctx_mesh``, or kept), nested jaxprs included."""
+    or a tuple), and with ``ctx_mesh`` of its context meshes and of the shardings its values'
+    types carry, nested jaxprs included."""
 
     def __init__(self, leaf: Callable[[Any], Any], ctx_mesh: Callable[[AbstractMesh], AbstractMesh] | None) -> None:
         self.leaf, self.ctx_mesh = leaf, ctx_mesh
 
+    def var(self, v: jax_ir.Atom, env: dict[jax_ir.Var, jax_ir.Var]) -> jax_ir.Atom:
+        """``v`` with its type's sharding rewritten (JAX evaluates a scan's stacked results into
+        buffers of its body's result types: their meshes must be the context's)."""
+        if self.ctx_mesh is None or isinstance(v, jax_ir.Literal):
+            return v
+        if v not in env:
+            sharding = getattr(v.aval, "sharding", None)
+            new = self.leaf(sharding) if isinstance(sharding, NamedSharding) else sharding
+            if new is sharding:
+                env[v] = v
+            else:
+                aval = v.aval.update(sharding=new)
+                env[v] = jax_ir.DropVar(aval) if isinstance(v, jax_ir.DropVar) else jax_ir.Var(aval)
+        return env[v]
+
     def param(self, value: Any) -> Any:
-        if isinstance(value, core.ClosedJaxpr):
-            return core.ClosedJaxpr(self.jaxpr(value.jaxpr), value.consts)
-        if isinstance(value, core.Jaxpr):
+        if isinstance(value, jax_ir.ClosedJaxpr):
+            return jax_ir.ClosedJaxpr(self.jaxpr(value.jaxpr), value.consts)
+        if isinstance(value, jax_ir.Jaxpr):
             return self.jaxpr(value)
         if isinstance(value, tuple):
             items = [self.param(v) for v in value]
@@ -59,27 +76,30 @@ class _Rewrite:
             return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
         return self.leaf(value)
 
-    def jaxpr(self, jaxpr: core.Jaxpr) -> core.Jaxpr:
+    def jaxpr(self, jaxpr: jax_ir.Jaxpr) -> jax_ir.Jaxpr:
+        env: dict[jax_ir.Var, jax_ir.Var] = {}
         eqns = []
         for e in jaxpr.eqns:
             params = {k: self.param(v) for k, v in e.params.items()}
             if self.ctx_mesh is None:
                 eqns.append(e.replace(params=params))
                 continue
-            ctx = e.ctx
-            # Evaluating an equation enters the mesh it was traced under (JAX 0.10): inside the
-            # shard_map that mesh must have the axis manual, as the values' types do.
-            ctx = core.JaxprEqnContext._create(ctx.compute_type, ctx.threefry_partitionable,
-                                               self.ctx_mesh(ctx.cur_abstract_mesh), ctx.remove_size_one_mesh_axis,
-                                               ctx.xla_metadata)
-            eqns.append(e.replace(params=params, ctx=ctx))
-        return jaxpr.replace(eqns=eqns)
+            # Evaluating an equation enters the mesh it was traced under: inside the shard_map
+            # that mesh must have the axis manual, as the values' types do.
+            e = e.replace(params=params, invars=[self.var(v, env) for v in e.invars],
+                          outvars=[self.var(v, env) for v in e.outvars])
+            eqns.append(jax_ir.with_context_mesh(e, self.ctx_mesh))
+        if self.ctx_mesh is None:
+            return jaxpr.replace(eqns=eqns)
+        return jaxpr.replace(eqns=eqns, constvars=[self.var(v, env) for v in jaxpr.constvars],
+                             invars=[self.var(v, env) for v in jaxpr.invars],
+                             outvars=[self.var(v, env) for v in jaxpr.outvars])
 
-    def __call__(self, closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
-        return core.ClosedJaxpr(self.jaxpr(closed.jaxpr), closed.consts)
+    def __call__(self, closed: jax_ir.ClosedJaxpr) -> jax_ir.ClosedJaxpr:
+        return jax_ir.ClosedJaxpr(self.jaxpr(closed.jaxpr), closed.consts)
 
 
-def drop_mesh_axis(closed: core.ClosedJaxpr, axis: str) -> core.ClosedJaxpr:
+def drop_mesh_axis(closed: jax_ir.ClosedJaxpr, axis: str) -> jax_ir.ClosedJaxpr:
     """``closed`` with ``axis`` dropped from every ``NamedSharding`` its equations carry (sharding
     constraints, nested ``jit`` in/out shardings), nested jaxprs included."""
 
@@ -91,7 +111,7 @@ def drop_mesh_axis(closed: core.ClosedJaxpr, axis: str) -> core.ClosedJaxpr:
     return _Rewrite(leaf, None)(closed)
 
 
-def manual_mesh_axis(closed: core.ClosedJaxpr, axis: str) -> core.ClosedJaxpr:
+def manual_mesh_axis(closed: jax_ir.ClosedJaxpr, axis: str) -> jax_ir.ClosedJaxpr:
     """``closed`` to be evaluated inside a ``shard_map`` manual over ``axis`` (the replicas of
     ``data_replicas``): every equation's recorded context mesh, every nested jit's and every
     sharding's mesh with ``axis`` manual, nested jaxprs included."""

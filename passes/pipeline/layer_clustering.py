@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from jax._src import core
-from jax._src.lax.control_flow.loops import scan_p
+from jax.extend.core.primitives import scan_p
 
+from .. import jax_ir
 from ..simulation.cost_model import _eqn_flops
 from .split_scans import Provenance, layer_scans, split_layer_scans
 from .step_primitives import stage_boundary_p
@@ -30,21 +30,21 @@ from .step_primitives import stage_boundary_p
 __all__ = ["cut_positions", "even_layer_markers", "insert_layer_markers", "max_layers"]
 
 
-def _bytes(aval: core.AbstractValue) -> float:
+def _bytes(aval: jax_ir.AbstractValue) -> float:
     return float(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _live_bytes(jaxpr: core.Jaxpr) -> np.ndarray:
+def _live_bytes(jaxpr: jax_ir.Jaxpr) -> np.ndarray:
     """``live[p]``: bytes of values computed by equations before ``p`` and read at or after it
     (by an equation or as an output), for ``p`` in ``0..len(eqns)``."""
     n = len(jaxpr.eqns)
-    last_use: dict[core.Var, int] = {}
+    last_use: dict[jax_ir.Var, int] = {}
     for p, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if isinstance(v, core.Var):
+            if isinstance(v, jax_ir.Var):
                 last_use[v] = p
     for v in jaxpr.outvars:
-        if isinstance(v, core.Var):
+        if isinstance(v, jax_ir.Var):
             last_use[v] = n
     delta = np.zeros(n + 2)
     for p, eqn in enumerate(jaxpr.eqns):
@@ -93,33 +93,33 @@ def cut_positions(flops: np.ndarray, live: np.ndarray, num_layers: int, eps: flo
     return sorted(cuts)
 
 
-def _unrolled(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> tuple[core.ClosedJaxpr, tuple[Provenance, ...]]:
+def _unrolled(loss_jaxpr: jax_ir.ClosedJaxpr, num_params: int) -> tuple[jax_ir.ClosedJaxpr, tuple[Provenance, ...]]:
     """``loss_jaxpr`` with every layer scan split at every iteration (no markers)."""
     scans = layer_scans(loss_jaxpr, num_params)
     return split_layer_scans(loss_jaxpr, {s.index: range(1, s.length) for s in scans}, marked=False)
 
 
-def _unrolled_flops(jaxpr: core.Jaxpr, provenance: tuple[Provenance, ...]) -> np.ndarray:
+def _unrolled_flops(jaxpr: jax_ir.Jaxpr, provenance: tuple[Provenance, ...]) -> np.ndarray:
     """Per equation of an unrolled loss, its FLOPs; none for the slices and concatenations the
     unrolling added (they move data the scan indexed in place)."""
     return np.array([0.0 if at.tail or (at.boundary is not None and e.primitive is not scan_p) else _eqn_flops(e)
                      for e, at in zip(jaxpr.eqns, provenance)])
 
 
-def max_layers(loss_jaxpr: core.ClosedJaxpr, num_params: int) -> int:
+def max_layers(loss_jaxpr: jax_ir.ClosedJaxpr, num_params: int) -> int:
     """The most layers ``loss_jaxpr`` (whose first ``num_params`` inputs are parameters) can be
     cut into: its top-level equations with FLOPs, each iteration of a layer scan counted."""
     unrolled, provenance = _unrolled(loss_jaxpr, num_params)
     return int(np.count_nonzero(_unrolled_flops(unrolled.jaxpr, provenance)))
 
 
-def _check_unmarked(loss_jaxpr: core.ClosedJaxpr, argument: str) -> None:
+def _check_unmarked(loss_jaxpr: jax_ir.ClosedJaxpr, argument: str) -> None:
     if any(e.primitive is stage_boundary_p for e in loss_jaxpr.jaxpr.eqns):
         raise ValueError(f"{argument}: the loss has stage markers; automatic layers are for losses without them")
 
 
-def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int, num_params: int,
-                         keep: tuple[int, ...] | None = None) -> core.ClosedJaxpr:
+def insert_layer_markers(loss_jaxpr: jax_ir.ClosedJaxpr, num_layers: int, num_params: int,
+                         keep: tuple[int, ...] | None = None) -> jax_ir.ClosedJaxpr:
     """``loss_jaxpr`` cut into ``num_layers`` layers at ``cut_positions`` of its unrolled form:
     a stage marker at each cut, a layer scan split where a cut falls between its iterations.
     With ``keep`` only those cuts (numbered from 0) are made: layers grouped into stages, each
@@ -150,7 +150,7 @@ def insert_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_layers: int, num_para
     return _mark(loss_jaxpr, [provenance[p] for p in cuts])
 
 
-def _mark(loss_jaxpr: core.ClosedJaxpr, before: list[Provenance]) -> core.ClosedJaxpr:
+def _mark(loss_jaxpr: jax_ir.ClosedJaxpr, before: list[Provenance]) -> jax_ir.ClosedJaxpr:
     """``loss_jaxpr`` with a stage marker before each of ``before`` (equations of its unrolled
     form): between two iterations of a layer scan, the scan is split there."""
     n = len(loss_jaxpr.jaxpr.eqns)
@@ -170,7 +170,7 @@ def _mark(loss_jaxpr: core.ClosedJaxpr, before: list[Provenance]) -> core.Closed
     return marked
 
 
-def even_layer_markers(loss_jaxpr: core.ClosedJaxpr, num_stages: int, num_params: int) -> core.ClosedJaxpr | None:
+def even_layer_markers(loss_jaxpr: jax_ir.ClosedJaxpr, num_stages: int, num_params: int) -> jax_ir.ClosedJaxpr | None:
     """``loss_jaxpr`` (without markers) cut into ``num_stages`` stages of equally many scanned
     iterations (``stage_ends``' rule: the earlier stages take one more where the count does not
     divide): the iterations of all its layer scans in program order; equations before the first

@@ -15,10 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.random.prng import random_wrap_p
 
-from .stage_graph import subjaxprs
+from .. import jax_ir
 
 __all__ = ["REDUCTIONS", "AuxReduction", "MicroBatching", "default_aux_reduction", "is_key", "key_operands",
            "resolve_micro_batching"]
@@ -35,12 +33,12 @@ class AuxReduction(enum.Enum):
     CONCAT = "concat"  # concatenated along dimension 0, in micro-batch order
 
 
-def is_key(aval: core.AbstractValue) -> bool:
+def is_key(aval: jax_ir.AbstractValue) -> bool:
     """Whether ``aval`` is a typed PRNG key array (``jax.random.key``)."""
     return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
-def default_aux_reduction(micro: core.AbstractValue, whole: core.AbstractValue) -> AuxReduction:
+def default_aux_reduction(micro: jax_ir.AbstractValue, whole: jax_ir.AbstractValue) -> AuxReduction:
     """An aux leaf's reduction when the user chose none: ``micro`` is its aval per
     micro-batch, ``whole`` at the whole batch's shapes; a leaf whose shape follows the batch
     is concatenated, else floating leaves are averaged, integer ones summed (counts add up),
@@ -57,27 +55,27 @@ def default_aux_reduction(micro: core.AbstractValue, whole: core.AbstractValue) 
     return AuxReduction.LAST
 
 
-def _wrapped_vars(jaxpr: core.Jaxpr) -> set[core.Var]:
+def _wrapped_vars(jaxpr: jax_ir.Jaxpr) -> set[jax_ir.Var]:
     """Invars of ``jaxpr`` that reach ``random_wrap`` (raw keys), looking into nested jaxprs
     whose inputs are the equation's operands one to one (jit, remat, custom derivatives)."""
-    found: set[core.Var] = set()
+    found: set[jax_ir.Var] = set()
     for e in jaxpr.eqns:
-        if e.primitive is random_wrap_p:
-            found.update(v for v in e.invars if isinstance(v, core.Var))
+        if e.primitive is jax_ir.random_wrap_p:
+            found.update(v for v in e.invars if isinstance(v, jax_ir.Var))
             continue
         for sub in _operand_aligned(e):
             inner = _wrapped_vars(sub)
-            found.update(v for v, w in zip(e.invars, sub.invars) if w in inner and isinstance(v, core.Var))
+            found.update(v for v, w in zip(e.invars, sub.invars) if w in inner and isinstance(v, jax_ir.Var))
     return found
 
 
-def _operand_aligned(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
-    for sub in subjaxprs(eqn):
+def _operand_aligned(eqn: jax_ir.JaxprEqn) -> Iterator[jax_ir.Jaxpr]:
+    for sub in jax_ir.nested_jaxprs(eqn):
         if len(sub.invars) == len(eqn.invars):
             yield sub
 
 
-def key_operands(loss_jaxpr: core.ClosedJaxpr, num_diff: int) -> frozenset[int]:
+def key_operands(loss_jaxpr: jax_ir.ClosedJaxpr, num_diff: int) -> frozenset[int]:
     """Indices (among the non-differentiated operands) of the loss operands that are PRNG keys:
     typed key arrays, and raw ``uint32`` keys the loss turns into keys."""
     jaxpr = loss_jaxpr.jaxpr
@@ -111,16 +109,16 @@ class MicroBatching:
         return 1.0 / self.num_micro_batches if self.reduction == "mean" else 1.0
 
 
-def _follows_batch(micro: core.AbstractValue, whole: core.AbstractValue, m: int) -> bool:
+def _follows_batch(micro: jax_ir.AbstractValue, whole: jax_ir.AbstractValue, m: int) -> bool:
     return (len(micro.shape) == len(whole.shape) >= 1 and whole.shape[0] == m * micro.shape[0]
             and micro.shape[1:] == whole.shape[1:])
 
 
 def resolve_micro_batching(
     params: dict[str, Any],
-    micro_operands: Sequence[core.AbstractValue],
-    whole_operands: Sequence[core.AbstractValue],
-    whole_aux: Sequence[core.AbstractValue],
+    micro_operands: Sequence[jax_ir.AbstractValue],
+    whole_operands: Sequence[jax_ir.AbstractValue],
+    whole_aux: Sequence[jax_ir.AbstractValue],
     num_micro_batches: int,
     where: str = "unknown location",
 ) -> MicroBatching:

@@ -44,10 +44,10 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from jax._src import core
-from jax._src.lax.control_flow.loops import scan_p
+from jax.extend.core.primitives import scan_p
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import jax_ir
 from ..simulation.cost_model import estimate_durations, stage_gradients
 from .edge_transfer import Direction, EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
 from .mesh_assignment import place_stages
@@ -120,7 +120,7 @@ def _run(name: str, make: Callable[[], T], verify: Callable[[T], None]) -> T:
 
 
 def compile_pipeline(
-    outer: core.ClosedJaxpr,
+    outer: jax_ir.ClosedJaxpr,
     grad_params: dict[str, Any],
     micro_batching: MicroBatching,
     leaves: Sequence[Any],
@@ -130,7 +130,7 @@ def compile_pipeline(
     devices: Sequence[Any],
     options: PipelineOptions,
     check_stages: Callable[[StageGraph], None] = lambda graph: None,
-    replica_loss: Callable[[int], core.ClosedJaxpr] | None = None,
+    replica_loss: Callable[[int], jax_ir.ClosedJaxpr] | None = None,
 ) -> CompiledPipeline:
     """Runs the passes (module doc) on a traced step ``outer`` (at the whole batch's shapes) whose
     gradient equation, traced per micro-batch, has ``grad_params``, combining micro-batches as
@@ -142,7 +142,7 @@ def compile_pipeline(
 
     num_diff = grad_params["num_diff"]
 
-    def layered(loss: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    def layered(loss: jax_ir.ClosedJaxpr) -> jax_ir.ClosedJaxpr:
         return _run("split_layer_scans", lambda: layered_loss(loss, num_diff, options),
                     lambda result: _verify_layered(loss, result))
 
@@ -158,7 +158,7 @@ def compile_pipeline(
     # With automatic layers, cut_points chose which of their cuts were made.
     cut_points = None if options.placement.auto_layers is not None else options.placement.cut_points
 
-    def cut(loss: core.ClosedJaxpr) -> StageGraph:
+    def cut(loss: jax_ir.ClosedJaxpr) -> StageGraph:
         return split_stages(take_pieces(loss, num_diff, stacked), num_params, cut_points)
 
     def replica_graph(count: int) -> StageGraph:
@@ -275,7 +275,7 @@ def compile_pipeline(
                             options.micro_batch_size, step, output_shardings, gradients, pieces, held, gathered)
 
 
-def layered_loss(loss: core.ClosedJaxpr, num_params: int, options: PipelineOptions) -> core.ClosedJaxpr:
+def layered_loss(loss: jax_ir.ClosedJaxpr, num_params: int, options: PipelineOptions) -> jax_ir.ClosedJaxpr:
     """``loss`` (whose first ``num_params`` inputs are parameters) with the stage markers the
     options add: ``auto_layers`` layers cut automatically (only at ``cut_points`` if given);
     or, for a stage count asked of a loss without markers, its layer scans cut into runs of
@@ -290,9 +290,9 @@ def layered_loss(loss: core.ClosedJaxpr, num_params: int, options: PipelineOptio
     return loss
 
 
-def _verify_layered(loss: core.ClosedJaxpr, layered: core.ClosedJaxpr) -> None:
+def _verify_layered(loss: jax_ir.ClosedJaxpr, layered: jax_ir.ClosedJaxpr) -> None:
     """``verify_split_scans`` where ``layered_loss`` split a scan (evaluating both is not free)."""
-    def scans(jaxpr: core.ClosedJaxpr) -> int:
+    def scans(jaxpr: jax_ir.ClosedJaxpr) -> int:
         return sum(e.primitive is scan_p for e in jaxpr.jaxpr.eqns)
 
     if scans(layered) != scans(loss):
@@ -308,7 +308,7 @@ def step_moves(transfers: Sequence[EdgeTransfer], layout: StepLayout) -> list[Mo
     return [t.move_key for t in transfers] + [v.move_key for v in value_moves]
 
 
-def _is_batch_leaf(outer: core.ClosedJaxpr, k: int, graph: StageGraph, batch_leaves: frozenset[int]) -> bool:
+def _is_batch_leaf(outer: jax_ir.ClosedJaxpr, k: int, graph: StageGraph, batch_leaves: frozenset[int]) -> bool:
     """Whether non-differentiated loss operand ``k`` is a batch input leaf itself (sliced on the
     host per micro-batch, never placed whole)."""
     (grad_eqn,) = [e for e in outer.jaxpr.eqns if e.primitive is pipeline_grad_p]

@@ -26,13 +26,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core, source_info_util
-from jax._src import mesh as mesh_lib
-from jax._src.lax.control_flow.loops import scan_p
-from jax._src.lax.lax import concatenate_p
-from jax._src.lax.slicing import slice_p
-from jax._src.pjit import sharding_constraint_p
+from jax.extend.core.primitives import concatenate_p, scan_p, sharding_constraint_p, slice_p
 
+from .. import jax_ir
 from ..verification import PlanVerificationError
 from .step_primitives import stage_boundary_p
 
@@ -60,28 +56,29 @@ class Provenance:
     tail: bool = False
 
 
-def layer_scans(loss: core.ClosedJaxpr, num_params: int) -> tuple[LayerScan, ...]:
+def layer_scans(loss: jax_ir.ClosedJaxpr, num_params: int) -> tuple[LayerScan, ...]:
     """The layer scans of ``loss`` (module docstring), in program order: top-level scans of more
     than one iteration with a scanned operand computed from the first ``num_params`` inputs."""
     jaxpr = loss.jaxpr
-    from_params: set[core.Var] = set(jaxpr.invars[:num_params])
+    from_params: set[jax_ir.Var] = set(jaxpr.invars[:num_params])
     found = []
     for k, e in enumerate(jaxpr.eqns):
-        reads = [v for v in e.invars if isinstance(v, core.Var) and v in from_params]
+        reads = [v for v in e.invars if isinstance(v, jax_ir.Var) and v in from_params]
         if e.primitive is scan_p and e.params["length"] > 1:
-            if any(isinstance(v, core.Var) and v in from_params for v in _scanned(e)):
+            if any(isinstance(v, jax_ir.Var) and v in from_params for v in _scanned(e)):
                 found.append(LayerScan(k, e.params["length"]))
         if reads:
-            from_params.update(v for v in e.outvars if not isinstance(v, core.DropVar))
+            from_params.update(v for v in e.outvars if not isinstance(v, jax_ir.DropVar))
     return tuple(found)
 
 
-def _scanned(e: core.JaxprEqn) -> list[core.Atom]:
-    return e.invars[e.params["num_consts"] + e.params["num_carry"]:]
+def _scanned(e: jax_ir.JaxprEqn) -> list[jax_ir.Atom]:
+    return e.invars[sum(jax_ir.scan_operand_counts(e)):]
 
 
-def split_layer_scans(loss: core.ClosedJaxpr, cuts: Mapping[int, Sequence[int]], marked: bool,
-                      markers_before: frozenset[int] = frozenset()) -> tuple[core.ClosedJaxpr, tuple[Provenance, ...]]:
+def split_layer_scans(loss: jax_ir.ClosedJaxpr, cuts: Mapping[int, Sequence[int]], marked: bool,
+                      markers_before: frozenset[int] = frozenset()
+                      ) -> tuple[jax_ir.ClosedJaxpr, tuple[Provenance, ...]]:
     """``loss`` with each scan equation ``k`` of ``cuts`` split at iterations ``cuts[k]``
     (increasing, each in ``(0, length)``), and a stage marker before each equation of
     ``markers_before``; with ``marked``, one between consecutive pieces too.
@@ -95,12 +92,12 @@ def split_layer_scans(loss: core.ClosedJaxpr, cuts: Mapping[int, Sequence[int]],
     """
     jaxpr = loss.jaxpr
     marker_effects = stage_boundary_p.abstract_eval()[1]
-    eqns: list[core.JaxprEqn] = []
+    eqns: list[jax_ir.JaxprEqn] = []
     provenance: list[Provenance] = []
 
     def marker() -> None:
-        eqns.append(core.new_jaxpr_eqn([], [], stage_boundary_p, {}, marker_effects,
-                                       source_info_util.new_source_info()))
+        eqns.append(jax_ir.new_jaxpr_eqn([], [], stage_boundary_p, {}, marker_effects,
+                                         jax_ir.new_source_info()))
 
     for k, e in enumerate(jaxpr.eqns):
         if k in markers_before:
@@ -120,15 +117,16 @@ def split_layer_scans(loss: core.ClosedJaxpr, cuts: Mapping[int, Sequence[int]],
         eqns.extend(tail)
         provenance.extend(Provenance(k, tail=True) for _ in tail)
     effects = jaxpr.effects | marker_effects if len(eqns) > len(provenance) else jaxpr.effects
-    return core.ClosedJaxpr(jaxpr.replace(eqns=eqns, effects=effects), loss.consts), tuple(provenance)
+    return jax_ir.ClosedJaxpr(jaxpr.replace(eqns=eqns, effects=effects), loss.consts), tuple(provenance)
 
 
-def _split_scan(e: core.JaxprEqn, cuts: tuple[int, ...]
-                ) -> tuple[list[tuple[int, list[core.JaxprEqn]]], list[core.JaxprEqn]]:
+def _split_scan(e: jax_ir.JaxprEqn, cuts: tuple[int, ...]
+                ) -> tuple[list[tuple[int, list[jax_ir.JaxprEqn]]], list[jax_ir.JaxprEqn]]:
     """Scan equation ``e`` as its pieces (in execution order: the iteration each shares with the
     piece before it, and its slices and scan) and the concatenations of its per-iteration
     outputs."""
-    length, num_consts, num_carry = e.params["length"], e.params["num_consts"], e.params["num_carry"]
+    length = e.params["length"]
+    num_consts, num_carry = jax_ir.scan_operand_counts(e)
     if list(cuts) != sorted(set(cuts)) or cuts[0] <= 0 or cuts[-1] >= length:
         raise ValueError(f"cuts: iterations to cut a scan of {length} at must increase within (0, {length}), "
                          f"got {list(cuts)}")
@@ -139,46 +137,46 @@ def _split_scan(e: core.JaxprEqn, cuts: tuple[int, ...]
     consts, carry = e.invars[:num_consts], list(e.invars[num_consts:num_consts + num_carry])
     scanned = _scanned(e)
     carry_out, ys = e.outvars[:num_carry], e.outvars[num_carry:]
-    ys_pieces: list[list[core.Atom]] = [[] for _ in ys]
+    ys_pieces: list[list[jax_ir.Atom]] = [[] for _ in ys]
     pieces = []
     source = e.source_info
     for p, (start, stop) in enumerate(ranges):
-        piece: list[core.JaxprEqn] = []
+        piece: list[jax_ir.JaxprEqn] = []
         sliced = []
         for x in scanned:
             shape = x.aval.shape
-            out = core.Var(core.ShapedArray((stop - start, *shape[1:]), x.aval.dtype, weak_type=x.aval.weak_type))
-            piece.append(core.new_jaxpr_eqn(
+            out = jax_ir.Var(jax_ir.ShapedArray((stop - start, *shape[1:]), x.aval.dtype, weak_type=x.aval.weak_type))
+            piece.append(jax_ir.new_jaxpr_eqn(
                 [x], [out], slice_p, {"start_indices": (start, *[0] * (len(shape) - 1)),
                                       "limit_indices": (stop, *shape[1:]), "strides": None},
-                core.no_effects, source))
+                jax_ir.no_effects, source))
             sliced.append(out)
         last = p == len(ranges) - 1
-        carry_next = list(carry_out) if last else [core.Var(v.aval) for v in carry_out]
+        carry_next = list(carry_out) if last else [jax_ir.Var(v.aval) for v in carry_out]
         ys_out = []
         for j, y in enumerate(ys):
             if len(ranges) == 1:
                 ys_out.append(y)
                 continue
             piece_aval = y.aval.update(shape=(stop - start, *y.aval.shape[1:]))
-            v = core.DropVar(piece_aval) if isinstance(y, core.DropVar) else core.Var(piece_aval)
+            v = jax_ir.DropVar(piece_aval) if isinstance(y, jax_ir.DropVar) else jax_ir.Var(piece_aval)
             ys_out.append(v)
             ys_pieces[j].append((start, v))
-        piece.append(core.new_jaxpr_eqn(
+        piece.append(jax_ir.new_jaxpr_eqn(
             [*consts, *carry, *sliced], [*carry_next, *ys_out], scan_p, dict(e.params, length=stop - start),
             e.effects, source))
         carry = carry_next
         pieces.append((stop if e.params["reverse"] else start, piece))
     tail = []
     for y, parts in zip(ys, ys_pieces):
-        if isinstance(y, core.DropVar):
+        if isinstance(y, jax_ir.DropVar):
             continue
         ordered = [v for _, v in sorted(parts, key=lambda sv: sv[0])]
-        tail.append(core.new_jaxpr_eqn(ordered, [y], concatenate_p, {"dimension": 0}, core.no_effects, source))
+        tail.append(jax_ir.new_jaxpr_eqn(ordered, [y], concatenate_p, {"dimension": 0}, jax_ir.no_effects, source))
     return pieces, tail
 
 
-def verify_split_scans(original: core.ClosedJaxpr, split: core.ClosedJaxpr, seed: int = 0) -> None:
+def verify_split_scans(original: jax_ir.ClosedJaxpr, split: jax_ir.ClosedJaxpr, seed: int = 0) -> None:
     """Checks that ``split`` computes what ``original`` does: the same input and output types,
     and equal outputs on random inputs (floats standard normal, integers 0 or 1, keys from
     ``seed``), to float32 rounding.
@@ -195,8 +193,8 @@ def verify_split_scans(original: core.ClosedJaxpr, split: core.ClosedJaxpr, seed
     # span other processes.
     with jax.ensure_compile_time_eval(), jax.default_device(jax.local_devices()[0]):
         args = [_random(v.aval, rng, seed) for v in original.jaxpr.invars]
-        want = core.eval_jaxpr(_local(original.jaxpr), original.consts, *args)
-        got = core.eval_jaxpr(_local(split.jaxpr), split.consts, *args)
+        want = jax_ir.eval_jaxpr(_local(original.jaxpr), original.consts, *args)
+        got = jax_ir.eval_jaxpr(_local(split.jaxpr), split.consts, *args)
     for k, (w, g) in enumerate(zip(want, got)):
         if jax.dtypes.issubdtype(w.dtype, jax.dtypes.extended):
             w, g = jax.random.key_data(w), jax.random.key_data(g)
@@ -205,14 +203,14 @@ def verify_split_scans(original: core.ClosedJaxpr, split: core.ClosedJaxpr, seed
                                         f"original's on random inputs")
 
 
-def _local(jaxpr: core.Jaxpr) -> core.Jaxpr:
+def _local(jaxpr: jax_ir.Jaxpr) -> jax_ir.Jaxpr:
     """``jaxpr`` without stage markers (only ``parallelize``'s tracing gives them a meaning) and
     without sharding annotations or the meshes calls were traced under, in it and in the jaxprs
     its equations hold."""
-    env: dict[core.Var, core.Atom] = {}
+    env: dict[jax_ir.Var, jax_ir.Atom] = {}
     eqns = []
     for e in jaxpr.eqns:
-        invars = [env.get(v, v) if isinstance(v, core.Var) else v for v in e.invars]
+        invars = [env.get(v, v) if isinstance(v, jax_ir.Var) else v for v in e.invars]
         if e.primitive is stage_boundary_p:
             continue
         if e.primitive is sharding_constraint_p:
@@ -220,23 +218,23 @@ def _local(jaxpr: core.Jaxpr) -> core.Jaxpr:
             continue
         params = {k: None if k in ("sharding", "out_sharding") else _local_param(v) for k, v in e.params.items()}
         if "ctx_mesh" in params:
-            params["ctx_mesh"] = mesh_lib.get_concrete_mesh()
+            params["ctx_mesh"] = jax_ir.concrete_mesh()
         eqns.append(e.replace(invars=invars, params=params))
-    outvars = [env.get(v, v) if isinstance(v, core.Var) else v for v in jaxpr.outvars]
+    outvars = [env.get(v, v) if isinstance(v, jax_ir.Var) else v for v in jaxpr.outvars]
     return jaxpr.replace(eqns=eqns, outvars=outvars, effects=jaxpr.effects - set(stage_boundary_p.abstract_eval()[1]))
 
 
 def _local_param(value: Any) -> Any:
-    if isinstance(value, core.ClosedJaxpr):
-        return core.ClosedJaxpr(_local(value.jaxpr), value.consts)
-    if isinstance(value, core.Jaxpr):
+    if isinstance(value, jax_ir.ClosedJaxpr):
+        return jax_ir.ClosedJaxpr(_local(value.jaxpr), value.consts)
+    if isinstance(value, jax_ir.Jaxpr):
         return _local(value)
-    if isinstance(value, tuple) and any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr)) for v in value):
+    if isinstance(value, tuple) and any(isinstance(v, (jax_ir.Jaxpr, jax_ir.ClosedJaxpr)) for v in value):
         return tuple(_local_param(v) for v in value)
     return value
 
 
-def _random(aval: core.AbstractValue, rng: np.random.Generator, seed: int) -> jax.Array | np.ndarray:
+def _random(aval: jax_ir.AbstractValue, rng: np.random.Generator, seed: int) -> jax.Array | np.ndarray:
     dtype = aval.dtype
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         keys = jax.random.split(jax.random.key(seed), int(np.prod(aval.shape, dtype=np.int64)) or 1)

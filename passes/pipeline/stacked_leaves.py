@@ -28,14 +28,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax import lax
-from jax._src.lax.slicing import slice_p
-from jax._src.pjit import jit_p
-
-from ..verification import PlanVerificationError
+from jax.extend.core import primitives as prims
+from jax.extend.core.primitives import slice_p
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .. import jax_ir
+from ..verification import PlanVerificationError
 
 from .mesh_assignment import param_sharding
 from .step_layout import ValueMove, value_move
@@ -49,24 +47,24 @@ Bounds = tuple[int, ...]
 # Primitives computing each output element from the same element of every operand (operands
 # of the output's shape, or scalars): run per piece on the pieces.
 _ELEMENTWISE = frozenset((
-    lax.add_p, lax.sub_p, lax.mul_p, lax.div_p, lax.neg_p, lax.square_p, lax.sqrt_p, lax.rsqrt_p,
-    lax.integer_pow_p, lax.pow_p, lax.max_p, lax.min_p, lax.abs_p, lax.sign_p, lax.exp_p, lax.log_p,
-    lax.tanh_p, lax.select_n_p, lax.convert_element_type_p, lax.eq_p, lax.ne_p, lax.lt_p, lax.le_p,
-    lax.gt_p, lax.ge_p, lax.and_p, lax.or_p, lax.not_p, lax.is_finite_p, lax.logistic_p, lax.log1p_p,
-    lax.expm1_p, lax.clamp_p, lax.rem_p, lax.atan2_p, lax.sin_p, lax.cos_p))
+    prims.add_p, prims.sub_p, prims.mul_p, prims.div_p, prims.neg_p, prims.square_p, prims.sqrt_p, prims.rsqrt_p,
+    prims.integer_pow_p, prims.pow_p, prims.max_p, prims.min_p, prims.abs_p, prims.sign_p, prims.exp_p, prims.log_p,
+    prims.tanh_p, prims.select_n_p, prims.convert_element_type_p, prims.eq_p, prims.ne_p, prims.lt_p, prims.le_p,
+    prims.gt_p, prims.ge_p, prims.and_p, prims.or_p, prims.not_p, prims.is_finite_p, prims.logistic_p, prims.log1p_p,
+    prims.expm1_p, prims.clamp_p, prims.rem_p, prims.atan2_p, prims.sin_p, prims.cos_p))
 # Reductions whose result over all pieces is the same reduction of the per-piece results.
-_COMBINE = {lax.reduce_sum_p: lax.add_p, lax.reduce_max_p: lax.max_p, lax.reduce_min_p: lax.min_p}
+_COMBINE = {prims.reduce_sum_p: prims.add_p, prims.reduce_max_p: prims.max_p, prims.reduce_min_p: prims.min_p}
 
 
-def stacked_params(loss: core.ClosedJaxpr, num_params: int) -> dict[int, Bounds]:
+def stacked_params(loss: jax_ir.ClosedJaxpr, num_params: int) -> dict[int, Bounds]:
     """Per parameter of ``loss`` (its first ``num_params`` inputs) read only as whole-row
     slices along axis 0 whose ranges partition ``[0, L)`` into two or more pieces: the
     bounds ``(0, k_1, ..., L)``."""
     jaxpr = loss.jaxpr
-    ranges: dict[core.Var, set[tuple[int, int]] | None] = {v: set() for v in jaxpr.invars[:num_params]}
+    ranges: dict[jax_ir.Var, set[tuple[int, int]] | None] = {v: set() for v in jaxpr.invars[:num_params]}
     for e in jaxpr.eqns:
         for j, v in enumerate(e.invars):
-            if not isinstance(v, core.Var) or v not in ranges or ranges[v] is None:
+            if not isinstance(v, jax_ir.Var) or v not in ranges or ranges[v] is None:
                 continue
             span = _row_slice(e, j)
             if span is None:
@@ -74,7 +72,7 @@ def stacked_params(loss: core.ClosedJaxpr, num_params: int) -> dict[int, Bounds]
             else:
                 ranges[v].add(span)
     for v in jaxpr.outvars:
-        if isinstance(v, core.Var) and v in ranges:
+        if isinstance(v, jax_ir.Var) and v in ranges:
             ranges[v] = None
     found = {}
     for k, v in enumerate(jaxpr.invars[:num_params]):
@@ -89,7 +87,7 @@ def stacked_params(loss: core.ClosedJaxpr, num_params: int) -> dict[int, Bounds]
     return found
 
 
-def _row_slice(e: core.JaxprEqn, j: int) -> tuple[int, int] | None:
+def _row_slice(e: jax_ir.JaxprEqn, j: int) -> tuple[int, int] | None:
     """The rows ``[a, b)`` equation ``e`` slices out of its operand ``j`` whole, if it is such a slice."""
     if e.primitive is not slice_p or j != 0:
         return None
@@ -102,49 +100,49 @@ def _row_slice(e: core.JaxprEqn, j: int) -> tuple[int, int] | None:
     return start[0], limit[0]
 
 
-def _piece_avals(aval: core.ShapedArray, bounds: Bounds) -> list[core.ShapedArray]:
+def _piece_avals(aval: jax_ir.ShapedArray, bounds: Bounds) -> list[jax_ir.ShapedArray]:
     return [aval.update(shape=(b - a, *aval.shape[1:])) for a, b in zip(bounds, bounds[1:])]
 
 
-def take_pieces(loss: core.ClosedJaxpr, num_params: int, stacked: Mapping[int, Bounds]) -> core.ClosedJaxpr:
+def take_pieces(loss: jax_ir.ClosedJaxpr, num_params: int, stacked: Mapping[int, Bounds]) -> jax_ir.ClosedJaxpr:
     """``loss`` with each parameter ``k`` of ``stacked`` replaced, in place, by one parameter per
     piece (``stacked_params``): its slices read the pieces. Parameters after ``num_params``
     (the other operands) are unchanged."""
     jaxpr = loss.jaxpr
-    invars: list[core.Var] = []
-    pieces: dict[core.Var, dict[tuple[int, int], core.Var]] = {}
+    invars: list[jax_ir.Var] = []
+    pieces: dict[jax_ir.Var, dict[tuple[int, int], jax_ir.Var]] = {}
     for k, v in enumerate(jaxpr.invars):
         if k < num_params and k in stacked:
             bounds = stacked[k]
-            new = [core.Var(a) for a in _piece_avals(v.aval, bounds)]
+            new = [jax_ir.Var(a) for a in _piece_avals(v.aval, bounds)]
             pieces[v] = dict(zip(zip(bounds, bounds[1:]), new))
             invars += new
         else:
             invars.append(v)
-    env: dict[core.Var, core.Var] = {}
+    env: dict[jax_ir.Var, jax_ir.Var] = {}
     eqns = []
     for e in jaxpr.eqns:
-        if e.primitive is slice_p and isinstance(e.invars[0], core.Var) and e.invars[0] in pieces:
+        if e.primitive is slice_p and isinstance(e.invars[0], jax_ir.Var) and e.invars[0] in pieces:
             env[e.outvars[0]] = pieces[e.invars[0]][_row_slice(e, 0)]
             continue
-        eqns.append(e.replace(invars=[env.get(v, v) if isinstance(v, core.Var) else v for v in e.invars]))
-    outvars = [env.get(v, v) if isinstance(v, core.Var) else v for v in jaxpr.outvars]
-    return core.ClosedJaxpr(jaxpr.replace(invars=invars, eqns=eqns, outvars=outvars), loss.consts)
+        eqns.append(e.replace(invars=[env.get(v, v) if isinstance(v, jax_ir.Var) else v for v in e.invars]))
+    outvars = [env.get(v, v) if isinstance(v, jax_ir.Var) else v for v in jaxpr.outvars]
+    return jax_ir.ClosedJaxpr(jaxpr.replace(invars=invars, eqns=eqns, outvars=outvars), loss.consts)
 
 
-def _joined_loss(loss: core.ClosedJaxpr, num_params: int, stacked: Mapping[int, Bounds]) -> core.ClosedJaxpr:
+def _joined_loss(loss: jax_ir.ClosedJaxpr, num_params: int, stacked: Mapping[int, Bounds]) -> jax_ir.ClosedJaxpr:
     """``loss`` over the pieces of its stacked parameters, each rebuilt by concatenation first:
     the whole-batch loss the step's gradient equation carries (only its types are read)."""
     jaxpr = loss.jaxpr
     invars, eqns = [], []
     for k, v in enumerate(jaxpr.invars):
         if k < num_params and k in stacked:
-            new = [core.Var(a) for a in _piece_avals(v.aval, stacked[k])]
+            new = [jax_ir.Var(a) for a in _piece_avals(v.aval, stacked[k])]
             invars += new
-            eqns.append(core.new_jaxpr_eqn(new, [v], lax.concatenate_p, {"dimension": 0}, core.no_effects))
+            eqns.append(jax_ir.new_jaxpr_eqn(new, [v], prims.concatenate_p, {"dimension": 0}, jax_ir.no_effects))
         else:
             invars.append(v)
-    return core.ClosedJaxpr(jaxpr.replace(invars=invars, eqns=[*eqns, *jaxpr.eqns]), loss.consts)
+    return jax_ir.ClosedJaxpr(jaxpr.replace(invars=invars, eqns=[*eqns, *jaxpr.eqns]), loss.consts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +168,7 @@ class LeafPieces:
         """Per output of the rewritten step: the user's output leaf and its piece (``None``: whole)."""
         return self._expand(self.outputs)
 
-    def piece_leaves(self, leaves: Sequence[Any], avals: Sequence[core.ShapedArray], specs: Sequence[Any],
+    def piece_leaves(self, leaves: Sequence[Any], avals: Sequence[jax_ir.ShapedArray], specs: Sequence[Any],
                      batch_leaves: frozenset[int], counterparts: Sequence[int | None]
                      ) -> tuple[list[Any], list[Any], frozenset[int], list[int | None]]:
         """The compiler's per-leaf arguments for the rewritten step, from the original step's
@@ -200,42 +198,42 @@ class _Pieces:
     """A value ``[L, ...]`` held as its pieces along axis 0."""
 
     bounds: Bounds
-    vars: list[core.Atom]
+    vars: list[jax_ir.Atom]
 
 
 class _Rewrite:
     """Builds the rewritten step's equations (module docstring); one per step."""
 
     def __init__(self) -> None:
-        self.eqns: list[core.JaxprEqn] = []
-        self.env: dict[core.Var, Any] = {}
-        self.joined: dict[int, core.Var] = {}
-        self.producer: dict[core.Var, core.JaxprEqn] = {}
-        self.pieces: dict[tuple[core.Var, Bounds, int], core.Var] = {}
+        self.eqns: list[jax_ir.JaxprEqn] = []
+        self.env: dict[jax_ir.Var, Any] = {}
+        self.joined: dict[int, jax_ir.Var] = {}
+        self.producer: dict[jax_ir.Var, jax_ir.JaxprEqn] = {}
+        self.pieces: dict[tuple[jax_ir.Var, Bounds, int], jax_ir.Var] = {}
 
-    def read(self, v: core.Atom) -> Any:
-        return self.env.get(v, v) if isinstance(v, core.Var) else v
+    def read(self, v: jax_ir.Atom) -> Any:
+        return self.env.get(v, v) if isinstance(v, jax_ir.Var) else v
 
-    def whole(self, v: core.Atom) -> core.Atom:
+    def whole(self, v: jax_ir.Atom) -> jax_ir.Atom:
         """``v`` as one value: pieces concatenated (once)."""
         value = self.read(v)
         if not isinstance(value, _Pieces):
             return value
         if id(value) not in self.joined:
-            out = core.Var(v.aval)
-            self.emit(value.vars, [out], lax.concatenate_p, {"dimension": 0})
+            out = jax_ir.Var(v.aval)
+            self.emit(value.vars, [out], prims.concatenate_p, {"dimension": 0})
             self.joined[id(value)] = out
         return self.joined[id(value)]
 
-    def emit(self, invars: Sequence[core.Atom], outvars: Sequence[core.Var], prim: core.Primitive,
-             params: dict[str, Any], effects: Any = core.no_effects) -> None:
-        self.append(core.new_jaxpr_eqn(list(invars), list(outvars), prim, params, effects))
+    def emit(self, invars: Sequence[jax_ir.Atom], outvars: Sequence[jax_ir.Var], prim: jax_ir.Primitive,
+             params: dict[str, Any], effects: Any = jax_ir.no_effects) -> None:
+        self.append(jax_ir.new_jaxpr_eqn(list(invars), list(outvars), prim, params, effects))
 
-    def append(self, e: core.JaxprEqn) -> None:
+    def append(self, e: jax_ir.JaxprEqn) -> None:
         self.eqns.append(e)
-        self.producer.update((v, e) for v in e.outvars if not isinstance(v, core.DropVar))
+        self.producer.update((v, e) for v in e.outvars if not isinstance(v, jax_ir.DropVar))
 
-    def piece_of(self, v: core.Atom, bounds: Bounds, p: int) -> core.Atom:
+    def piece_of(self, v: jax_ir.Atom, bounds: Bounds, p: int) -> jax_ir.Atom:
         """Piece ``p`` of operand ``v`` of an elementwise equation: its own piece, a scalar as it
         is; a whole value computed elementwise from broadcast scalars recomputed per piece (an
         optimizer's constants), any other sliced."""
@@ -249,11 +247,11 @@ class _Rewrite:
             self.pieces[key] = self._piece_of_whole(value, bounds, p)
         return self.pieces[key]
 
-    def _piece_of_whole(self, value: core.Var, bounds: Bounds, p: int) -> core.Var:
+    def _piece_of_whole(self, value: jax_ir.Var, bounds: Bounds, p: int) -> jax_ir.Var:
         a, b = bounds[p], bounds[p + 1]
-        out = core.Var(value.aval.update(shape=(b - a, *value.aval.shape[1:])))
+        out = jax_ir.Var(value.aval.update(shape=(b - a, *value.aval.shape[1:])))
         made = self.producer.get(value)
-        if made is not None and made.primitive is lax.broadcast_in_dim_p and not made.invars[0].aval.shape:
+        if made is not None and made.primitive is prims.broadcast_in_dim_p and not made.invars[0].aval.shape:
             self.emit(made.invars, [out], made.primitive, dict(made.params, shape=out.aval.shape), made.effects)
         elif made is not None and made.primitive in _ELEMENTWISE and len(made.outvars) == 1 and all(
                 not getattr(x.aval, "shape", ()) or x.aval.shape == value.aval.shape for x in made.invars):
@@ -264,7 +262,7 @@ class _Rewrite:
                                                 "limit_indices": (b, *value.aval.shape[1:]), "strides": None})
         return out
 
-    def equation(self, e: core.JaxprEqn, fresh: bool = False) -> None:
+    def equation(self, e: jax_ir.JaxprEqn, fresh: bool = False) -> None:
         """Appends ``e`` rewritten; with ``fresh`` (an inlined call's equations, whose jaxpr may
         be inlined again) its results get new variables."""
         ins = [self.read(v) for v in e.invars]
@@ -272,8 +270,8 @@ class _Rewrite:
         if not split:
             self.keep(e, ins, fresh)
             return
-        if e.primitive is jit_p and not e.effects:
-            inner = e.params["jaxpr"]
+        inner = jax_ir.call_body(e)
+        if inner is not None and not e.effects:
             self.env.update(zip(inner.jaxpr.invars, ins))
             self.env.update(zip(inner.jaxpr.constvars, inner.consts))
             for inner_eqn in inner.jaxpr.eqns:
@@ -289,7 +287,7 @@ class _Rewrite:
                 for x in ins):
             outs = []
             for p in range(len(bounds) - 1):
-                piece = core.Var(out.update(shape=(bounds[p + 1] - bounds[p], *full[1:])))
+                piece = jax_ir.Var(out.update(shape=(bounds[p + 1] - bounds[p], *full[1:])))
                 self.emit([self.piece_of(v, bounds, p) for v in e.invars], [piece], e.primitive, e.params, e.effects)
                 outs.append(piece)
             self.env[e.outvars[0]] = _Pieces(bounds, outs)
@@ -297,29 +295,30 @@ class _Rewrite:
         if e.primitive in _COMBINE and isinstance(ins[0], _Pieces) and 0 in e.params["axes"]:
             parts = []
             for piece in ins[0].vars:
-                part = core.Var(out)
+                part = jax_ir.Var(out)
                 self.emit([piece], [part], e.primitive, e.params)
                 parts.append(part)
             total = parts[0]
             for part in parts[1:]:
-                combined = core.Var(out)
+                combined = jax_ir.Var(out)
                 self.emit([total, part], [combined], _COMBINE[e.primitive], {})
                 total = combined
             self.env[e.outvars[0]] = total
             return
         self.keep(e, [self.whole(v) for v in e.invars], fresh)
 
-    def keep(self, e: core.JaxprEqn, invars: list[core.Atom], fresh: bool) -> None:
+    def keep(self, e: jax_ir.JaxprEqn, invars: list[jax_ir.Atom], fresh: bool) -> None:
         """``e`` itself over ``invars``."""
         if fresh:
-            outvars = [core.DropVar(v.aval) if isinstance(v, core.DropVar) else core.Var(v.aval) for v in e.outvars]
-            self.env.update((v, o) for v, o in zip(e.outvars, outvars) if not isinstance(v, core.DropVar))
+            outvars = [jax_ir.DropVar(v.aval) if isinstance(v, jax_ir.DropVar) else jax_ir.Var(v.aval)
+                       for v in e.outvars]
+            self.env.update((v, o) for v, o in zip(e.outvars, outvars) if not isinstance(v, jax_ir.DropVar))
             e = e.replace(outvars=outvars)
         self.append(e.replace(invars=invars))
 
 
-def split_stacked_leaves(step: core.ClosedJaxpr, stacked: Mapping[int, Bounds], counterparts: Sequence[int | None]
-                         ) -> tuple[core.ClosedJaxpr, LeafPieces, dict[int, Bounds]]:
+def split_stacked_leaves(step: jax_ir.ClosedJaxpr, stacked: Mapping[int, Bounds], counterparts: Sequence[int | None]
+                         ) -> tuple[jax_ir.ClosedJaxpr, LeafPieces, dict[int, Bounds]]:
     """``step`` (the traced train step, one ``pipeline_grad`` equation) rewritten over pieces
     (module docstring).
 
@@ -341,15 +340,15 @@ def split_stacked_leaves(step: core.ClosedJaxpr, stacked: Mapping[int, Bounds], 
     leaf_bounds: dict[int, Bounds] = {}
     for k, bounds in stacked.items():
         v = grad.invars[k]
-        if isinstance(v, core.Var) and v in position:
+        if isinstance(v, jax_ir.Var) and v in position:
             leaf_bounds[position[v]] = bounds
-    by_type: dict[core.AbstractValue, Bounds] = {}
+    by_type: dict[jax_ir.AbstractValue, Bounds] = {}
     for k, bounds in stacked.items():
         v = grad.invars[k]
-        if isinstance(v, core.Var) and v in position:
+        if isinstance(v, jax_ir.Var) and v in position:
             by_type.setdefault(v.aval, bounds)
     # Moments are state leaves the loss does not read (a parameter of the same shape is not one).
-    read = {position[v] for v in grad.invars if isinstance(v, core.Var) and v in position}
+    read = {position[v] for v in grad.invars if isinstance(v, jax_ir.Var) and v in position}
     state = {i for i in counterparts if i is not None} - read
     for i in sorted(state):
         aval = jaxpr.invars[i].aval
@@ -365,7 +364,7 @@ def split_stacked_leaves(step: core.ClosedJaxpr, stacked: Mapping[int, Bounds], 
         from_grads = set()
         for b, i in zip(out_bounds, replaces):
             own = [next(outs) for _ in range(1 if b is None else len(b) - 1)]
-            if i is not None and all(isinstance(v, core.Var) and v in grown for v in own):
+            if i is not None and all(isinstance(v, jax_ir.Var) and v in grown for v in own):
                 from_grads.add(i)
         dropped = {i for i in moments if i not in from_grads}
         if not dropped:
@@ -374,10 +373,10 @@ def split_stacked_leaves(step: core.ClosedJaxpr, stacked: Mapping[int, Bounds], 
         for i in dropped:
             del leaf_bounds[i]
     inputs = tuple(leaf_bounds.get(i) for i in range(len(jaxpr.invars)))
-    return core.ClosedJaxpr(rewritten, step.consts), LeafPieces(inputs, out_bounds, replaces), used
+    return jax_ir.ClosedJaxpr(rewritten, step.consts), LeafPieces(inputs, out_bounds, replaces), used
 
 
-def _from_stacked_gradients(jaxpr: core.Jaxpr, used: Mapping[int, Bounds]) -> set[core.Var]:
+def _from_stacked_gradients(jaxpr: jax_ir.Jaxpr, used: Mapping[int, Bounds]) -> set[jax_ir.Var]:
     """The values of ``jaxpr`` (rewritten) computed from the pieces of the split parameters'
     gradients through arrays (not through scalars: a global norm scales every gradient)."""
     (grad,) = [e for e in jaxpr.eqns if e.primitive is pipeline_grad_p]
@@ -388,23 +387,23 @@ def _from_stacked_gradients(jaxpr: core.Jaxpr, used: Mapping[int, Bounds]) -> se
         count = len(used[k]) - 1
         pieces_at.update(range(k + shift, k + shift + count))
         shift += count - 1
-    grown = {v for p, v in enumerate(grad.outvars[head:]) if p in pieces_at and isinstance(v, core.Var)}
+    grown = {v for p, v in enumerate(grad.outvars[head:]) if p in pieces_at and isinstance(v, jax_ir.Var)}
     for e in jaxpr.eqns:
-        if any(isinstance(v, core.Var) and v in grown and v.aval.ndim for v in e.invars):
-            grown.update(v for v in e.outvars if not isinstance(v, core.DropVar) and v.aval.ndim)
+        if any(isinstance(v, jax_ir.Var) and v in grown and v.aval.ndim for v in e.invars):
+            grown.update(v for v in e.outvars if not isinstance(v, jax_ir.DropVar) and v.aval.ndim)
     return grown
 
 
-def _rewrite_step(jaxpr: core.Jaxpr, grad: core.JaxprEqn, stacked: Mapping[int, Bounds], leaf_bounds: Mapping[int, Bounds],
-                  counterparts: Sequence[int | None]
-                  ) -> tuple[core.Jaxpr, tuple[Bounds | None, ...], tuple[int | None, ...], dict[int, Bounds]]:
+def _rewrite_step(jaxpr: jax_ir.Jaxpr, grad: jax_ir.JaxprEqn, stacked: Mapping[int, Bounds],
+                  leaf_bounds: Mapping[int, Bounds], counterparts: Sequence[int | None]
+                  ) -> tuple[jax_ir.Jaxpr, tuple[Bounds | None, ...], tuple[int | None, ...], dict[int, Bounds]]:
     """``jaxpr`` over the pieces of input leaves ``leaf_bounds``: the rewritten jaxpr, per output
     its bounds and the input it replaces when in pieces, and the entries of ``stacked`` split."""
     rewrite = _Rewrite()
-    invars: list[core.Var] = []
+    invars: list[jax_ir.Var] = []
     for i, v in enumerate(jaxpr.invars):
         if i in leaf_bounds:
-            pieces = [core.Var(a) for a in _piece_avals(v.aval, leaf_bounds[i])]
+            pieces = [jax_ir.Var(a) for a in _piece_avals(v.aval, leaf_bounds[i])]
             rewrite.env[v] = _Pieces(leaf_bounds[i], pieces)
             invars += pieces
         else:
@@ -415,7 +414,7 @@ def _rewrite_step(jaxpr: core.Jaxpr, grad: core.JaxprEqn, stacked: Mapping[int, 
             _rewrite_grad(rewrite, e, used)
         else:
             rewrite.equation(e)
-    outvars: list[core.Atom] = []
+    outvars: list[jax_ir.Atom] = []
     out_bounds: list[Bounds | None] = []
     replaces: list[int | None] = []
     for j, v in enumerate(jaxpr.outvars):
@@ -430,8 +429,8 @@ def _rewrite_step(jaxpr: core.Jaxpr, grad: core.JaxprEqn, stacked: Mapping[int, 
             out_bounds.append(None)
             replaces.append(None)
     # Whole values only pieces were taken of (an optimizer's broadcast constants) are dropped.
-    rewritten, _ = pe.dce_jaxpr(jaxpr.replace(invars=invars, eqns=rewrite.eqns, outvars=outvars),
-                                [True] * len(outvars), instantiate=True)
+    rewritten, _ = jax_ir.dce_jaxpr(jaxpr.replace(invars=invars, eqns=rewrite.eqns, outvars=outvars),
+                                    [True] * len(outvars), instantiate=True)
     return rewritten, tuple(out_bounds), tuple(replaces), used
 
 
@@ -455,11 +454,11 @@ def verify_leaf_pieces(pieces: LeafPieces, num_inputs: int, num_outputs: int) ->
                                         f"replaces ({i}) is not")
 
 
-def _rewrite_grad(rewrite: _Rewrite, e: core.JaxprEqn, stacked: Mapping[int, Bounds]) -> None:
+def _rewrite_grad(rewrite: _Rewrite, e: jax_ir.JaxprEqn, stacked: Mapping[int, Bounds]) -> None:
     """The gradient equation over pieces: each split parameter's pieces as parameters, its
     gradient as pieces."""
     num_diff = e.params["num_diff"]
-    invars: list[core.Atom] = []
+    invars: list[jax_ir.Atom] = []
     for k, v in enumerate(e.invars):
         value = rewrite.read(v)
         if k < num_diff and k in stacked:
@@ -470,7 +469,7 @@ def _rewrite_grad(rewrite: _Rewrite, e: core.JaxprEqn, stacked: Mapping[int, Bou
     outvars = list(e.outvars[:head])
     for k, g in enumerate(e.outvars[head:]):
         if k in stacked:
-            pieces = [core.Var(a) for a in _piece_avals(g.aval, stacked[k])]
+            pieces = [jax_ir.Var(a) for a in _piece_avals(g.aval, stacked[k])]
             outvars += pieces
             rewrite.env[g] = _Pieces(stacked[k], pieces)
         else:
@@ -556,7 +555,7 @@ def gathered_arrays(pieces: LeafPieces, piece_shardings: Mapping[int, Sequence[N
         sharding = param_sharding(home, specs[i], shapes[i], axis_names)
         at_home, into, out_of = [], [], []
         for p, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            aval = core.ShapedArray((b - a, *shapes[i][1:]), dtypes[i])
+            aval = jax_ir.ShapedArray((b - a, *shapes[i][1:]), dtypes[i])
             here = param_sharding(home, specs[i], aval.shape, axis_names)
             at_home.append(here)
             there = shardings[p]

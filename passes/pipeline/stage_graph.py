@@ -15,19 +15,17 @@ import dataclasses
 import enum
 import importlib.util
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src import linear_util as lu
-from jax._src.ad_checkpoint import remat_p
-from jax._src.lax.control_flow.conditionals import cond_p
-from jax._src.lax.control_flow.loops import scan_p, while_p
+from jax.extend.core.primitives import cond_p, remat_p, scan_p, while_p
 
+from .. import jax_ir
 from .step_primitives import stage_boundary_p
 
-__all__ = ["Ref", "RefKind", "Stage", "StageGraph", "count_markers", "split_stages", "subjaxprs", "verify_stage_graph", "StageMarkerError", "first_user_frame", "is_differentiable", "user_location"]
+__all__ = ["Ref", "RefKind", "Stage", "StageGraph", "StageMarkerError", "count_markers", "first_user_frame",
+           "is_differentiable", "split_stages", "user_location", "verify_stage_graph"]
 
 
 
@@ -75,7 +73,7 @@ class Stage:
     """
 
     index: int
-    jaxpr: core.ClosedJaxpr
+    jaxpr: jax_ir.ClosedJaxpr
     inputs: tuple[Ref, ...]
     outputs: tuple[Ref, ...]
 
@@ -129,24 +127,15 @@ class StageGraph:
         )
 
 
-def is_differentiable(aval: core.AbstractValue) -> bool:
+def is_differentiable(aval: jax_ir.AbstractValue) -> bool:
     """Whether a value of ``aval`` has a (non-``float0``) cotangent: floating dtypes only."""
     return not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) and jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
-def subjaxprs(eqn: core.JaxprEqn) -> Iterator[core.Jaxpr]:
-    """The jaxprs nested in ``eqn``'s parameters (scan, cond, while and call bodies)."""
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, core.Jaxpr):
-                yield v
-
-
-def _find_nested_marker(jaxpr: core.Jaxpr) -> bool:
+def _find_nested_marker(jaxpr: jax_ir.Jaxpr) -> bool:
     return any(
-        e.primitive is stage_boundary_p or any(_find_nested_marker(j) for j in subjaxprs(e)) for e in jaxpr.eqns
+        e.primitive is stage_boundary_p or any(_find_nested_marker(j) for j in jax_ir.nested_jaxprs(e))
+        for e in jaxpr.eqns
     )
 
 
@@ -160,7 +149,7 @@ _NESTED_MARKER_FIX = {
 }
 _NESTED_MARKER_DEFAULT_FIX = "move the marker out of the nested function (e.g. a jax.jit), or call it unjitted"
 
-_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, lu.__file__))
+_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__,))
 
 
 def first_user_frame(frames: Iterable[tuple[str, int, str]]) -> str:
@@ -178,20 +167,18 @@ def first_user_frame(frames: Iterable[tuple[str, int, str]]) -> str:
     return "unknown location"
 
 
-def user_location(eqn: core.JaxprEqn) -> str:
+def user_location(eqn: jax_ir.JaxprEqn) -> str:
     """Where in the user's code ``eqn`` was traced (``first_user_frame``)."""
-    from jax._src import source_info_util
-
     return first_user_frame((f.file_name, f.start_line, f.function_name)
-                            for f in source_info_util.user_frames(eqn.source_info.traceback))
+                            for f in jax_ir.user_frames(eqn.source_info.traceback))
 
 
-def count_markers(loss_jaxpr: core.ClosedJaxpr) -> int:
+def count_markers(loss_jaxpr: jax_ir.ClosedJaxpr) -> int:
     """How many top-level stage markers ``loss_jaxpr`` has (candidate cut points)."""
     return sum(e.primitive is stage_boundary_p for e in loss_jaxpr.jaxpr.eqns)
 
 
-def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[int] | None = None) -> StageGraph:
+def split_stages(loss_jaxpr: jax_ir.ClosedJaxpr, num_params: int, cuts: Sequence[int] | None = None) -> StageGraph:
     """Cuts ``loss_jaxpr`` at its top-level stage markers: all of them, or only the markers
     numbered ``cuts`` (0-based, in program order; the others then join their neighbours).
 
@@ -201,7 +188,7 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
     """
     jaxpr = loss_jaxpr.jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive is not stage_boundary_p and any(_find_nested_marker(j) for j in subjaxprs(eqn)):
+        if eqn.primitive is not stage_boundary_p and any(_find_nested_marker(j) for j in jax_ir.nested_jaxprs(eqn)):
             raise StageMarkerError(
                 f"mark_stage_boundary() is called inside a `{eqn.primitive.name}` body at {user_location(eqn)}; "
                 f"meshpar can only cut straight-line code between stages: "
@@ -211,7 +198,7 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
     if cuts is not None and (len(set(cuts)) != len(cuts) or not all(0 <= c < num_markers for c in cuts)):
         raise StageMarkerError(f"cut_points: expected distinct marker numbers in [0, {num_markers}), got {list(cuts)}")
     cutting = set(range(num_markers)) if cuts is None else set(cuts)
-    segments: list[list[core.JaxprEqn]] = [[]]
+    segments: list[list[jax_ir.JaxprEqn]] = [[]]
     marker = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive is stage_boundary_p:
@@ -221,32 +208,32 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
         else:
             segments[-1].append(eqn)
 
-    ref_of: dict[core.Var, Ref] = {}
+    ref_of: dict[jax_ir.Var, Ref] = {}
     for k, v in enumerate(jaxpr.invars):
         ref_of[v] = Ref(RefKind.PARAM, k) if k < num_params else Ref(RefKind.INPUT, k - num_params)
-    stage_of: dict[core.Var, int] = {}
+    stage_of: dict[jax_ir.Var, int] = {}
     for s, eqns in enumerate(segments):
         for e in eqns:
             for v in e.outvars:
                 stage_of[v] = s
 
     # Which values each segment reads from outside itself.
-    reads: list[list[core.Var]] = []
+    reads: list[list[jax_ir.Var]] = []
     for s, eqns in enumerate(segments):
-        seen: dict[core.Var, None] = {}
+        seen: dict[jax_ir.Var, None] = {}
         for e in eqns:
             for v in e.invars:
-                if isinstance(v, core.Var) and stage_of.get(v) != s:
+                if isinstance(v, jax_ir.Var) and stage_of.get(v) != s:
                     seen.setdefault(v)
         reads.append(list(seen))
     loss_var, aux_vars = jaxpr.outvars[0], jaxpr.outvars[1:]
-    if not isinstance(loss_var, core.Var) or loss_var not in stage_of:
+    if not isinstance(loss_var, jax_ir.Var) or loss_var not in stage_of:
         raise StageMarkerError("the loss is a constant or an input; there is nothing to pipeline")
-    if not all(isinstance(v, core.Var) and v in stage_of for v in aux_vars):
+    if not all(isinstance(v, jax_ir.Var) and v in stage_of for v in aux_vars):
         raise StageMarkerError("an aux output of the loss function is not computed by it "
                                "(meshpar.value_and_grad copies such leaves; was the jaxpr built elsewhere?)")
 
-    exported: list[list[core.Var]] = [[] for _ in segments]
+    exported: list[list[jax_ir.Var]] = [[] for _ in segments]
     for s in range(len(segments)):
         wanted = {v for t in range(s + 1, len(segments)) for v in reads[t] if stage_of.get(v) == s}
         wanted.update(v for v in (loss_var, *aux_vars) if stage_of[v] == s)
@@ -257,13 +244,13 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
     stages = []
     for s, eqns in enumerate(segments):
         invars = reads[s]
-        inner = core.Jaxpr(
+        inner = jax_ir.Jaxpr(
             constvars=(),
             invars=invars,
             outvars=exported[s],
             eqns=eqns,
-            effects=core.join_effects(*(e.effects for e in eqns)),
-            debug_info=lu.DebugInfo(
+            effects=jax_ir.join_effects(*(e.effects for e in eqns)),
+            debug_info=jax_ir.DebugInfo(
                 "meshpar stage", f"forward stage {s}",
                 tuple(str(ref_of[v]) for v in invars), tuple(str(ref_of[v]) for v in exported[s]),
             ),
@@ -271,7 +258,7 @@ def split_stages(loss_jaxpr: core.ClosedJaxpr, num_params: int, cuts: Sequence[i
         stages.append(
             Stage(
                 index=s,
-                jaxpr=core.ClosedJaxpr(inner, ()),
+                jaxpr=jax_ir.ClosedJaxpr(inner, ()),
                 inputs=tuple(ref_of[v] for v in invars),
                 outputs=tuple(ref_of[v] for v in exported[s]),
             )
@@ -292,7 +279,7 @@ def verify_stage_graph(graph: StageGraph) -> None:
 
     for stage in graph.stages:
         try:
-            core.check_jaxpr(stage.jaxpr.jaxpr)
+            jax_ir.check_jaxpr(stage.jaxpr.jaxpr)
         except Exception as e:
             raise PlanVerificationError(f"stage {stage.index} does not type-check: {e}") from e
         for r in stage.inputs:

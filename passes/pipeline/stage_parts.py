@@ -1,7 +1,7 @@
 """Pass: derive one forward ``Stage``'s compute parts, with its backward split in two.
 
 Output: a ``StageParts`` of closed jaxprs, each runnable as
-``jax.jit(core.jaxpr_as_fun(part))``:
+``jax.jit(jax_ir.jaxpr_as_fun(part))``:
 
 - ``forward``: the stage, also returning the residuals its backward reads
   (the leaves of its ``jax.vjp`` function);
@@ -27,9 +27,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-from jax._src import core
-from jax._src import linear_util as lu
 
+from .. import jax_ir
 from .stage_graph import RefKind, Stage, is_differentiable
 from ..verification import PlanVerificationError
 
@@ -57,10 +56,10 @@ class StageParts:
     """
 
     stage: int
-    forward: core.ClosedJaxpr
-    backward: core.ClosedJaxpr
-    backward_input: core.ClosedJaxpr
-    backward_weight: core.ClosedJaxpr
+    forward: jax_ir.ClosedJaxpr
+    backward: jax_ir.ClosedJaxpr
+    backward_input: jax_ir.ClosedJaxpr
+    backward_weight: jax_ir.ClosedJaxpr
     diff_inputs: tuple[int, ...]
     other_inputs: tuple[int, ...]
     act_inputs: tuple[int, ...]
@@ -100,31 +99,32 @@ def _positions(stage: Stage) -> tuple[tuple[int, ...], ...]:
             tuple(i for i in diff if stage.inputs[i].kind is RefKind.PARAM))
 
 
-def _spec(aval: core.AbstractValue) -> jax.ShapeDtypeStruct:
+def _spec(aval: jax_ir.AbstractValue) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
-def _part(whole: core.ClosedJaxpr, name: str, invars: Sequence[core.Var],
-          eqns: Sequence[core.JaxprEqn], outvars: Sequence[core.Atom]) -> core.ClosedJaxpr:
+def _part(whole: jax_ir.ClosedJaxpr, name: str, invars: Sequence[jax_ir.Var],
+          eqns: Sequence[jax_ir.JaxprEqn], outvars: Sequence[jax_ir.Atom]) -> jax_ir.ClosedJaxpr:
     """A jaxpr made of some of ``whole``'s equations; it shares ``whole``'s constants (if any)."""
-    jaxpr = core.Jaxpr(
+    jaxpr = jax_ir.Jaxpr(
         constvars=whole.jaxpr.constvars, invars=list(invars), outvars=list(outvars), eqns=list(eqns),
-        debug_info=lu.DebugInfo("meshpar stage part", name, tuple(f"in{k}" for k in range(len(invars))),
-                                tuple(f"out{k}" for k in range(len(outvars)))),
+        debug_info=jax_ir.DebugInfo("meshpar stage part", name, tuple(f"in{k}" for k in range(len(invars))),
+                                    tuple(f"out{k}" for k in range(len(outvars)))),
     )
-    return core.ClosedJaxpr(jaxpr, whole.consts)
+    return jax_ir.ClosedJaxpr(jaxpr, whole.consts)
 
 
-def _needs(eqns: Sequence[core.JaxprEqn], roots: Sequence[core.Atom], stop: set[int]) -> tuple[list[core.JaxprEqn], set[core.Var]]:
+def _needs(eqns: Sequence[jax_ir.JaxprEqn], roots: Sequence[jax_ir.Atom], stop: set[int]
+           ) -> tuple[list[jax_ir.JaxprEqn], set[jax_ir.Var]]:
     """The equations ``roots`` need, in order, but none in ``stop`` (eqn ids); and what they read from outside."""
-    live = {v for v in roots if isinstance(v, core.Var)}
-    kept: list[core.JaxprEqn] = []
+    live = {v for v in roots if isinstance(v, jax_ir.Var)}
+    kept: list[jax_ir.JaxprEqn] = []
     for e in reversed(eqns):
         if id(e) in stop or not any(v in live for v in e.outvars):
             continue
         kept.append(e)
         live.difference_update(e.outvars)
-        live.update(v for v in e.invars if isinstance(v, core.Var))
+        live.update(v for v in e.invars if isinstance(v, jax_ir.Var))
     return kept[::-1], live
 
 
@@ -139,7 +139,7 @@ def stage_parts(stage: Stage, diff_outputs: Sequence[int] | None = None) -> Stag
     diff, other, acts, params = _positions(stage)
     if diff_outputs is None:
         diff_outputs = tuple(k for k, a in enumerate(stage.jaxpr.out_avals) if is_differentiable(a))
-    fun = core.jaxpr_as_fun(stage.jaxpr)
+    fun = jax_ir.jaxpr_as_fun(stage.jaxpr)
     in_avals = stage.jaxpr.in_avals
     treedef = None
 
@@ -211,13 +211,13 @@ def verify_stage_parts(stage: Stage, parts: StageParts) -> None:
     def fail(what: str) -> None:
         raise PlanVerificationError(f"stage {stage.index} parts: {what}")
 
-    def same(got: Sequence[core.AbstractValue], want: Sequence[core.AbstractValue], what: str) -> None:
-        if len(got) != len(want) or not all(core.typematch(g, w) for g, w in zip(got, want)):
+    def same(got: Sequence[jax_ir.AbstractValue], want: Sequence[jax_ir.AbstractValue], what: str) -> None:
+        if len(got) != len(want) or not all(jax_ir.typematch(g, w) for g, w in zip(got, want)):
             fail(f"{what} are {list(got)}, expected {list(want)}")
 
     for name in ("forward", "backward", "backward_input", "backward_weight"):
         try:
-            core.check_jaxpr(getattr(parts, name).jaxpr)
+            jax_ir.check_jaxpr(getattr(parts, name).jaxpr)
         except Exception as e:
             fail(f"{name} does not type-check: {e}")
     if (parts.stage, parts.diff_inputs, parts.other_inputs, parts.act_inputs, parts.param_inputs) != (

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import jax_ir
 from .edge_transfer import MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
 from .micro_batching import is_key
@@ -223,7 +223,7 @@ def layout_step(
             sharding_of(ref, mv.src)
             sharding_of(ref, mv.dst)
         size = sum(int(np.prod(split.avals[ref].shape, dtype=np.int64)) for ref in mv.values)
-        packed = core.ShapedArray((size,), split.avals[mv.values[0]].dtype)
+        packed = jax_ir.ShapedArray((size,), split.avals[mv.values[0]].dtype)
         outer_moves[mv] = value_move(what, packed, NamedSharding(meshes[mv.src], P()), NamedSharding(meshes[mv.dst], P()),
                                 executor, strategy)
     for s, ops in enumerate(operands):

@@ -14,29 +14,23 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax._src import core, effects
-from jax._src.interpreters import ad, batching, mlir
+
+from .. import jax_ir
 
 __all__ = ["StageBoundaryEffect", "pipeline_grad_p", "stage_boundary_p"]
 
 
-class StageBoundaryEffect(effects.Effect):
+class StageBoundaryEffect(jax_ir.Effect):
     """Keeps the marker in jaxprs although it computes nothing."""
 
     __str__ = lambda self: "StageBoundary"  # noqa: E731
 
 
 _EFFECT = StageBoundaryEffect()
-for _set in (
-    effects.lowerable_effects,
-    effects.control_flow_allowed_effects,  # so meshpar, not JAX, reports a marker inside scan/cond
-    effects.remat_allowed_effects,
-    effects.custom_derivatives_allowed_effects,
-    effects.partial_eval_kept_effects,
-):
-    _set.add_type(StageBoundaryEffect)
+# Lowerable, and allowed inside scan/cond so meshpar, not JAX, reports a marker there.
+jax_ir.register_effect_type(StageBoundaryEffect)
 
-stage_boundary_p = core.Primitive("meshpar_stage_boundary")
+stage_boundary_p = jax_ir.Primitive("meshpar_stage_boundary")
 stage_boundary_p.multiple_results = True
 
 
@@ -58,17 +52,15 @@ def _marker_batch(args, dims):
     return stage_boundary_p.bind(), []
 
 
-ad.primitive_jvps[stage_boundary_p] = _marker_jvp
-batching.primitive_batchers[stage_boundary_p] = _marker_batch
-mlir.register_lowering(stage_boundary_p, lambda ctx: [])
+jax_ir.register_primitive_rules(stage_boundary_p, _marker_jvp, _marker_batch, lambda ctx: [])
 
 
-pipeline_grad_p = core.Primitive("meshpar_pipeline_grad")
+pipeline_grad_p = jax_ir.Primitive("meshpar_pipeline_grad")
 pipeline_grad_p.multiple_results = True
 
 
 @pipeline_grad_p.def_abstract_eval
-def _grad_abstract_eval(*avals: core.AbstractValue, loss_jaxpr: core.ClosedJaxpr, num_diff: int, num_aux: int,
+def _grad_abstract_eval(*avals: jax_ir.AbstractValue, loss_jaxpr: jax_ir.ClosedJaxpr, num_diff: int, num_aux: int,
                         **params: Any) -> list:
     # At the whole batch's shapes (the trace the update is taken from), the loss function's
     # aux avals are what combining the micro-batches' gives: concatenated leaves have the
@@ -77,10 +69,10 @@ def _grad_abstract_eval(*avals: core.AbstractValue, loss_jaxpr: core.ClosedJaxpr
 
 
 @pipeline_grad_p.def_impl
-def _grad_impl(*args: Any, loss_jaxpr: core.ClosedJaxpr, num_diff: int, num_aux: int, **params: Any) -> list:
+def _grad_impl(*args: Any, loss_jaxpr: jax_ir.ClosedJaxpr, num_diff: int, num_aux: int, **params: Any) -> list:
     # Evaluating the traced step directly (no pipeline): plain value_and_grad.
     def loss(diff, rest):
-        value, *aux = core.jaxpr_as_fun(loss_jaxpr)(*diff, *rest)
+        value, *aux = jax_ir.jaxpr_as_fun(loss_jaxpr)(*diff, *rest)
         return value, aux
 
     (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(list(args[:num_diff]), list(args[num_diff:]))

@@ -29,9 +29,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Union
 
-from jax._src import core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .. import jax_ir
 from ..verification import PlanVerificationError
 from .data_replicas import DataReplicas
 from .micro_batching import AuxReduction, MicroBatching
@@ -91,7 +91,7 @@ class CombineMicroBatches:
     buffers: tuple[BufferId, ...]
     mesh: int
     how: AuxReduction
-    aval: core.AbstractValue
+    aval: jax_ir.AbstractValue
     sharding: NamedSharding | None
     per_replica: bool = False
 
@@ -111,7 +111,7 @@ class ReduceGradient:
     mesh: int
     move: ValueMove | None
     sharding: NamedSharding
-    aval: core.AbstractValue
+    aval: jax_ir.AbstractValue
 
     def __str__(self) -> str:
         return f"gradient of parameter {self.param} from stage {self.stage} into mesh {self.mesh}"

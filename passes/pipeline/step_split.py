@@ -31,11 +31,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import numpy as np
-from jax._src import core
-from jax._src import linear_util as lu
 
+from .. import jax_ir
 from .micro_batching import is_key
-from .split_conditionals import cut_cond, inline_constant_conds, split_cond
+from .split_conditionals import cut_cond, inline_fixed_calls, split_cond
 from .stage_graph import user_location
 from .step_primitives import pipeline_grad_p
 
@@ -80,7 +79,7 @@ class OuterCompute:
     """``jaxpr(*inputs) -> outputs`` on mesh ``mesh``."""
 
     mesh: int
-    jaxpr: core.ClosedJaxpr
+    jaxpr: jax_ir.ClosedJaxpr
     inputs: tuple[OuterRef, ...]
     outputs: tuple[OuterRef, ...]
 
@@ -123,7 +122,7 @@ class StepSplit:
     outputs: tuple[tuple[OuterRef, tuple[int, ...]], ...]
     input_needs: tuple[frozenset[int], ...]
     homes: dict[OuterRef, int]
-    avals: dict[OuterRef, core.AbstractValue]
+    avals: dict[OuterRef, jax_ir.AbstractValue]
     consts: tuple
     literals: dict[int, Any] = dataclasses.field(default_factory=dict)
 
@@ -131,23 +130,23 @@ class StepSplit:
         return tuple(s for s in (*self.before, *self.after) if isinstance(s, OuterMove))
 
 
-def _nbytes(aval: core.AbstractValue) -> int:
+def _nbytes(aval: jax_ir.AbstractValue) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * getattr(aval.dtype, "itemsize", 4)
 
 
 class _Planner:
     """Demand-driven placement of the outer equations (module docstring)."""
 
-    def __init__(self, jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn, ref_of: dict[core.Var, OuterRef],
-                 colour: dict[core.Var, int | None], producer: dict[core.Var, int]) -> None:
+    def __init__(self, jaxpr: jax_ir.Jaxpr, grad_eqn: jax_ir.JaxprEqn, ref_of: dict[jax_ir.Var, OuterRef],
+                 colour: dict[jax_ir.Var, int | None], producer: dict[jax_ir.Var, int]) -> None:
         self.jaxpr, self.grad_eqn, self.ref_of, self.colour, self.producer = jaxpr, grad_eqn, ref_of, colour, producer
         self.instances: dict[tuple[int, int], str] = {}  # (eqn, mesh) -> phase
         self.moves: dict[tuple[OuterRef, int, int], str] = {}
         self.input_needs: dict[int, set[int]] = {}
         self.phase = "before"
 
-    def need(self, v: core.Atom, mesh: int) -> None:
-        if isinstance(v, core.Literal):
+    def need(self, v: jax_ir.Atom, mesh: int) -> None:
+        if isinstance(v, jax_ir.Literal):
             return
         ref = self.ref_of[v]
         if ref.kind is OuterKind.IN:
@@ -169,7 +168,7 @@ class _Planner:
             self.need(v, mesh)
 
 
-def _param_inputs(jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn) -> list[int]:
+def _param_inputs(jaxpr: jax_ir.Jaxpr, grad_eqn: jax_ir.JaxprEqn) -> list[int]:
     """For each differentiated leaf, the step input leaf it is.
 
     Raises:
@@ -178,7 +177,7 @@ def _param_inputs(jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn) -> list[int]:
     position = {v: i for i, v in enumerate(jaxpr.invars)}
     param_inputs = []
     for k, v in enumerate(grad_eqn.invars[:grad_eqn.params["num_diff"]]):
-        if not isinstance(v, core.Var) or v not in position:
+        if not isinstance(v, jax_ir.Var) or v not in position:
             raise GradCallError(
                 f"parameter leaf {k} of the differentiated function is computed inside the step "
                 f"(meshpar.value_and_grad at {user_location(grad_eqn)}); differentiate with respect to the step's "
@@ -188,12 +187,12 @@ def _param_inputs(jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn) -> list[int]:
     return param_inputs
 
 
-def _colour(jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn, colour: dict[core.Var, int | None]) -> core.Jaxpr:
+def _colour(jaxpr: jax_ir.Jaxpr, grad_eqn: jax_ir.JaxprEqn, colour: dict[jax_ir.Var, int | None]) -> jax_ir.Jaxpr:
     """Colours every equation's results in ``colour`` (module docstring), which holds the
     parameters' and the pipeline's colours; returns ``jaxpr`` with each conditional over
     several meshes' values cut and split into conditionals of one mesh each where it can be
     (``split_conditionals``), every result defined once, as in ``jaxpr``."""
-    eqns: list[core.JaxprEqn] = []
+    eqns: list[jax_ir.JaxprEqn] = []
     for eqn in jaxpr.eqns:
         if eqn is grad_eqn:
             eqns.append(eqn)
@@ -201,7 +200,7 @@ def _colour(jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn, colour: dict[core.Var, i
         work = [eqn]
         while work:
             e = work.pop()
-            owners = [colour.get(v) if isinstance(v, core.Var) else None for v in e.invars]
+            owners = [colour.get(v) if isinstance(v, jax_ir.Var) else None for v in e.invars]
             cut = cut_cond(e, owners)
             if cut is not None:
                 work.extend(reversed(cut))  # the first before the second, which reads its results
@@ -218,16 +217,16 @@ def _colour(jaxpr: core.Jaxpr, grad_eqn: core.JaxprEqn, colour: dict[core.Var, i
     return jaxpr.replace(eqns=eqns)
 
 
-def _largest_input_mesh(e: core.JaxprEqn, colour: dict[core.Var, int | None]) -> int | None:
+def _largest_input_mesh(e: jax_ir.JaxprEqn, colour: dict[jax_ir.Var, int | None]) -> int | None:
     """Where ``e``'s largest coloured input is (the lower mesh on ties), None if it has none:
     where several meshes' values meet, the fewest bytes move."""
-    coloured = [(v, colour[v]) for v in e.invars if isinstance(v, core.Var) and colour.get(v) is not None]
+    coloured = [(v, colour[v]) for v in e.invars if isinstance(v, jax_ir.Var) and colour.get(v) is not None]
     if not coloured:
         return None
     return min(coloured, key=lambda vc: (-_nbytes(vc[0].aval), vc[1]))[1]
 
 
-def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_mesh: int,
+def split_step(outer: jax_ir.ClosedJaxpr, param_owner: Callable[[int], int], loss_mesh: int,
                aux_meshes: Sequence[int], num_meshes: int, loss_readers: Sequence[Sequence[int]],
                counterparts: Sequence[int | None]) -> StepSplit:
     """Splits ``outer`` around its gradient equation (module docstring).
@@ -246,7 +245,7 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
       GradCallError: no or several gradient equations, or a differentiated leaf computed
         inside the step, naming the user's source line.
     """
-    jaxpr = inline_constant_conds(outer.jaxpr)
+    jaxpr = inline_fixed_calls(outer.jaxpr)
     grads = [e for e in jaxpr.eqns if e.primitive is pipeline_grad_p]
     if len(grads) != 1:
         raise GradCallError(
@@ -255,18 +254,18 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
     (grad_eqn,) = grads
     num_diff, num_aux = grad_eqn.params["num_diff"], grad_eqn.params["num_aux"]
     param_inputs = _param_inputs(jaxpr, grad_eqn)
-    colour: dict[core.Var, int | None] = {}
+    colour: dict[jax_ir.Var, int | None] = {}
     for k, i in enumerate(param_inputs):
         colour[jaxpr.invars[i]] = param_owner(k)
     for k, v in enumerate(grad_eqn.outvars):
         colour[v] = loss_mesh if k == 0 else aux_meshes[k - 1] if k <= num_aux else param_owner(k - 1 - num_aux)
     jaxpr = _colour(jaxpr, grad_eqn, colour)
-    ref_of: dict[core.Var, OuterRef] = {}
+    ref_of: dict[jax_ir.Var, OuterRef] = {}
     for i, v in enumerate(jaxpr.invars):
         ref_of[v] = OuterRef(OuterKind.IN, i)
     for i, v in enumerate(jaxpr.constvars):
         ref_of[v] = OuterRef(OuterKind.CONST, i)
-    producer: dict[core.Var, int] = {}
+    producer: dict[jax_ir.Var, int] = {}
     counter = 0
     for n, e in enumerate(jaxpr.eqns):
         for k, v in enumerate(e.outvars):
@@ -280,7 +279,7 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
     consts = list(outer.consts)
     loss_operands = []
     for v in grad_eqn.invars[num_diff:]:
-        if isinstance(v, core.Literal):  # a Python or numpy scalar the loss closes over
+        if isinstance(v, jax_ir.Literal):  # a Python or numpy scalar the loss closes over
             loss_operands.append(OuterRef(OuterKind.CONST, len(consts)))
             consts.append(v.val)
         else:
@@ -296,8 +295,8 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
     # Coloured outputs first: the updates they need fix where the old state is read.
     for uncoloured in (False, True):
         for j, v in enumerate(jaxpr.outvars):
-            if isinstance(v, core.Literal) or ref_of[v].kind in (OuterKind.IN, OuterKind.CONST):
-                outputs[j] = (OuterRef(OuterKind.LITERAL, j) if isinstance(v, core.Literal) else ref_of[v], ())
+            if isinstance(v, jax_ir.Literal) or ref_of[v].kind in (OuterKind.IN, OuterKind.CONST):
+                outputs[j] = (OuterRef(OuterKind.LITERAL, j) if isinstance(v, jax_ir.Literal) else ref_of[v], ())
                 continue
             home = colour.get(v)
             if (home is None) != uncoloured:
@@ -319,16 +318,16 @@ def split_step(outer: core.ClosedJaxpr, param_owner: Callable[[int], int], loss_
     # A value leaves its group when it is moved, read by the pipeline or returned, or read by
     # another group on its mesh.
     escaping = {(ref, src) for ref, src, _ in planner.moves}
-    escaping |= {(ref_of[v], m) for v in (*grad_eqn.invars, *jaxpr.outvars) if isinstance(v, core.Var)
+    escaping |= {(ref_of[v], m) for v in (*grad_eqn.invars, *jaxpr.outvars) if isinstance(v, jax_ir.Var)
                  for m in range(num_meshes)}
     for (n, mesh), group in group_of.items():
         for v in jaxpr.eqns[n].invars:
-            if isinstance(v, core.Var) and v in producer and group_of.get((producer[v], mesh)) != group:
+            if isinstance(v, jax_ir.Var) and v in producer and group_of.get((producer[v], mesh)) != group:
                 escaping.add((ref_of[v], mesh))
     steps = {phase: _phase_steps(jaxpr, planner, ref_of, phase, levels[phase], escaping, num_meshes, avals)
              for phase in ("before", "after")}
     needs = tuple(frozenset(planner.input_needs.get(i, ())) for i in range(len(jaxpr.invars)))
-    literals = {j: v.val for j, v in enumerate(jaxpr.outvars) if isinstance(v, core.Literal)}
+    literals = {j: v.val for j, v in enumerate(jaxpr.outvars) if isinstance(v, jax_ir.Literal)}
     split = StepSplit(tuple(param_inputs), tuple(loss_operands), steps["before"], steps["after"], tuple(outputs),
                       needs, homes, avals, tuple(consts), literals)
     verify_step_split(split, num_meshes)
@@ -339,14 +338,15 @@ def _moves(planner: _Planner, phase: str) -> list[tuple[OuterRef, int, int]]:
     return sorted(key for key, p in planner.moves.items() if p == phase)
 
 
-def _levels(jaxpr: core.Jaxpr, planner: _Planner, ref_of: dict[core.Var, OuterRef], phase: str) -> dict[tuple[int, int], int]:
+def _levels(jaxpr: jax_ir.Jaxpr, planner: _Planner, ref_of: dict[jax_ir.Var, OuterRef], phase: str
+            ) -> dict[tuple[int, int], int]:
     """Each of the phase's (equation, mesh) instances' level: the moves on its longest input path."""
     level: dict[tuple[int, int], int] = {}
     produced_at: dict[tuple[OuterRef, int], int] = {}
     move_into = {(ref, dst): src for ref, src, dst in _moves(planner, phase)}
 
-    def available(v: core.Atom, mesh: int) -> int:
-        if isinstance(v, core.Literal):
+    def available(v: jax_ir.Atom, mesh: int) -> int:
+        if isinstance(v, jax_ir.Literal):
             return 0
         ref = ref_of[v]
         if (ref, mesh) in produced_at:
@@ -368,9 +368,9 @@ def _levels(jaxpr: core.Jaxpr, planner: _Planner, ref_of: dict[core.Var, OuterRe
     return level
 
 
-def _phase_steps(jaxpr: core.Jaxpr, planner: _Planner, ref_of: dict[core.Var, OuterRef], phase: str,
+def _phase_steps(jaxpr: jax_ir.Jaxpr, planner: _Planner, ref_of: dict[jax_ir.Var, OuterRef], phase: str,
                  level: dict[tuple[int, int], int], escaping: set[tuple[OuterRef, int]],
-                 num_meshes: int, avals: dict[OuterRef, core.AbstractValue]) -> tuple[OuterStep, ...]:
+                 num_meshes: int, avals: dict[OuterRef, jax_ir.AbstractValue]) -> tuple[OuterStep, ...]:
     """The phase's computations grouped by (level, mesh), each level followed by the moves out of it."""
     produced_at = {(ref_of[v], mesh): lvl for (n, mesh), lvl in level.items() for v in jaxpr.eqns[n].outvars}
     moves = _moves(planner, phase)
@@ -391,24 +391,24 @@ def _phase_steps(jaxpr: core.Jaxpr, planner: _Planner, ref_of: dict[core.Var, Ou
     return tuple(steps)
 
 
-def _compute(jaxpr: core.Jaxpr, group: list[int], mesh: int, lvl: int, ref_of: dict[core.Var, OuterRef],
+def _compute(jaxpr: jax_ir.Jaxpr, group: list[int], mesh: int, lvl: int, ref_of: dict[jax_ir.Var, OuterRef],
              escaping: set[tuple[OuterRef, int]]) -> OuterCompute:
     eqns = [jaxpr.eqns[n] for n in group]
     defined = {v for e in eqns for v in e.outvars}
-    reads: dict[core.Var, None] = {}
+    reads: dict[jax_ir.Var, None] = {}
     for e in eqns:
         for v in e.invars:
-            if isinstance(v, core.Var) and v not in defined:
+            if isinstance(v, jax_ir.Var) and v not in defined:
                 reads.setdefault(v)
     outs = [v for e in eqns for v in e.outvars if (ref_of[v], mesh) in escaping]
     inputs = tuple(ref_of[v] for v in reads)
-    inner = core.Jaxpr(
+    inner = jax_ir.Jaxpr(
         constvars=(), invars=list(reads), outvars=outs, eqns=eqns,
-        effects=core.join_effects(*(e.effects for e in eqns)),
-        debug_info=lu.DebugInfo("meshpar step", f"mesh {mesh} level {lvl}", tuple(map(str, inputs)),
-                                tuple(str(ref_of[v]) for v in outs)),
+        effects=jax_ir.join_effects(*(e.effects for e in eqns)),
+        debug_info=jax_ir.DebugInfo("meshpar step", f"mesh {mesh} level {lvl}", tuple(map(str, inputs)),
+                                    tuple(str(ref_of[v]) for v in outs)),
     )
-    return OuterCompute(mesh, core.ClosedJaxpr(inner, ()), inputs, tuple(ref_of[v] for v in outs))
+    return OuterCompute(mesh, jax_ir.ClosedJaxpr(inner, ()), inputs, tuple(ref_of[v] for v in outs))
 
 
 def verify_step_split(split: StepSplit, num_meshes: int) -> None:
@@ -428,7 +428,7 @@ def verify_step_split(split: StepSplit, num_meshes: int) -> None:
         for step in steps:
             if isinstance(step, OuterCompute):
                 try:
-                    core.check_jaxpr(step.jaxpr.jaxpr)
+                    jax_ir.check_jaxpr(step.jaxpr.jaxpr)
                 except Exception as e:
                     raise PlanVerificationError(f"{phase}: computation on mesh {step.mesh} does not type-check: {e}") from e
                 if not 0 <= step.mesh < num_meshes:

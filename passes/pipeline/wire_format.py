@@ -11,18 +11,18 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
 
+from .. import jax_ir
 from .micro_batching import is_key
 
 __all__ = ["wire_aval", "to_wire", "from_wire"]
 
 
-def wire_aval(aval: core.AbstractValue) -> core.ShapedArray:
+def wire_aval(aval: jax_ir.AbstractValue) -> jax_ir.ShapedArray:
     """The aval ``aval``'s values travel as."""
     if is_key(aval):
-        return core.ShapedArray((*aval.shape, *aval.dtype._impl.key_shape), np.dtype(np.uint32))
-    return core.ShapedArray(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+        return jax_ir.ShapedArray((*aval.shape, *aval.dtype._impl.key_shape), np.dtype(np.uint32))
+    return jax_ir.ShapedArray(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
 def to_wire(x: Any) -> Any:
@@ -30,6 +30,6 @@ def to_wire(x: Any) -> Any:
     return jax.random.key_data(x) if is_key(x) else x
 
 
-def from_wire(x: Any, aval: core.AbstractValue) -> Any:
+def from_wire(x: Any, aval: jax_ir.AbstractValue) -> Any:
     """A travelled value back as ``aval``'s type."""
     return jax.random.wrap_key_data(x, impl=aval.dtype._impl) if is_key(aval) else x

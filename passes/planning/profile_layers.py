@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from jax._src import core
 
+from .. import jax_ir
 from ..simulation.cost_model import jaxpr_flops, jaxpr_ops
 from .layer_profile import CrossingValue, LayerProfile, ModelProfile
 from ..pipeline.stage_graph import RefKind, StageGraph
@@ -25,7 +25,7 @@ from ..pipeline.stage_parts import stage_parts
 __all__ = ["profile_layers"]
 
 
-def _bytes(aval: core.AbstractValue) -> float:
+def _bytes(aval: jax_ir.AbstractValue) -> float:
     return float(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 

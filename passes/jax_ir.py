@@ -1,0 +1,220 @@
+"""JAX's internals, all in one place: every type, primitive and hook meshpar reads or builds of
+JAX's IR, taken from ``jax.extend`` where JAX exports it and from ``jax._src`` only where it
+does not. No other module of meshpar imports ``jax._src`` (``tests/test_layering.py``).
+
+Supported: JAX 0.10.2 through 0.12. Where versions differ this module adapts them at import
+time, naming the version in a comment, so the rest of meshpar reads one IR:
+
+- ``ClosedJaxpr`` / ``Jaxpr``: JAX 0.11 merged them into one class (a jaxpr carries its
+  ``consts``, and ``closed.jaxpr`` is ``closed`` itself). meshpar builds closed jaxprs with
+  ``ClosedJaxpr(jaxpr, consts)`` and reads ``closed.jaxpr`` / ``closed.consts``, which both
+  versions accept. Code telling a nested closed jaxpr from an open one tests ``ClosedJaxpr``
+  first (on 0.11+ every jaxpr is one).
+- Scan parameters: JAX 0.11 replaced ``num_consts`` / ``num_carry`` by flat trees
+  (``ft_in``, ``ft_out``); ``scan_operand_counts`` reads either.
+- Call primitives: JAX 0.11 replaced ``call_p`` / ``closed_call_p`` by ``eval_jaxpr_p``
+  (``jax.extend.core.primitives`` still names it ``closed_call_p``); ``call_body`` reads the
+  body of any call of the running JAX, ``inline_requested`` says whether a jit call asked to
+  be inlined (0.10 inlined those while tracing; 0.11+ keeps them until lowering).
+- Dead-code rules: JAX 0.12 gave them a ``live_inputs`` argument; ``dce_rule`` hides it.
+- Equation contexts: JAX 0.11 added ``cur_layout_mode``, 0.12 ``no_collectives``;
+  ``with_context_mesh`` rebuilds a context from its own fields, whatever they are.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax.core import AbstractValue, Atom, ShapedArray, eval_jaxpr
+from jax.extend import source_info_util
+from jax.extend.core import (
+    ClosedJaxpr,
+    DebugInfo,
+    DropVar,
+    Effect,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Primitive,
+    Var,
+    check_jaxpr,
+    jaxpr_as_fun,
+    new_jaxpr_eqn,
+    no_effects,
+)
+from jax.extend.core import primitives as prims
+
+# What jax.extend does not export (JAX 0.10.2 to 0.12): effect registries, transformation rule
+# tables, dead-code elimination, the PRNG's key-wrapping primitive, the concrete context mesh,
+# equation contexts, and the distributed runtime's and backend's state.
+from jax._src import core as _core
+from jax._src import distributed as _distributed
+from jax._src import effects as _effects
+from jax._src import mesh as _mesh
+from jax._src import xla_bridge as _xla_bridge
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.random.prng import random_wrap_p
+
+__all__ = [
+    "AbstractValue", "Atom", "ClosedJaxpr", "DebugInfo", "DropVar", "Effect", "Jaxpr", "JaxprEqn", "Literal",
+    "Primitive", "ShapedArray", "Var", "backends_are_initialized", "bind_equation", "call_body", "check_jaxpr",
+    "compiled_count", "concrete_mesh", "cross_host_transfer_settings", "dce_jaxpr", "dce_rule", "distributed_client",
+    "eval_jaxpr", "inline_requested", "jaxpr_as_fun", "join_effects", "nested_jaxprs", "new_jaxpr_eqn",
+    "new_source_info", "no_effects", "random_wrap_p", "register_effect_type", "register_primitive_rules",
+    "scan_operand_counts", "typematch", "user_frames", "with_context_mesh",
+]
+
+join_effects: Callable[..., Effects] = _core.join_effects
+typematch: Callable[[AbstractValue, AbstractValue], bool] = _core.typematch
+new_source_info = source_info_util.new_source_info
+
+
+def user_frames(traceback: Any) -> Iterator[Any]:
+    """The frames of an equation's traceback outside JAX, innermost first."""
+    from jax._src import source_info_util as _source_info
+
+    return _source_info.user_frames(traceback)
+
+
+# Every call primitive of the running JAX, with the parameter holding its body. On JAX 0.10
+# call_p and closed_call_p are two primitives; on 0.11+ both names are eval_jaxpr_p.
+_CALL_BODY_PARAM: dict[Primitive, str] = {prims.jit_p: "jaxpr", prims.closed_call_p: "call_jaxpr",
+                                          prims.call_p: "call_jaxpr"}
+
+
+def call_body(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """The body ``eqn`` calls, if it is a call (``jax.jit``, or a closed call: ``eval_jaxpr``
+    on JAX 0.11+); else None. Its operands are the body's inputs, its results the body's."""
+    param = _CALL_BODY_PARAM.get(eqn.primitive)
+    if param is None:
+        return None
+    body = eqn.params[param]
+    return body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
+
+
+def nested_jaxprs(eqn: JaxprEqn) -> Iterator[Jaxpr]:
+    """The open jaxprs nested in ``eqn``'s parameters (scan, cond, while and call bodies)."""
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, Jaxpr):
+                yield v
+
+
+def inline_requested(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is a ``jax.jit`` call its author asked to inline (``inline=True``): JAX
+    0.10 inlined those while tracing; 0.11+ keeps the call (``Inline.JAX_LATE``) until lowering."""
+    if eqn.primitive is not prims.jit_p:
+        return False
+    inline = eqn.params.get("inline")
+    return inline is True or getattr(inline, "name", None) in ("JAX_EARLY", "JAX_LATE")
+
+
+def scan_operand_counts(eqn: JaxprEqn) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a scan equation: its operands are that many constants,
+    that many carries, then the scanned ones; its results the carries, then the stacked ones."""
+    params = eqn.params
+    if "num_consts" in params:  # JAX 0.10
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()  # JAX 0.11+: flat trees of (consts, carry, xs)
+    return len(consts), len(carry)
+
+
+def dce_jaxpr(jaxpr: Jaxpr, used_outputs: bool | list[bool], instantiate: bool | list[bool] = False
+              ) -> tuple[Jaxpr, list[bool]]:
+    """JAX's dead-code elimination: ``jaxpr`` computing only the used outputs, and which inputs
+    it still reads."""
+    return _pe.dce_jaxpr(jaxpr, used_outputs, instantiate)
+
+
+# JAX 0.12 gave dead-code rules a second argument, which inputs are live (all of them here).
+_DCE_RULES_TAKE_LIVE_INPUTS = "live_inputs" in inspect.signature(_pe.dce_jaxpr).parameters
+
+
+def dce_rule(primitive: Primitive) -> Callable[[list[bool], JaxprEqn], tuple[list[bool], JaxprEqn | None]]:
+    """JAX's dead-code rule for equations of ``primitive``: ``(used_outputs, eqn) -> (used_inputs,
+    new_eqn or None)``."""
+    rule = _pe.dce_rules[primitive]
+    if not _DCE_RULES_TAKE_LIVE_INPUTS:
+        return rule
+    return lambda used_outputs, eqn: rule(used_outputs, [True] * len(eqn.invars), eqn)
+
+
+def register_effect_type(effect_type: type) -> None:
+    """Lets equations with effects of ``effect_type`` be lowered and sit inside control flow,
+    ``remat``, custom derivatives, and survive partial evaluation."""
+    for registry in (_effects.lowerable_effects, _effects.control_flow_allowed_effects,
+                     _effects.remat_allowed_effects, _effects.custom_derivatives_allowed_effects,
+                     _effects.partial_eval_kept_effects):
+        registry.add_type(effect_type)
+
+
+def register_primitive_rules(primitive: Primitive, jvp: Callable[..., Any], batch: Callable[..., Any],
+                             lowering: Callable[..., Any]) -> None:
+    """Registers ``primitive``'s differentiation, batching and MLIR lowering rules."""
+    _ad.primitive_jvps[primitive] = jvp
+    _batching.primitive_batchers[primitive] = batch
+    _mlir.register_lowering(primitive, lowering)
+
+
+def bind_equation(eqn: JaxprEqn, invals: list[Any]) -> Any:
+    """Evaluates ``eqn`` on ``invals`` as ``eval_jaxpr`` would: inside the context it was traced
+    in, with its parameters as its primitive binds them."""
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+
+
+# The fields of an equation context, in the order its constructor takes them: the class's slots
+# on every supported version (0.10: 5, 0.11: + cur_layout_mode, 0.12: + no_collectives).
+_CONTEXT_FIELDS = tuple(s for s in _core.JaxprEqnContext.__slots__ if s not in ("configs", "__weakref__"))
+
+
+def with_context_mesh(eqn: JaxprEqn, mesh: Callable[[Any], Any]) -> JaxprEqn:
+    """``eqn`` with the abstract mesh recorded in its context replaced by ``mesh(old)``:
+    evaluating an equation enters that mesh again."""
+    ctx = eqn.ctx
+    fields = []
+    for name in _CONTEXT_FIELDS:
+        value = getattr(ctx, name)
+        if name == "cur_abstract_mesh":
+            value = mesh(value)
+        elif name == "xla_metadata" and value is not None:
+            value = tuple(sorted(value.items()))  # the constructor interns its arguments: hashable
+        fields.append(value)
+    return eqn.replace(ctx=_core.JaxprEqnContext._create(*fields))
+
+
+def concrete_mesh() -> Any:
+    """The concrete mesh ``jax.set_mesh`` has entered, or an empty one."""
+    return _mesh.get_concrete_mesh()
+
+
+def compiled_count(jitted: Any) -> int:
+    """How many executables a ``jax.jit``-ed function has compiled (its cache's size)."""
+    return jitted._cache_size()
+
+
+def distributed_client() -> Any:
+    """The distributed runtime's key-value client, or ``None`` in a single-process run."""
+    return _distributed.global_state.client
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX's backends have started in this process."""
+    return _xla_bridge.backends_are_initialized()
+
+
+def cross_host_transfer_settings() -> tuple[bool, bool, str]:
+    """``(native, forced_over_network, socket_address)``: whether the backend moves arrays across
+    hosts itself, whether JAX is told to use its transfer server anyway, and that server's
+    address (empty when none is set)."""
+    native = bool(getattr(_xla_bridge.get_backend(), "supports_cross_host_transfers", False))
+    return (native, bool(_xla_bridge.FORCE_DCN_CROSS_HOST_TRANSFERS.value),
+            _xla_bridge.CROSS_HOST_TRANSFER_SOCKET_ADDRESS.value or "")
