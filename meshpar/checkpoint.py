@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 
 from meshpar.parallelize import ParallelizedStep
 from meshpar.runtime.coordination import agree
-from meshpar.runtime.placement import union_sharding
+from meshpar.runtime.placement import spans_platforms, union_sharding
 from meshpar.runtime.remote import absent
 
 __all__ = ["state_shardings", "save", "restore"]
@@ -77,7 +77,8 @@ def state_shardings(step: ParallelizedStep, *args: Any, argnum: int = 0) -> Any:
             raise ValueError(
                 f"args[{argnum}]{jax.tree_util.keystr(path)}: the step keeps it on no mesh (a batch leaf, "
                 f"placed per micro-batch); state_shardings is for arguments it keeps, like the train state")
-        sharding = placement.shardings[0] if len(placement.meshes) == 1 else union_sharding(placement.shardings)
+        sharding = (placement.shardings[0] if len(placement.meshes) == 1 or spans_platforms(placement.shardings)
+                    else union_sharding(placement.shardings))
         dtype = jax.dtypes.canonicalize_dtype(leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf),
                                             allow_extended_dtype=True)
         structs.append(jax.ShapeDtypeStruct(np.shape(leaf), dtype, sharding=sharding))

@@ -108,7 +108,7 @@ class ParallelizedStep:
         if isinstance(executable, SpmdStep):
             raise ValueError("trace: this step has one stage and one micro-batch and runs as one SPMD program, "
                              "which has no pipeline tasks to time; pass PipeshardParallel(single_program=False)")
-        meter = LiveBytesMeter(executable.mesh_devices)
+        meter = LiveBytesMeter(executable.mesh_devices, executable.device_ids)
         with StepRecorder(executable.program, executable.mesh_local, serialize, self.method.timeout_s) as recorder:
             outputs = jax.block_until_ready(executable(leaves, recorder, meter))
             timeline = recorder.timeline()

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshpar.cluster import Cluster
+from meshpar.passes.model.devices import DeviceKey, device_key, device_name
 from meshpar.passes.pipeline.edge_transfer import EXECUTORS, SIGNAL
 from meshpar.passes.pipeline.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
 from meshpar.passes.pipeline.pipeline_options import (GRADIENT_REDUCTIONS, GradientOptions, PipelineOptions,
@@ -211,8 +212,8 @@ class PipeshardParallel:
                     or not all(isinstance(d, jax.Device) for d in devices)):
                 raise ValueError(f"devices: expected a non-empty list of jax devices (e.g. jax.devices()[:4]) "
                                  f"or None for all of them, got {self.devices!r}")
-            if len({d.id for d in devices}) != len(devices):
-                raise ValueError(f"devices: device ids {[d.id for d in devices]} repeat; pass each device once")
+            if len({device_key(d) for d in devices}) != len(devices):
+                raise ValueError(f"devices: devices {[device_name(d) for d in devices]} repeat; pass each device once")
             # Frozen: a normalised copy keeps the dataclass hashable and its devices flat.
             object.__setattr__(self, "devices", tuple(devices))
             # The devices are known without starting JAX's backend: check them now too.
@@ -257,13 +258,13 @@ class PipeshardParallel:
             raise ValueError(f"stage_meshes: {len(meshes)} meshes, but num_stages={self.num_stages}; pass one "
                              f"mesh per stage, or a number of meshes dividing num_stages (each mesh then runs "
                              f"num_stages / meshes stages)")
-        seen: dict[int, int] = {}
+        seen: dict[DeviceKey, int] = {}
         for i, mesh in enumerate(meshes):
             for d in mesh.devices.flat:
-                if d.id in seen:
-                    raise ValueError(f"stage_meshes: meshes {seen[d.id]} and {i} overlap on device {d.id}; pass "
-                                     f"disjoint meshes (each device in one stage)")
-                seen[d.id] = i
+                if device_key(d) in seen:
+                    raise ValueError(f"stage_meshes: meshes {seen[device_key(d)]} and {i} overlap on device "
+                                     f"{device_name(d)}; pass disjoint meshes (each device in one stage)")
+                seen[device_key(d)] = i
             names = tuple(mesh.axis_names)
             missing = [arg for arg in ("data_axis", "model_axis") if getattr(self, arg) not in names]
             # An axis of neither role gets neither the batch nor the parameters: its devices
@@ -332,16 +333,19 @@ class PipeshardParallel:
         """
         if self.planned:
             return
-        devices = list(self.devices) if self.devices is not None else jax.devices()
         if self.stage_meshes is not None:
-            pool = {d.id for d in devices}
+            if self.devices is None:
+                return  # the meshes name their devices, on whichever platforms they are
+            pool = {device_key(d) for d in self.devices}
             for i, mesh in enumerate(self.stage_meshes):
-                outside = [d.id for d in mesh.devices.flat if d.id not in pool]
+                outside = [d for d in mesh.devices.flat if device_key(d) not in pool]
                 if outside:
-                    raise ValueError(f"stage_meshes: mesh {i} uses device {outside[0]}, which is not among the "
-                                     f"devices {sorted(pool)}; build the meshes from those, or pass devices= "
-                                     f"including it")
-        elif self.num_stages is not None:
+                    raise ValueError(f"stage_meshes: mesh {i} uses device {device_name(outside[0])}, which is not "
+                                     f"among the devices {[device_name(d) for d in self.devices]}; build the "
+                                     f"meshes from those, or pass devices= including it")
+            return
+        devices = list(self.devices) if self.devices is not None else jax.devices()
+        if self.num_stages is not None:
             meshes = self.num_meshes(self.num_stages)
             counted = f"num_stages={self.num_stages}" + (
                 f" over stages_per_mesh={self.stages_per_mesh}: {meshes} meshes" if meshes != self.num_stages else "")

@@ -24,15 +24,17 @@ from typing import Any
 
 import jax
 
+from meshpar.passes.model.devices import DeviceKey, device_key
 from meshpar.passes.pipeline.pipeline_program import BufferId, BufferKind
 from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile
 
 __all__ = ["LiveBytesMeter", "device_bytes"]
 
 
-def device_bytes(array: Any) -> dict[int, int]:
+def device_bytes(array: Any, ids: Mapping[DeviceKey, int] | None = None) -> dict[int, int]:
     """Device id -> bytes of ``array`` on it, for this process's devices (``{}`` for anything
-    not a live ``jax.Array``)."""
+    not a live ``jax.Array``). With ``ids``, devices are numbered by it and devices it does not
+    number are left out (an array on another platform's device of the same id is not here)."""
     if not isinstance(array, jax.Array) or array.is_deleted():
         return {}
     sharding = array.sharding
@@ -40,7 +42,9 @@ def device_bytes(array: Any) -> dict[int, int]:
     if size == 0:
         return {}
     piece = array.nbytes * math.prod(sharding.shard_shape(array.shape)) // size
-    return {d.id: piece for d in sharding.addressable_devices}
+    if ids is None:
+        return {d.id: piece for d in sharding.addressable_devices}
+    return {ids[device_key(d)]: piece for d in sharding.addressable_devices if device_key(d) in ids}
 
 
 def _arrays(value: Any) -> Iterable[Any]:
@@ -51,14 +55,14 @@ def _arrays(value: Any) -> Iterable[Any]:
         yield value
 
 
-def _unseen(value: Any, seen: set[int]) -> Iterable[dict[int, int]]:
+def _unseen(value: Any, seen: set[int], ids: Mapping[DeviceKey, int] | None) -> Iterable[dict[int, int]]:
     """Per array of ``value`` not in ``seen`` (added to it), its bytes per device: an array held
     by several references counts once. Not cached by identity: a cache would keep every sampled
     array alive, and the step would then hold memory it frees when not measured."""
     for array in _arrays(value):
         if id(array) not in seen:
             seen.add(id(array))
-            yield device_bytes(array)
+            yield device_bytes(array, ids)
 
 
 class LiveBytesMeter:
@@ -66,10 +70,14 @@ class LiveBytesMeter:
 
     Args:
       mesh_devices: per mesh of the program, its device ids (to report resident bytes per mesh).
+      device_ids: the id of each device (``planner_ids`` over the meshes: distinct across
+        platforms); ``None``: the devices' own ids.
     """
 
-    def __init__(self, mesh_devices: Sequence[Sequence[int]]) -> None:
+    def __init__(self, mesh_devices: Sequence[Sequence[int]], device_ids: Mapping[DeviceKey, int] | None = None
+                 ) -> None:
         self.mesh_devices = tuple(tuple(m) for m in mesh_devices)
+        self._ids = device_ids
         self._mesh_of = {d: m for m, devices in enumerate(self.mesh_devices) for d in devices}
         self._held_around: Callable[[], Iterable[Any]] = tuple
         self._total: dict[int, int] = {}
@@ -90,7 +98,7 @@ class LiveBytesMeter:
         seen: set[int] = set()
         per_device: dict[int, int] = {}
         for value in (*self._held_around(), *resident):
-            for sizes in _unseen(value, seen):
+            for sizes in _unseen(value, seen, self._ids):
                 for d, n in sizes.items():
                     per_device[d] = per_device.get(d, 0) + n
         by_mesh = [0] * len(self.mesh_devices)
@@ -109,7 +117,7 @@ class LiveBytesMeter:
                 self._note_shared(buffer, value, activations)
         for buffer, value in activations.items():
             largest = 0
-            for sizes in _unseen(value, seen):
+            for sizes in _unseen(value, seen, self._ids):
                 for d, n in sizes.items():
                     acts[d] = acts.get(d, 0) + n
                 largest += max(sizes.values(), default=0)
@@ -125,7 +133,7 @@ class LiveBytesMeter:
         if residuals is None:
             return
         ids = {id(a) for a in _arrays(residuals)}
-        shared = sum(max(device_bytes(a).values(), default=0) for a in _arrays(value) if id(a) in ids)
+        shared = sum(max(device_bytes(a, self._ids).values(), default=0) for a in _arrays(value) if id(a) in ids)
         self._shared[state.index] = max(self._shared.get(state.index, 0), shared)
 
     def live_bytes(self) -> LiveBytes:

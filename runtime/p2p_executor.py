@@ -43,8 +43,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshpar.passes import jax_ir
+from meshpar.passes.model.devices import device_key
 from meshpar.passes.pipeline.mesh_assignment import device_sharding
-from meshpar.passes.pipeline.plan_moves import P2P_ORDERS
+from meshpar.passes.pipeline.plan_moves import P2P_ORDERS, move_device_ids
 from meshpar.passes.resharding.hop_program import HopProgram
 from meshpar.passes.resharding.round_gates import Gate
 from meshpar.runtime.coordination import wait_ready
@@ -157,10 +158,13 @@ class P2PReshardExecutable:
         self.dtype = np.dtype(dtype)
         self.src, self.dst = src, dst
         self.order, self.timeout_s = order, timeout_s
-        devices = {d.id: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
+        # The hop program names devices by the planner's ids, distinct across platforms.
+        ids = move_device_ids(src, dst)
+        devices = {ids[device_key(d)]: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
         me = jax.process_index()
         local = {i for i, d in devices.items() if d.process_index == me}
         self._devices = devices
+        self._ids = ids
         self._local = local
         self.cross_process = any(
             devices[h.src_device].process_index != devices[h.dst_device].process_index
@@ -176,7 +180,7 @@ class P2PReshardExecutable:
         for g in self.gates:
             self._gates_at.setdefault(program.rounds[g.round][0], []).append(g)
         self._assembles = self._compile_assembles(local)
-        self._dst_order = [d.id for d in dst.mesh.devices.flat if d.id in local]
+        self._dst_order = [ids[device_key(d)] for d in dst.mesh.devices.flat if ids[device_key(d)] in local]
         self.participates = bool(local)
 
     def _apply(self, gate: Gate, have: dict[tuple[int, int], jax.Array], tokens: dict) -> None:
@@ -284,7 +288,7 @@ class P2PReshardExecutable:
         # Keyed by (device, piece); pieces on other processes' devices are shard-less.
         have: dict[tuple[int, int], jax.Array] = dict(self._absent)
         if self._whole or self._cuts:
-            shards = {s.device.id: s.data for s in x.addressable_shards}
+            shards = {self._ids[device_key(s.device)]: s.data for s in x.addressable_shards}
             for d, piece in self._whole:
                 have[(d, piece)] = shards[d]
             for d, fn, pieces in self._cuts:

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.passes import jax_ir
+from meshpar.passes.model.devices import device_key, planner_ids
 from meshpar.passes.pipeline.edge_transfer import Direction, MoveKey
 from meshpar.passes.pipeline.micro_batching import AuxReduction
 from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline
@@ -80,7 +81,9 @@ class PipelineExecutable:
         self.description = description
         self.schedule = program.schedule
         self.meshes = tuple(meshes)
-        self.mesh_devices = tuple(tuple(d.id for d in m.devices.flat) for m in self.meshes)
+        # Ids distinct across platforms: the meshes may be on a GPU and on the host.
+        self.device_ids = planner_ids(*(m.devices.flat for m in self.meshes))
+        self.mesh_devices = tuple(tuple(self.device_ids[device_key(d)] for d in m.devices.flat) for m in self.meshes)
         self.home = program.schedule.stage_mesh
         self.stage_meshes = tuple(self.meshes[m] for m in self.home)
         self.num_micro_batches = program.schedule.num_micro_batches

@@ -9,13 +9,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from meshpar.passes.model.devices import device_key
 from meshpar.passes.pipeline.step_layout import Placement
 
-__all__ = ["put", "place", "join", "union_sharding", "view"]
+__all__ = ["put", "place", "join", "spans_platforms", "union_sharding", "view"]
+
+
+def spans_platforms(shardings: Sequence[NamedSharding]) -> bool:
+    """Whether ``shardings``' meshes are on several platforms (a GPU and the host): no one array
+    spans them."""
+    return len({d.platform for s in shardings for d in s.mesh.devices.flat}) > 1
 
 
 def union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
-    """Replicated over every device of ``shardings``' meshes."""
+    """Replicated over every device of ``shardings``' meshes (all on one platform)."""
     devices = [d for s in shardings for d in s.mesh.devices.flat]
     return NamedSharding(Mesh(np.array(devices), ("union",)), P())
 
@@ -37,8 +44,8 @@ def view(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...] | None = 
     """The shards of ``x`` on ``sharding``'s devices as one array laid out by ``sharding``,
     without copies: of ``x``'s shape (a union-replicated array's part on one mesh), or of
     ``shape`` (a stacked array's piece on its mesh)."""
-    wanted = {d.id for d in sharding.mesh.devices.flat}
-    shards = [s.data for s in x.addressable_shards if s.device.id in wanted]
+    wanted = {device_key(d) for d in sharding.mesh.devices.flat}
+    shards = [s.data for s in x.addressable_shards if device_key(s.device) in wanted]
     return jax.make_array_from_single_device_arrays(x.shape if shape is None else shape, sharding, shards,
                                                     dtype=x.dtype)
 
@@ -47,15 +54,17 @@ def place(value: Any, placement: Placement) -> dict[int, jax.Array]:
     """``value`` on each mesh of ``placement`` (one array over all of them, viewed per mesh)."""
     if not placement.meshes:
         return {}
-    if len(placement.meshes) == 1:
-        return {placement.meshes[0]: put(value, placement.shardings[0])}
+    if len(placement.meshes) == 1 or spans_platforms(placement.shardings):
+        return {m: put(value, placement.on(m)) for m in placement.meshes}
     union = put(value, union_sharding(placement.shardings))
     return {m: view(union, placement.on(m)) for m in placement.meshes}
 
 
 def join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding], shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """Per-mesh replicated copies of one value (possibly shard-less here) as one array over all
-    their devices."""
+    their devices; on meshes of several platforms, the first mesh's copy."""
+    if spans_platforms(shardings):
+        return parts[0]
     union = union_sharding(shardings)
     shards = [s.data for x in parts for s in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(shape, union, shards, dtype=dtype)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from meshpar.passes.model.devices import device_key
 from meshpar.passes.pipeline.mesh_assignment import device_sharding
 from meshpar.runtime.p2p_executor import token_of
 from meshpar.runtime.remote import absent
@@ -42,7 +43,7 @@ class SignalMove:
                  carry: Callable[[jax.Array], jax.Array]) -> None:
         self.shape, self.dtype, self.src, self.dst = tuple(shape), np.dtype(dtype), src, dst
         first = src.mesh.devices.flat[0]
-        self._first = first.id
+        self._first = device_key(first)
         self._carry = carry
         self._fill = jax.jit(lambda t: jnp.zeros(self.shape, self.dtype) + t.astype(self.dtype), out_shardings=dst)
         me = jax.process_index()
@@ -54,7 +55,7 @@ class SignalMove:
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if self._sends:
-            shard = next(s.data for s in x.addressable_shards if s.device.id == self._first)
+            shard = next(s.data for s in x.addressable_shards if device_key(s.device) == self._first)
             token = token_of(shard)
         else:
             token = self._no_token

@@ -84,7 +84,8 @@ def test_devices_given_are_checked_against_the_mesh_arguments_when_made():
     with _raises("stage_mesh_shape: (4, 4) does not hold the 4 devices of each stage",
                  "pass stage_mesh_shape=(4, 1), (2, 2) or (1, 4)"):
         meshpar.PipeshardParallel(num_stages=2, stage_mesh_shape=(4, 4), devices=devices)
-    with _raises("stage_meshes: mesh 0 uses device 4, which is not among the devices [0, 1, 2, 3]",
+    with _raises("stage_meshes: mesh 0 uses device cpu:4, which is not among the devices "
+                 "['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3']",
                  "pass devices= including it"):
         meshpar.PipeshardParallel(stage_meshes=[_mesh(4, (2, 2), ("data", "model"))], devices=devices[:4])
     method = meshpar.PipeshardParallel(devices=np.array(devices[:4]).reshape(2, 2), stage_mesh_shape=(2, 1))
@@ -101,7 +102,7 @@ def test_stage_meshes_are_checked_when_made():
         meshpar.PipeshardParallel(stage_meshes=[a, b], stage_mesh_shape=(2, 2))
     with _raises("stage_meshes: 2 meshes, but num_stages=3", "pass one mesh per stage"):
         meshpar.PipeshardParallel(stage_meshes=[a, b], num_stages=3)
-    with _raises("stage_meshes: meshes 0 and 1 overlap on device 2", "pass disjoint meshes"):
+    with _raises("stage_meshes: meshes 0 and 1 overlap on device cpu:2", "pass disjoint meshes"):
         meshpar.PipeshardParallel(stage_meshes=[a, _mesh(2, (2, 2), ("data", "model"))])
 
 

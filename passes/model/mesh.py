@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from .devices import DeviceKey, device_key
+
 __all__ = ["DeviceMesh"]
 
 
@@ -117,8 +119,15 @@ class DeviceMesh:
         mesh: Any,
         *,
         host_of: Mapping[int, int] | Callable[[Any], int] | None = None,
+        ids: Mapping[DeviceKey, int] | None = None,
     ) -> DeviceMesh:
-        """From a ``jax.sharding.Mesh``; hosts are ``process_index`` unless overridden."""
+        """From a ``jax.sharding.Mesh``; hosts are ``process_index`` unless overridden.
+
+        Args:
+          host_of: a mapping from device id to host, or a callable taking the device.
+          ids: the planner's integer per device (``planner_ids`` over every mesh of one
+            plan, so devices of two platforms stay apart); defaults to the devices' ids.
+        """
         devs = np.asarray(mesh.devices)
         if host_of is None:
             host = lambda d: d.process_index  # noqa: E731
@@ -126,9 +135,10 @@ class DeviceMesh:
             host = host_of
         else:
             host = lambda d: host_of[d.id]  # noqa: E731
-        ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(devs)
+        number = (lambda d: d.id) if ids is None else (lambda d: ids[device_key(d)])  # noqa: E731
+        numbers = np.vectorize(number, otypes=[np.int64])(devs)
         hosts = np.vectorize(lambda d: int(host(d)), otypes=[np.int64])(devs)
-        return cls(ids, hosts, tuple(mesh.axis_names))
+        return cls(numbers, hosts, tuple(mesh.axis_names))
 
     def to_jax(self, devices: Sequence[Any] | None = None) -> Any:
         """A ``jax.sharding.Mesh`` over the real devices with these ids.

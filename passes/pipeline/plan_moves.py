@@ -27,13 +27,14 @@ A new executor is one ``MoveExecutor`` here and one runtime handler.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Union
 
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..model.cluster import Cluster
+from ..model.devices import DeviceKey, device_key, planner_ids
 from ..model.mesh import DeviceMesh
 from ..model.sharding_spec import ShardingSpec
 from ..resharding.hop_program import HopProgram, lower_to_hops, replicate_scalar, verify_hop_program
@@ -47,7 +48,7 @@ from .edge_transfer import MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import device_sharding
 
 __all__ = ["MOVE_EXECUTORS", "P2P_ORDERS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove", "default_cluster",
-           "plan_move", "plan_moves", "resharding_task", "verify_move_table"]
+           "move_device_ids", "plan_move", "plan_moves", "resharding_task", "verify_move_table"]
 
 # How a p2p move dispatches its hops (``meshpar.runtime.p2p_executor``'s module doc).
 P2P_ORDERS = ("gated", "eager", "rounds")
@@ -126,16 +127,26 @@ class MoveExecutor:
 
 def default_cluster(src: NamedSharding, dst: NamedSharding) -> Cluster:
     """One host per process, default link speeds, over the devices of both meshes."""
+    # A cluster knows devices by id: one id per host (two platforms' devices of one id are on
+    # one process, so one host).
     devices = {d.id: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
     return Cluster.from_devices(list(devices.values()))
+
+
+def move_device_ids(src: NamedSharding, dst: NamedSharding) -> Mapping[DeviceKey, int]:
+    """The planner's integer per device of a move's two meshes (``planner_ids``): what the
+    plan and its hop program name devices by, and the runtime maps back."""
+    return planner_ids(src.mesh.devices.flat, dst.mesh.devices.flat)
 
 
 def resharding_task(shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst: NamedSharding,
                     cluster: Cluster) -> ReshardingTask:
     """The planner's input for moving a ``shape``/``dtype`` value from ``src`` to ``dst``."""
 
+    ids = move_device_ids(src, dst)
+
     def mesh(s: NamedSharding) -> DeviceMesh:
-        return DeviceMesh.from_jax(s.mesh, host_of=lambda d: cluster.host_of(d.id))
+        return DeviceMesh.from_jax(s.mesh, host_of=lambda d: cluster.host_of(d.id), ids=ids)
 
     def spec(s: NamedSharding) -> ShardingSpec:
         return ShardingSpec.from_partition_spec(s.spec, s.mesh.axis_names, len(shape))
@@ -149,8 +160,8 @@ def _plan(key: MoveKey, options: MoveOptions) -> ReshardingPlan:
                            strategy=options.strategy, balancer=options.balancer, chunks=options.chunks)
 
 
-def _ids(sharding: NamedSharding) -> tuple[int, ...]:
-    return tuple(d.id for d in sharding.mesh.devices.flat)
+def _ids(sharding: NamedSharding, ids: Mapping[DeviceKey, int]) -> tuple[int, ...]:
+    return tuple(ids[device_key(d)] for d in sharding.mesh.devices.flat)
 
 
 def _lower_nothing(key: MoveKey, options: MoveOptions) -> PlannedMove:
@@ -167,7 +178,8 @@ def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
     if options.order not in P2P_ORDERS:
         raise ValueError(f"order: expected one of {P2P_ORDERS}, got {options.order!r}")
     if key.shape == ():
-        hops = replicate_scalar(_ids(key.src), _ids(key.dst))
+        ids = move_device_ids(key.src, key.dst)
+        hops = replicate_scalar(_ids(key.src, ids), _ids(key.dst, ids))
         verify_hop_program(hops)
         return PlannedMove(key, None, hops, order=options.order)
     plan = _plan(key, options)
@@ -176,7 +188,8 @@ def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
     gates: tuple[Gate, ...] = ()
     if options.order == "gated":
         # Gates wait for arrivals on the devices of one process: hosts here are processes.
-        host_of = {d.id: d.process_index for s in (key.src, key.dst) for d in s.mesh.devices.flat}
+        ids = move_device_ids(key.src, key.dst)
+        host_of = {ids[device_key(d)]: d.process_index for s in (key.src, key.dst) for d in s.mesh.devices.flat}
         gates = round_gates(hops, host_of)
         verify_round_gates(hops, gates, host_of)
     return PlannedMove(key, plan, hops, gates, options.order)
@@ -185,6 +198,10 @@ def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
 def _lower_collective(key: MoveKey, options: MoveOptions) -> PlannedMove:
     if key.shape == ():
         raise ValueError("executor: a 0-d value has nothing to reshard with executor='collective'; use executor='p2p'")
+    platforms = sorted({d.platform for s in (key.src, key.dst) for d in s.mesh.devices.flat})
+    if len(platforms) > 1:
+        raise ValueError(f"executor: 'collective' runs one program over both meshes, which cannot span the "
+                         f"platforms {platforms} of these meshes; use executor='p2p'")
     plan = _plan(key, options)
     program = lower_plan(plan)
     verify_program(program)
