@@ -1,4 +1,4 @@
-"""Main job: train a small GPT with (data, model, pipeline) = (2, 2, 2) on 8 virtual CPU devices.
+"""Main job: train a small GPT with (data, model, pipeline) = (2, 2, 2) on 8 devices.
 
     python -m examples.train_gpt [--steps N] [--schedule NAME] [--stages-per-mesh V]
         [--weight-delay false|true|auto] [--micro-batches M] [--scan-layers]
@@ -8,6 +8,10 @@ interleaved_1f1b`` cuts the GPT into 4 stages on the same two meshes (virtual st
 ``--scan-layers`` stacks the 8 blocks in one ``nn.scan``, as large models are written: the
 model calls no marker, ``num_stages`` cuts the scan evenly, and each stage holds only its
 slice of every stacked parameter and its Adam moments.
+
+It runs on 8 accelerators when JAX's default backend has 8 or more, and otherwise on 8
+virtual CPU devices, saying so (a workstation with one GPU); ``JAX_PLATFORMS`` chooses the
+backends as usual (``JAX_PLATFORMS=cpu`` always runs on the CPU).
 
 Each of the two stage meshes is a (data=2, model=2) mesh on its own emulated
 host; activations and their gradients cross between the meshes through
@@ -24,6 +28,28 @@ from __future__ import annotations
 import argparse
 import os
 import time
+
+
+def job_devices(count: int) -> list:
+    """``count`` devices of JAX's default backend when it has that many, else ``count`` virtual
+    CPU devices (``jax_num_cpu_devices`` set before the backend started), said in one line."""
+    import jax
+
+    default = jax.devices()
+    if len(default) >= count:
+        return default[:count]
+    try:
+        cpus = jax.devices("cpu")
+    except RuntimeError:
+        cpus = []
+    if len(cpus) < count:
+        raise SystemExit(f"the main job needs {count} devices: JAX's {default[0].platform} backend has "
+                         f"{len(default)} and no {count} CPU devices are allowed (JAX_PLATFORMS="
+                         f"{os.environ.get('JAX_PLATFORMS', '')!r}); add cpu to JAX_PLATFORMS, e.g. "
+                         f"JAX_PLATFORMS={default[0].platform},cpu")
+    print(f"{len(default)} {default[0].platform} device{'s' * (len(default) > 1)}, fewer than {count}: "
+          f"running on {count} virtual CPU devices")
+    return cpus[:count]
 
 
 def main() -> None:
@@ -48,6 +74,10 @@ def main() -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
+    devices = job_devices(8)
+    if devices[0].platform != jax.default_backend():
+        # The model, its batch and the jax.jit reference live on the job's devices too.
+        jax.config.update("jax_default_device", devices[0])
     import jax.numpy as jnp
     import numpy as np
     import optax
@@ -55,7 +85,6 @@ def main() -> None:
 
     from examples.gpt import GPT, gpt_batch, gpt_loss
 
-    devices = jax.devices()
     # Two emulated hosts of 4 devices, linked at 10 Gbit/s: the planner sees
     # every stage-to-stage transfer cross hosts, as on a real cluster.
     cluster = meshpar.Cluster.from_devices(devices, host_of=lambda d: d.id // 4, inter_host_bandwidth=1.25e9)
@@ -80,7 +109,7 @@ def main() -> None:
     method = meshpar.PipeshardParallel(
         num_micro_batches=args.micro_batches, num_stages=2 * args.stages_per_mesh,
         stages_per_mesh=args.stages_per_mesh, stage_mesh_shape=(2, 2),
-        schedule=args.schedule, resharding="broadcast", balancer="ensemble", cluster=cluster,
+        schedule=args.schedule, resharding="broadcast", balancer="ensemble", cluster=cluster, devices=devices,
         weight_delay=(False if meshpar.SCHEDULES[args.schedule].places_weight_passes
                       else {"false": False, "true": True, "auto": "auto"}[args.weight_delay]),
     )

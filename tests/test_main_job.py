@@ -37,3 +37,48 @@ def test_main_job_with_its_blocks_in_one_scan_cuts_the_scan_and_holds_slices():
     assert len(losses) == 3, out.stdout
     for got, want in losses:
         assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (got, want)
+
+
+class _Gpu:
+    """A stand-in for one GPU as the default backend's only device."""
+
+    platform, id, process_index = "cuda", 0, 0
+
+
+def test_main_job_falls_back_to_8_virtual_cpu_devices_with_one_line(monkeypatch, capsys):
+    import jax
+
+    from examples.train_gpt import job_devices
+
+    cpus = jax.devices("cpu")
+    monkeypatch.setattr(jax, "devices", lambda backend=None: cpus if backend == "cpu" else [_Gpu()])
+    assert job_devices(8) == cpus[:8]
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["1 cuda device, fewer than 8: running on 8 virtual CPU devices"]
+
+
+def test_main_job_uses_8_accelerators_when_there_are_8(monkeypatch, capsys):
+    import jax
+
+    from examples.train_gpt import job_devices
+
+    gpus = [type("Gpu", (), {"platform": "cuda", "id": k, "process_index": 0})() for k in range(9)]
+    monkeypatch.setattr(jax, "devices", lambda backend=None: gpus)
+    assert job_devices(8) == gpus[:8]
+    assert capsys.readouterr().out == ""
+
+
+def test_main_job_says_how_to_allow_the_cpu_when_jax_platforms_excludes_it(monkeypatch):
+    import jax
+
+    from examples.train_gpt import job_devices
+
+    def devices(backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu")
+        return [_Gpu()]
+
+    monkeypatch.setattr(jax, "devices", devices)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    with pytest.raises(SystemExit, match=r"needs 8 devices: JAX's cuda backend has 1 .*JAX_PLATFORMS=cuda,cpu"):
+        job_devices(8)
