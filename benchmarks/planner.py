@@ -33,6 +33,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from benchmarks.step_timing import time_steps
+
 __all__ = ["main", "spearman", "table"]
 
 CPU_DEVICES = 8
@@ -96,17 +98,7 @@ def _state(model, x):
 
 
 def _measure(run, state, batch, repeat: int) -> float:
-    import jax
-
-    state, _ = run(state, batch)  # compiles
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        state, loss = run(state, batch)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(time_steps(run, state, batch, repeat))
 
 
 def _data_parallel(step, state, batch):

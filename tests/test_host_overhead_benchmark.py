@@ -1,0 +1,38 @@
+"""``benchmarks.host_overhead``: the jit_accum baseline computes what the pipelined step does,
+launches are counted from the program, and the fitted line goes through its points."""
+
+import jax
+import numpy as np
+
+from benchmarks import host_overhead
+from examples.gpt import gpt_loss
+from examples.train_step import supervised_step
+
+
+def test_jit_accum_equals_the_step_on_the_whole_batch():
+    _, batch, state = host_overhead._model("tiny")
+    whole_state, whole_loss = jax.jit(supervised_step(gpt_loss))(state, batch)
+    accum_state, accum_loss = host_overhead._jit_accum(4)(state, batch)
+    np.testing.assert_allclose(float(accum_loss), float(whole_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(accum_state.params), jax.tree.leaves(whole_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_a_run_counts_launches_per_micro_batch_and_fits_each_layout():
+    result = host_overhead.run(["tiny"], ["two_meshes_1f1b", "one_mesh_zb_v"], [2, 4], steps=2, rounds=2)
+    rows = {(r["layout"], r["num_micro_batches"]): r for r in result["rows"]}
+    layouts = ("jit_accum", "two_meshes_1f1b", "one_mesh_zb_v")
+    assert set(rows) == {(layout, m) for layout in layouts for m in (2, 4)}
+    assert all(r["steps"] == 2 and r["p50_ms"] <= r["p90_ms"] <= r["max_ms"] for r in rows.values())
+    fits = {f["layout"]: f for f in result["fits"]}
+    for layout, f in fits.items():
+        # Two points: the line goes through both.
+        p2, p4 = rows[(layout, 2)]["p50_ms"], rows[(layout, 4)]["p50_ms"]
+        line = [f["fixed_ms"] + m * f["per_micro_batch_ms"] for m in (2, 4)]
+        np.testing.assert_allclose(line, [p2, p4], rtol=1e-6, atol=1e-6)
+    assert "launches_per_micro_batch" not in fits["jit_accum"]
+    # 1F1B on two stages: a forward and a backward of each stage per micro-batch; ZB-V splits
+    # each backward into an input and a weight pass.
+    assert fits["two_meshes_1f1b"]["launches_per_micro_batch"] == 4
+    assert fits["one_mesh_zb_v"]["launches_per_micro_batch"] == 6
+    assert "| tiny | one_mesh_zb_v | 4 |" in host_overhead.markdown(result)
