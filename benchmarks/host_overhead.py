@@ -21,10 +21,10 @@ vocab 64), batch 64; ``medium`` has d_model 256, 8 heads, 4 layers, seq 64, voca
 
 Per row: p50 / p90 / max of ``--steps`` timed steps (after two untimed ones), each step timed
 to its outputs being ready; every configuration of a model is compiled first, then all are
-timed in 4 rounds in rotated order (the machine's speed drifts over minutes). Per model and layout, a least-squares line of p50 over M gives
-the host cost per micro-batch (its slope), the fixed cost per step (its intercept), and the
-cost per launch: the slope divided by the stage programs the pipeline launches per
-micro-batch (its F, B, I and W instructions). Ratios are to ``jit_accum`` at the same M,
+timed in 4 rounds in rotated order (the machine's speed drifts over minutes). Per model and
+layout, a least-squares line of p50 over M gives the host cost per micro-batch (its slope),
+the fixed cost per step (its intercept), and the cost per launch: the slope divided by the
+stage programs the pipeline launches per micro-batch (its F, B, I and W instructions). Ratios are to ``jit_accum`` at the same M,
 measured in the same run.
 """
 
