@@ -122,6 +122,9 @@ class ProgramInterpreter:
             ReduceGradients: self._reduce_gradients,
         }
         self._sequence: list[tuple[int, Instruction]] = program.launch_sequence()
+        unknown = sorted({type(ins).__name__ for _, ins in self._sequence} - {k.__name__ for k in self._handlers})
+        if unknown:
+            raise TypeError(f"program: instructions of kinds {unknown} have no handler in the program interpreter")
         self._senders = tuple(senders(t.src) for t in program.transfers)
 
     def run(self, inputs: Sequence[StageInputs | None], grads: list[list[jax.Array] | None],

@@ -47,12 +47,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshpar.passes.pipeline.edge_transfer import Direction
-from meshpar.passes.pipeline.pipeline_program import (
-    Instruction, PipelineProgram, ReduceGradients, RunBackward, RunBackwardInput, RunBackwardWeight, RunForward,
-    Send,
-)
-from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
+from meshpar.passes.pipeline.pipeline_program import Instruction, PipelineProgram
+from meshpar.passes.pipeline.pipeline_tasks import Task, task_dependencies
 from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile
 from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 
@@ -62,13 +58,6 @@ __all__ = ["StepRecorder", "StepTrace", "SWITCH_INTERVAL_S"]
 # otherwise waits up to the default 5 ms for the dispatching thread to let go
 # of the GIL; at 20 us the measured lag is ~0.1 ms.
 SWITCH_INTERVAL_S = 2e-5
-
-_COMPUTE_KINDS: dict[type, TaskKind] = {
-    RunForward: TaskKind.FORWARD,
-    RunBackward: TaskKind.BACKWARD,
-    RunBackwardInput: TaskKind.BACKWARD_INPUT,
-    RunBackwardWeight: TaskKind.BACKWARD_WEIGHT,
-}
 
 # A 0-d array ready once its operand is (keep_unused: jit would drop an unread
 # operand, and with it the dependency). Stands in for a gradient accumulator
@@ -207,7 +196,7 @@ class StepRecorder:
         # Each instruction is one execution (or one move), whose outputs are ready together:
         # one of them times it. Accumulated gradients get donated, so a marker on one does.
         last = arrays[-1]
-        witness = _ready_marker(last) if isinstance(instruction, (RunBackward, RunBackwardWeight)) else last
+        witness = _ready_marker(last) if instruction.accumulates is not None else last
         if lane not in self._waiters:
             self._waiters[lane] = _LaneWaiter(lane)
         self._waiters[lane].pending.put(_Launch(seq, task, launch_time, witness))
@@ -218,18 +207,16 @@ class StepRecorder:
 
     def _task_lane(self, mesh: int, instruction: Instruction) -> tuple[Task, Lane] | None:
         """The task ``instruction`` runs and its lane, or ``None`` when this process cannot see it."""
-        if isinstance(instruction, Send):
-            transfer = self.program.transfers[instruction.transfer]
+        if not instruction.tasks:
+            return None  # a reduction: no schedule task, the simulator prices it beside the timeline
+        task = instruction.tasks[-1]
+        if instruction.sends:
+            transfer = self.program.transfers[instruction.sends[0][0]]
             home = self.program.schedule.stage_mesh
             if not self.local[home[transfer.dst_stage]]:
                 return None
-            kind = TaskKind.SEND_ACT if transfer.direction is Direction.ACTIVATION else TaskKind.SEND_GRAD
-            return (Task(kind, transfer.edge, instruction.micro_batch),
-                    Lane(LaneKind.LINK, home[transfer.src_stage], home[transfer.dst_stage]))
-        if isinstance(instruction, ReduceGradients):
-            return None  # no schedule task: the simulator prices it beside the timeline
-        kind = _COMPUTE_KINDS[type(instruction)]
-        return Task(kind, instruction.stage, instruction.micro_batch), Lane(LaneKind.COMPUTE, mesh)
+            return task, Lane(LaneKind.LINK, home[transfer.src_stage], home[transfer.dst_stage])
+        return task, Lane(LaneKind.COMPUTE, mesh)
 
     def timeline(self) -> Timeline:
         """The step's events once everything launched is ready, times from the first start.

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from meshpar.passes.pipeline.edge_transfer import Direction, EdgeTransfer, TransferKind
-from meshpar.passes.pipeline.pipeline_program import (BufferKind, Free, Recv, ReduceGradients, RunBackward,
-                                                      RunBackwardInput, RunBackwardWeight, RunForward, Send,
-                                                      lower_to_program, stage_io,
-                                                      verify_pipeline_program as verify)
+from meshpar.passes.pipeline.pipeline_program import (BufferId, BufferKind, Free, Instruction, Recv,
+                                                      ReduceGradients, RunBackward, RunBackwardInput,
+                                                      RunBackwardWeight, RunForward, Send, lower_to_program,
+                                                      stage_io, verify_pipeline_program as verify)
 from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.pipeline.pipeline_tasks import TaskKind
 from meshpar.passes.verification import PlanVerificationError
@@ -268,3 +268,66 @@ def test_the_verifier_rejects_a_missing_misplaced_or_stray_reduction():
     moved = dataclasses.replace(program, instructions=(tuple(mesh0), *program.instructions[1:]))
     with pytest.raises(PlanVerificationError, match="accumulates after the step's gradient reduction"):
         verify(moved, frozenset({0, 1}))
+
+
+def test_each_kind_says_what_it_reads_writes_frees_and_runs():
+    """The instruction interface against what each kind's fields say, on a lowered ZB-H1 program
+    (every kind but the whole backward) and a 1F1B one (the whole backward)."""
+    seen = set()
+    for name in ("zb_h1", "1f1b"):
+        program, _ = _build(name, 2, 2, _chain(2), reduced=frozenset({0, 1}))
+        for mesh, ins in program.launch_sequence():
+            seen.add(type(ins))
+            if isinstance(ins, RunForward):
+                want = (ins.inputs, (*ins.outputs, ins.residuals), (), F)
+            elif isinstance(ins, RunBackward):
+                want = ((ins.residuals, *ins.cotangents), ins.input_cotangents, (), B)
+            elif isinstance(ins, RunBackwardInput):
+                want = ((ins.residuals, *ins.cotangents), (*ins.input_cotangents, ins.weight_state), (), I)
+            elif isinstance(ins, RunBackwardWeight):
+                want = ((ins.weight_state,), (), (), W)
+            elif isinstance(ins, Send):
+                t = program.transfers[ins.transfer]
+                kind = TaskKind.SEND_ACT if t.direction is Direction.ACTIVATION else TaskKind.SEND_GRAD
+                want = ((ins.buffer,), (), (), kind)
+                assert ins.sends == ((ins.transfer, ins.micro_batch),) and ins.tasks[0].where == t.edge
+            elif isinstance(ins, Recv):
+                want = ((), (ins.buffer,), (), None)
+                assert ins.receives == ((ins.transfer, ins.micro_batch),)
+            elif isinstance(ins, Free):
+                want = ((ins.buffer,), (), (ins.buffer,), None)
+            else:
+                want = ((), (), (), None)
+                assert ins.reduces == ins.stages
+            reads, writes, frees, kind = want
+            assert (ins.reads, ins.writes, ins.frees) == (reads, writes, frees), ins
+            assert [t.kind for t in ins.tasks] == ([] if kind is None else [kind]), ins
+            assert ins.accumulates == (ins.stage if isinstance(ins, (RunBackward, RunBackwardWeight)) else None)
+    assert len(seen) == 8
+
+
+def test_a_kind_that_does_not_say_what_it_reads_and_writes_cannot_be_made():
+    class Silent(Instruction):
+        pass
+
+    with pytest.raises(TypeError, match="abstract"):
+        Silent()
+
+
+def test_the_verifier_reads_a_new_kind_through_its_interface():
+    """A kind the verifier has never heard of is checked by what it reads and writes."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Peek(Instruction):
+        buffer: BufferId
+
+        reads = property(lambda self: (self.buffer,))
+        writes = property(lambda self: ())
+
+    program, _ = _build("1f1b", 2, 2, _chain(2))
+    seq = program.launch_sequence()
+    f = next(i for i, (_, x) in enumerate(seq) if isinstance(x, RunForward))
+    res = seq[f][1].residuals
+    verify(_rebuild(program, seq[:f + 1] + [(seq[f][0], Peek(res))] + seq[f + 1:]))
+    with pytest.raises(PlanVerificationError, match=f"Peek.*reads {re.escape(str(res))}, which is not live"):
+        verify(_rebuild(program, [(seq[f][0], Peek(res))] + seq))

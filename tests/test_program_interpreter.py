@@ -145,3 +145,18 @@ def test_reading_a_freed_buffer_names_the_instruction():
     with pytest.raises(InstructionError, match=r"mesh 1: free of recv_act0\[0\].*|mesh 1: forward of stage 1, "
                                                r"micro-batch 0 .*recv_act0\[0\] is not live"):
         _run(broken)
+
+
+def test_a_program_with_a_kind_the_interpreter_cannot_run_is_refused_naming_it():
+    from meshpar.passes.pipeline.pipeline_program import Instruction
+
+    @dataclasses.dataclass(frozen=True)
+    class Peek(Instruction):
+        reads = property(lambda self: ())
+        writes = property(lambda self: ())
+
+    program = _program("1f1b", 2, 2)
+    program = dataclasses.replace(program, instructions=(program.instructions[0] + (Peek(),), program.instructions[1]),
+                                  order=(*program.order, (0, len(program.instructions[0]))))
+    with pytest.raises(TypeError, match=r"program: instructions of kinds \['Peek'\] have no handler"):
+        ProgramInterpreter(program, [], [], {}, [True, True], watch=False)

@@ -27,10 +27,10 @@ forward: its schedule's gradient tasks lower to nothing.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
 from collections.abc import Sequence
-from typing import Union
 
 from .edge_transfer import Direction, EdgeTransfer
 from .pipeline_schedule import PipelineSchedule
@@ -99,20 +99,83 @@ class StageIO:
         return tuple(e for e in self.in_edges if e not in self.no_cotangent)
 
 
+class Instruction(abc.ABC):
+    """What an instruction of a program says about itself, so that every pass over programs
+    (the verifier, the launch-time trace, the live-byte prediction, fusion) reads it without a
+    list of kinds: the buffers it reads and writes on its mesh and those it frees, the schedule
+    tasks it runs, and the stage whose gradient accumulators it updates. A new kind is this
+    class's subclass here and one handler in the runtime."""
+
+    @property
+    @abc.abstractmethod
+    def reads(self) -> tuple[BufferId, ...]:
+        """Buffers of its mesh it reads, which must be live."""
+
+    @property
+    @abc.abstractmethod
+    def writes(self) -> tuple[BufferId, ...]:
+        """Buffers of its mesh it makes live (a receive: the value its send moved)."""
+
+    @property
+    def frees(self) -> tuple[BufferId, ...]:
+        """Buffers of its mesh it drops."""
+        return ()
+
+    @property
+    def tasks(self) -> tuple[Task, ...]:
+        """The schedule tasks it runs, in order (none for a receive, a free, a reduction)."""
+        return ()
+
+    @property
+    def accumulates(self) -> int | None:
+        """The stage whose gradient accumulators it updates, if any."""
+        return None
+
+    @property
+    def reduces(self) -> tuple[int, ...]:
+        """The stages whose accumulated gradients it reduces (once per step)."""
+        return ()
+
+    @property
+    def sends(self) -> tuple[tuple[int, int], ...]:
+        """``(transfer, micro_batch)`` of the values it sends."""
+        return ()
+
+    @property
+    def receives(self) -> tuple[tuple[int, int], ...]:
+        """``(transfer, micro_batch)`` of the values it receives."""
+        return ()
+
+    def check(self, program: PipelineProgram, mesh: int) -> str | None:
+        """Why it is wired wrongly on ``mesh`` of ``program`` (its buffers against its stage's
+        ``StageIO`` or its transfer), or ``None``."""
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
-class RunForward:
+class RunForward(Instruction):
     stage: int
     micro_batch: int
     inputs: tuple[BufferId, ...]  # RECEIVED_ACTIVATION, in the stage's activation-input order
     outputs: tuple[BufferId, ...]  # one per output slot
     residuals: BufferId
 
+    reads = property(lambda self: self.inputs)
+    writes = property(lambda self: (*self.outputs, self.residuals))
+    tasks = property(lambda self: (Task(TaskKind.FORWARD, self.stage, self.micro_batch),))
+
+    def check(self, program: PipelineProgram, mesh: int) -> str | None:
+        io = program.stages[self.stage]
+        if self.inputs != tuple(_received_act(e, self.micro_batch) for e in io.in_edges):
+            return "does not read its activation inputs in StageIO.in_edges order"
+        return _off_its_mesh(program, mesh, self.stage)
+
     def __str__(self) -> str:
         return f"forward of stage {self.stage}, micro-batch {self.micro_batch}"
 
 
 @dataclasses.dataclass(frozen=True)
-class RunBackward:
+class RunBackward(Instruction):
     """The whole backward: accumulates parameter cotangents, writes input cotangents."""
 
     stage: int
@@ -121,12 +184,20 @@ class RunBackward:
     cotangents: tuple[BufferId, ...]  # RECEIVED_COTANGENT, in StageIO.cotangent_edges order
     input_cotangents: tuple[BufferId, ...]  # INPUT_COTANGENT, one per activation input
 
+    reads = property(lambda self: (self.residuals, *self.cotangents))
+    writes = property(lambda self: self.input_cotangents)
+    tasks = property(lambda self: (Task(TaskKind.BACKWARD, self.stage, self.micro_batch),))
+    accumulates = property(lambda self: self.stage)
+
+    def check(self, program: PipelineProgram, mesh: int) -> str | None:
+        return _cotangent_wiring(program, mesh, self.stage, self.micro_batch, self.cotangents, self.input_cotangents)
+
     def __str__(self) -> str:
         return f"backward of stage {self.stage}, micro-batch {self.micro_batch}"
 
 
 @dataclasses.dataclass(frozen=True)
-class RunBackwardInput:
+class RunBackwardInput(Instruction):
     """The activation-gradient part of a split backward; also writes the weight pass's state."""
 
     stage: int
@@ -136,63 +207,122 @@ class RunBackwardInput:
     input_cotangents: tuple[BufferId, ...]
     weight_state: BufferId
 
+    reads = property(lambda self: (self.residuals, *self.cotangents))
+    writes = property(lambda self: (*self.input_cotangents, self.weight_state))
+    tasks = property(lambda self: (Task(TaskKind.BACKWARD_INPUT, self.stage, self.micro_batch),))
+
+    def check(self, program: PipelineProgram, mesh: int) -> str | None:
+        return _cotangent_wiring(program, mesh, self.stage, self.micro_batch, self.cotangents, self.input_cotangents)
+
     def __str__(self) -> str:
         return f"input pass of stage {self.stage}, micro-batch {self.micro_batch}"
 
 
 @dataclasses.dataclass(frozen=True)
-class RunBackwardWeight:
+class RunBackwardWeight(Instruction):
     """The weight-gradient part of a split backward: accumulates parameter cotangents."""
 
     stage: int
     micro_batch: int
     weight_state: BufferId
 
+    reads = property(lambda self: (self.weight_state,))
+    writes = property(lambda self: ())
+    tasks = property(lambda self: (Task(TaskKind.BACKWARD_WEIGHT, self.stage, self.micro_batch),))
+    accumulates = property(lambda self: self.stage)
+
+    def check(self, program: PipelineProgram, mesh: int) -> str | None:
+        return _off_its_mesh(program, mesh, self.stage)
+
     def __str__(self) -> str:
         return f"weight pass of stage {self.stage}, micro-batch {self.micro_batch}"
 
 
 @dataclasses.dataclass(frozen=True)
-class Send:
-    transfer: int  # index into PipelineProgram.transfers
+class Send(Instruction):
+    """Moves ``buffer`` along ``transfer`` (an index into ``PipelineProgram.transfers``); the
+    receive on the other mesh writes it into ``into``."""
+
+    transfer: int
     micro_batch: int
     buffer: BufferId
+    into: BufferId
+
+    reads = property(lambda self: (self.buffer,))
+    writes = property(lambda self: ())
+    sends = property(lambda self: ((self.transfer, self.micro_batch),))
+
+    def check(self, program: PipelineProgram, mesh: int) -> str | None:
+        t = program.transfers[self.transfer]
+        want = (_output(program.stages[t.src_stage], t.src_stage, t.slot, self.micro_batch)
+                if t.direction is Direction.ACTIVATION else _input_ct(t.edge, self.micro_batch))
+        if self.buffer != want:
+            return f"sends {self.buffer}, but transfer {self.transfer} carries {want}"
+        if self.into != received_buffer(t, self.micro_batch):
+            return f"names {self.into} as where it arrives, but transfer {self.transfer} delivers into " \
+                   f"{received_buffer(t, self.micro_batch)}"
+        if program.schedule.stage_mesh[t.src_stage] != mesh:
+            return f"is not on the mesh of transfer {self.transfer}'s source"
+        return None
+
+    @property
+    def tasks(self) -> tuple[Task, ...]:
+        kind = TaskKind.SEND_ACT if self.into.kind is BufferKind.RECEIVED_ACTIVATION else TaskKind.SEND_GRAD
+        return (Task(kind, self.into.index, self.micro_batch),)
 
     def __str__(self) -> str:
         return f"send of {self.buffer} (transfer {self.transfer})"
 
 
 @dataclasses.dataclass(frozen=True)
-class Recv:
+class Recv(Instruction):
     transfer: int
     micro_batch: int
     buffer: BufferId
+
+    reads = property(lambda self: ())
+    writes = property(lambda self: (self.buffer,))
+    receives = property(lambda self: ((self.transfer, self.micro_batch),))
+
+    def check(self, program: PipelineProgram, mesh: int) -> str | None:
+        t = program.transfers[self.transfer]
+        want = received_buffer(t, self.micro_batch)
+        if self.buffer != want:
+            return f"receives into {self.buffer}, but transfer {self.transfer} delivers {want}"
+        if program.schedule.stage_mesh[t.dst_stage] != mesh:
+            return f"is not on the mesh of transfer {self.transfer}'s destination"
+        return None
 
     def __str__(self) -> str:
         return f"receive into {self.buffer} (transfer {self.transfer})"
 
 
 @dataclasses.dataclass(frozen=True)
-class Free:
+class Free(Instruction):
     buffer: BufferId
+
+    reads = property(lambda self: (self.buffer,))
+    writes = property(lambda self: ())
+    frees = property(lambda self: (self.buffer,))
 
     def __str__(self) -> str:
         return f"free of {self.buffer}"
 
 
 @dataclasses.dataclass(frozen=True)
-class ReduceGradients:
+class ReduceGradients(Instruction):
     """The step's one reduction of ``stages``' accumulated parameter gradients on their mesh
     (over its data axis, ``data_replicas``), launched right after the mesh's last gradient pass
     of any of them, so it runs beside the other meshes' remaining work."""
 
     stages: tuple[int, ...]
 
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+    reduces = property(lambda self: self.stages)
+
     def __str__(self) -> str:
         return f"gradient reduction of stages {', '.join(map(str, self.stages))}"
-
-
-Instruction = Union[RunForward, RunBackward, RunBackwardInput, RunBackwardWeight, Send, Recv, Free, ReduceGradients]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +458,7 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
                 dst = _received_act(s, m)
             else:
                 src, dst = _input_ct(s, m), _received_ct(s, m)
-            emit(home[transfer.src_stage], Send(k, m, src))
+            emit(home[transfer.src_stage], Send(k, m, src, dst))
             emit(home[transfer.dst_stage], Recv(k, m, dst))
             if direction is Direction.COTANGENT or last_send.get(src) == t:
                 emit(home[transfer.src_stage], Free(src))
@@ -343,49 +473,20 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
     return program
 
 
-def _reads_writes(ins: Instruction) -> tuple[tuple[BufferId, ...], tuple[BufferId, ...]]:
-    if isinstance(ins, RunForward):
-        return ins.inputs, (*ins.outputs, ins.residuals)
-    if isinstance(ins, RunBackward):
-        return (ins.residuals, *ins.cotangents), ins.input_cotangents
-    if isinstance(ins, RunBackwardInput):
-        return (ins.residuals, *ins.cotangents), (*ins.input_cotangents, ins.weight_state)
-    if isinstance(ins, RunBackwardWeight):
-        return (ins.weight_state,), ()
-    if isinstance(ins, Send):
-        return (ins.buffer,), ()
-    if isinstance(ins, Recv):
-        return (), (ins.buffer,)
-    if isinstance(ins, ReduceGradients):
-        return (), ()
-    return (ins.buffer,), ()
+def _off_its_mesh(program: PipelineProgram, mesh: int, stage: int) -> str | None:
+    home = program.schedule.stage_mesh[stage]
+    return None if home == mesh else f"runs stage {stage}, which the schedule places on mesh {home}"
 
 
-def _wiring_error(program: PipelineProgram, mesh: int, ins: Instruction) -> str | None:
-    """Whether ``ins`` reads and writes the buffers its stage's ``StageIO`` says, on its own mesh."""
-    if isinstance(ins, (RunForward, RunBackward, RunBackwardInput, RunBackwardWeight)):
-        if program.schedule.stage_mesh[ins.stage] != mesh:
-            return f"runs stage {ins.stage}, which the schedule places on mesh {program.schedule.stage_mesh[ins.stage]}"
-        io, m = program.stages[ins.stage], ins.micro_batch
-        if isinstance(ins, RunForward) and ins.inputs != tuple(_received_act(e, m) for e in io.in_edges):
-            return "does not read its activation inputs in StageIO.in_edges order"
-        if isinstance(ins, (RunBackward, RunBackwardInput)):
-            if ins.cotangents != tuple(_received_ct(e, m) for e in io.cotangent_edges):
-                return "does not read its received cotangents in StageIO.cotangent_edges order"
-            if ins.input_cotangents != tuple(_input_ct(e, m) for e in io.cotangent_in_edges):
-                return "does not write its input cotangents in StageIO.cotangent_in_edges order"
-    if isinstance(ins, Send):
-        t = program.transfers[ins.transfer]
-        want = (_output(program.stages[t.src_stage], t.src_stage, t.slot, ins.micro_batch)
-                if t.direction is Direction.ACTIVATION else _input_ct(t.edge, ins.micro_batch))
-        if ins.buffer != want:
-            return f"sends {ins.buffer}, but transfer {ins.transfer} carries {want}"
-    if isinstance(ins, Recv):
-        t = program.transfers[ins.transfer]
-        want = (_received_act if t.direction is Direction.ACTIVATION else _received_ct)(t.edge, ins.micro_batch)
-        if ins.buffer != want:
-            return f"receives into {ins.buffer}, but transfer {ins.transfer} delivers {want}"
-    return None
+def _cotangent_wiring(program: PipelineProgram, mesh: int, stage: int, m: int, cotangents: tuple[BufferId, ...],
+                      input_cotangents: tuple[BufferId, ...]) -> str | None:
+    """Whether a backward (or input pass) of ``stage`` reads and writes its ``StageIO``'s cotangents."""
+    io = program.stages[stage]
+    if cotangents != tuple(_received_ct(e, m) for e in io.cotangent_edges):
+        return "does not read its received cotangents in StageIO.cotangent_edges order"
+    if input_cotangents != tuple(_input_ct(e, m) for e in io.cotangent_in_edges):
+        return "does not write its input cotangents in StageIO.cotangent_in_edges order"
+    return _off_its_mesh(program, mesh, stage)
 
 
 def _reduction_error(program: PipelineProgram, reduced_stages: frozenset[int]) -> str | None:
@@ -394,15 +495,14 @@ def _reduction_error(program: PipelineProgram, reduced_stages: frozenset[int]) -
     home = program.schedule.stage_mesh
     for mesh, instructions in enumerate(program.instructions):
         want = tuple(sorted(s for s in reduced_stages if home[s] == mesh))
-        at = [k for k, ins in enumerate(instructions) if isinstance(ins, ReduceGradients)]
+        at = [k for k, ins in enumerate(instructions) if ins.reduces]
         if not want:
             if at:
                 return f"mesh {mesh}: {instructions[at[0]]}, but none of its stages is reduced per step"
             continue
-        if len(at) != 1 or instructions[at[0]].stages != want:
+        if len(at) != 1 or instructions[at[0]].reduces != want:
             return f"mesh {mesh}: not one gradient reduction of stages {want}"
-        late = [ins for ins in instructions[at[0]:] if isinstance(ins, (RunBackward, RunBackwardWeight))
-                and ins.stage in want]
+        late = [ins for ins in instructions[at[0]:] if ins.accumulates in want]
         if late:
             return f"mesh {mesh}: {late[0]} accumulates after the step's gradient reduction"
     return None
@@ -427,36 +527,31 @@ def verify_pipeline_program(program: PipelineProgram, reduced_stages: frozenset[
         raise PlanVerificationError("the launch order does not list every instruction exactly once")
     live: list[set[BufferId]] = [set() for _ in program.instructions]
     ever: list[set[BufferId]] = [set() for _ in program.instructions]
-    sent: dict[tuple[int, int], BufferId] = {}
+    sent: dict[tuple[int, int], int] = {}
     received: set[tuple[int, int]] = set()
     for mesh, k in program.order:
         if k != seen[mesh] + 1:
             raise PlanVerificationError(f"mesh {mesh}: the launch order breaks the mesh's own instruction order at {k}")
         seen[mesh] = k
         ins = program.instructions[mesh][k]
-        wiring = _wiring_error(program, mesh, ins)
+        wiring = ins.check(program, mesh)
         if wiring:
             raise PlanVerificationError(f"mesh {mesh}: {ins} {wiring}")
-        reads, writes = _reads_writes(ins)
-        for b in reads:
+        for b in ins.reads:
             if b not in live[mesh]:
                 raise PlanVerificationError(f"mesh {mesh}: {ins} reads {b}, which is not live there")
-        if isinstance(ins, Free):
-            live[mesh].remove(ins.buffer)
-        if isinstance(ins, (Send, Recv)):
-            transfer = program.transfers[ins.transfer]
-            key = (ins.transfer, ins.micro_batch)
-            home = program.schedule.stage_mesh
-            if isinstance(ins, Send):
-                if mesh != home[transfer.src_stage] or key in sent:
-                    raise PlanVerificationError(f"mesh {mesh}: {ins} is not the one send of {transfer}")
-                sent[key] = ins.buffer
-            else:
-                if mesh != home[transfer.dst_stage] or key not in sent or key in received:
-                    raise PlanVerificationError(f"mesh {mesh}: {ins} has no earlier unmatched send on mesh "
-                                                f"{home[transfer.src_stage]}")
-                received.add(key)
-        for b in writes:
+        for b in ins.frees:
+            live[mesh].remove(b)
+        for key in ins.sends:
+            if key in sent:
+                raise PlanVerificationError(f"mesh {mesh}: {ins} is not the one send of {program.transfers[key[0]]}")
+            sent[key] = mesh
+        for key in ins.receives:
+            if key not in sent or key in received:
+                home = program.schedule.stage_mesh[program.transfers[key[0]].src_stage]
+                raise PlanVerificationError(f"mesh {mesh}: {ins} has no earlier unmatched send on mesh {home}")
+            received.add(key)
+        for b in ins.writes:
             if b in ever[mesh]:
                 raise PlanVerificationError(f"mesh {mesh}: {ins} writes {b} a second time")
             live[mesh].add(b)

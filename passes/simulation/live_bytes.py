@@ -34,10 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ..pipeline.pipeline_program import (
-    BufferId, BufferKind, Free, PipelineProgram, Recv, RunBackward, RunBackwardInput, RunForward, Send,
-    received_buffer,
-)
+from ..pipeline.pipeline_program import BufferId, BufferKind, PipelineProgram, received_buffer
 
 __all__ = ["LiveBytes", "MemoryProfile", "predict_live_bytes"]
 
@@ -127,27 +124,24 @@ def predict_live_bytes(program: PipelineProgram, profile: MemoryProfile) -> Live
                 nbytes -= kept
         held[mesh] -= nbytes
 
+    def new_bytes(buffer: BufferId, mesh: int) -> int:
+        nbytes = bytes_of(buffer)
+        if buffer.kind is BufferKind.WEIGHT_STATE and (
+                BufferId(BufferKind.RESIDUALS, buffer.index, buffer.micro_batch), mesh) in live:
+            # Its residuals are still held: the arrays the state shares with them are not new.
+            nbytes = max(0, nbytes - shared.get(buffer.index, 0))
+        return nbytes
+
     home = program.schedule.stage_mesh
     for mesh, ins in program.launch_sequence():
-        if isinstance(ins, RunForward):
-            for b in (*ins.outputs, ins.residuals):
-                add(b, mesh, bytes_of(b))
-        elif isinstance(ins, RunBackward):
-            for b in ins.input_cotangents:
-                add(b, mesh, bytes_of(b))
-        elif isinstance(ins, RunBackwardInput):
-            for b in ins.input_cotangents:
-                add(b, mesh, bytes_of(b))
-            # Its residuals are still held: the arrays the state shares with them are not new.
-            add(ins.weight_state, mesh, max(0, bytes_of(ins.weight_state) - shared.get(ins.stage, 0)))
-        elif isinstance(ins, Send):
-            transfer = program.transfers[ins.transfer]
-            dst = received_buffer(transfer, ins.micro_batch)
-            add(dst, home[transfer.dst_stage], bytes_of(dst))
-        elif isinstance(ins, Free):
-            free(ins.buffer, mesh)
-        elif isinstance(ins, Recv):
-            continue  # the moved value was counted on this mesh at its Send
+        for b in ins.frees:
+            free(b, mesh)
+        for b in ins.writes:
+            if (b, mesh) not in live:  # a received value was counted on its mesh at its send
+                add(b, mesh, new_bytes(b, mesh))
+        for transfer, m in ins.sends:
+            dst = received_buffer(program.transfers[transfer], m)
+            add(dst, home[program.transfers[transfer].dst_stage], bytes_of(dst))
     total, activations = {}, {}
     for m, devices in enumerate(profile.mesh_devices):
         mesh_total = max(profile.resident_in_pipeline[m] + peak[m], profile.resident_peak[m])
