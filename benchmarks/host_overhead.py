@@ -1,7 +1,7 @@
 """What a pipelined step costs the host: meshpar against ``jax.jit`` running the same micro-batches.
 
     python -m benchmarks.host_overhead [--json PATH] [--steps N] [--models tiny medium]
-        [--micro-batches 2 4 8 32] [--layouts one_mesh_interleaved one_mesh_zb_v two_meshes_1f1b]
+        [--micro-batches 2 4 8 32] [--layouts one_mesh_interleaved ...]
 
 One process, each stage mesh one device, so every difference from ``jax.jit`` is host work
 (dispatch, slicing, accumulators), not parallelism:
@@ -13,7 +13,10 @@ One process, each stage mesh one device, so every difference from ``jax.jit`` is
   device (nothing to pipeline: pure host overhead);
 - ``one_mesh_zb_v``: meshpar ``zb_v``, the same 2 stages on one mesh, split backwards (I and W
   passes: more launches per micro-batch);
-- ``two_meshes_1f1b``: meshpar ``1f1b``, one stage on each of two devices.
+- ``two_meshes_1f1b``: meshpar ``1f1b``, one stage on each of two devices;
+- ``one_mesh_interleaved_fused``, ``two_meshes_1f1b_fused``: the same with ``fuse_compute=None``
+  (``passes.pipeline.fused_runs``): a mesh's back-to-back passes one program, the one mesh's
+  whole pipeline one program.
 
 Models: ``tiny`` is ``examples/gpt.py``'s GPT with its defaults (8 layers, d_model 32, seq 8,
 vocab 64), batch 64; ``medium`` has d_model 256, 8 heads, 4 layers, seq 64, vocab 512, batch
@@ -24,8 +27,8 @@ to its outputs being ready; every configuration of a model is compiled first, th
 timed in 4 rounds in rotated order (the machine's speed drifts over minutes). Per model and
 layout, a least-squares line of p50 over M gives the host cost per micro-batch (its slope),
 the fixed cost per step (its intercept), and the cost per launch: the slope divided by the
-stage programs the pipeline launches per micro-batch (its F, B, I and W instructions). Ratios are to ``jit_accum`` at the same M,
-measured in the same run.
+stage programs the pipeline launches per micro-batch (its F, B, I and W instructions, a fused
+run of them once). Ratios are to ``jit_accum`` at the same M, measured in the same run.
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ from benchmarks.step_timing import spread_ms, time_steps
 from benchmarks.worker_records import write_json
 
 LAYOUTS = {
-    # name: (schedule, meshes, stages per mesh)
-    "one_mesh_interleaved": ("interleaved_1f1b", 1, 2),
-    "one_mesh_zb_v": ("zb_v", 1, 2),
-    "two_meshes_1f1b": ("1f1b", 2, 1),
+    # name: (schedule, meshes, stages per mesh, fuse_compute)
+    "one_mesh_interleaved": ("interleaved_1f1b", 1, 2, 1),
+    "one_mesh_zb_v": ("zb_v", 1, 2, 1),
+    "two_meshes_1f1b": ("1f1b", 2, 1, 1),
+    "one_mesh_interleaved_fused": ("interleaved_1f1b", 1, 2, None),
+    "two_meshes_1f1b_fused": ("1f1b", 2, 1, None),
 }
 MODELS = {
     # name: (GPT keyword arguments, batch size)
@@ -101,20 +106,19 @@ def _meshpar_step(layout: str, num_micro_batches: int):
     from examples.gpt import gpt_loss
     from examples.train_step import supervised_step
 
-    schedule, meshes, per_mesh = LAYOUTS[layout]
+    schedule, meshes, per_mesh, fuse = LAYOUTS[layout]
     method = meshpar.PipeshardParallel(
         num_micro_batches=num_micro_batches, num_stages=meshes * per_mesh, stages_per_mesh=per_mesh,
-        stage_mesh_shape=(1, 1), schedule=schedule, devices=jax.devices()[:meshes])
+        stage_mesh_shape=(1, 1), schedule=schedule, devices=jax.devices()[:meshes], fuse_compute=fuse)
     return meshpar.parallelize(supervised_step(gpt_loss), method=method)
 
 
 def _launches_per_micro_batch(step: Any, state: Any, batch: dict, num_micro_batches: int) -> float:
-    """Stage programs (F, B, I, W) the pipeline launches per micro-batch."""
-    from meshpar.passes.pipeline.pipeline_program import RunBackward, RunBackwardInput, RunBackwardWeight, RunForward
-
+    """Stage programs the pipeline launches per micro-batch: its F, B, I and W instructions, a
+    fused run of them counting once."""
     program = step.get_executable(state, batch).program
-    kinds = (RunForward, RunBackward, RunBackwardInput, RunBackwardWeight)
-    return sum(isinstance(i, kinds) for ins in program.instructions for i in ins) / num_micro_batches
+    launches = sum(any(t.kind.is_compute for t in i.tasks) for ins in program.instructions for i in ins)
+    return launches / num_micro_batches
 
 
 def _fit(ms: list[int], p50s: list[float]) -> tuple[float, float]:

@@ -42,7 +42,7 @@ from meshpar.nnx_state import has_variables
 from meshpar.passes.pipeline.micro_batching import REDUCTIONS, AuxReduction
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
-__all__ = ["AuxReduction", "grad", "value_and_grad", "tracing_pipeline"]
+__all__ = ["AuxReduction", "grad", "is_tracing_pipeline", "value_and_grad", "tracing_pipeline"]
 
 _state = threading.local()
 
@@ -56,6 +56,11 @@ def tracing_pipeline() -> Iterator[None]:
         yield
     finally:
         _state.active = previous
+
+
+def is_tracing_pipeline() -> bool:
+    """Whether ``meshpar.parallelize`` (or the planner) is tracing a step in this thread."""
+    return getattr(_state, "active", False)
 
 
 def _check_aux_reduction(aux_reduction: Any) -> None:

@@ -30,6 +30,8 @@ from meshpar.passes.resharding.strategies import get_strategy
 __all__ = ["AUTO", "PipeshardParallel"]
 
 AUTO = "auto"
+# Stage passes per fused program by default (``fuse_compute``).
+FUSE_COMPUTE = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,13 @@ class PipeshardParallel:
       accumulation_dtype: the floating dtype the gradients of narrower floating parameters
         (bfloat16, float16) accumulate in over micro-batches (default float32, as
         mixed-precision training expects); the reduced gradient has the parameter's dtype.
+      fuse_compute: the most stage passes (forwards, backwards, input and weight passes) a mesh
+        runs as one program where they run back to back with only values of that mesh between
+        them (``passes.pipeline.fused_runs``): each program launched costs its device a fixed
+        price (XLA's setup of every operation; about a millisecond for a small GPT stage on a
+        CPU), which fusing pays once. 1: every pass its own program; ``None``: no limit (a
+        mesh hosting every stage then runs its whole pipeline as one program, compiled from
+        all of its micro-batches).
     """
 
     num_micro_batches: int = 1
@@ -128,6 +137,7 @@ class PipeshardParallel:
     stages_per_mesh: int | None = None
     gradient_reduction: str = "per_step"
     accumulation_dtype: Any = "float32"
+    fuse_compute: int | None = FUSE_COMPUTE
 
     @property
     def planned(self) -> bool:
@@ -137,6 +147,9 @@ class PipeshardParallel:
     def __post_init__(self) -> None:
         if not isinstance(self.single_program, bool):
             raise ValueError(f"single_program: expected a bool, got {self.single_program!r}")
+        if self.fuse_compute is not None and not self._is_count(self.fuse_compute):
+            raise ValueError(f"fuse_compute: expected a positive number of stage passes per program or None "
+                             f"(no limit), got {self.fuse_compute!r}")
         if self.auto_layers is not None and not self._is_count(self.auto_layers):
             raise ValueError(f"auto_layers: expected a positive number of layers or None, got {self.auto_layers!r}")
         if self.stages_per_mesh is not None:

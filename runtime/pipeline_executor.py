@@ -142,6 +142,19 @@ class PipelineExecutable:
         self._compute_fns = {id(c): self._compile_compute(c) for c in (*split.before, *split.after)
                              if isinstance(c, OuterCompute)}
         self._folds = {s: jax.jit(_fold_all, static_argnums=1) for s in range(graph.num_stages)}
+        # Per per-micro-batch operand of a stage here: the sharding its whole value is placed
+        # with (micro-batches leading, each laid out as the stage reads it) and the program
+        # cutting it into the micro-batches.
+        self._slicers = {(s, op.position): _slicer(op.sharding, self.num_micro_batches)
+                         for s, ops in enumerate(layout.stage_operands) if self.local[s]
+                         for op in ops if op.per_micro_batch and not op.fold_key}
+        # Per mesh here, its stages and the one program making their gradient accumulators.
+        self._accumulators = []
+        for mesh in range(len(self.meshes)):
+            stages = [s for s, m in enumerate(self.home) if m == mesh and self.local[s]]
+            if stages:
+                plans = [compiled.gradients.stages[s].accumulators for s in stages]
+                self._accumulators.append((stages, _accumulator_maker(plans)))
         packed = [mv for mv in split.moved() if len(mv.values) > 1]
         self._packs = {mv: _packer(layout.outer_moves[mv].src) for mv in packed}
         self._unpacks = {mv: _unpacker([split.avals[r] for r in mv.values],
@@ -310,9 +323,7 @@ class PipelineExecutable:
         if not self.mesh_local[ins.mesh]:
             return
         parts = [state.run.results[b] for b in ins.buffers]
-        if ins.per_replica:
-            parts = [_combine_leading(part, ins.how) for part in parts]
-        combined = from_wire(_combine(parts, ins.how), ins.aval)
+        combined = from_wire(_combiner(ins.how, len(parts), ins.per_replica)(parts), ins.aval)
         state.values[(ins.value, ins.mesh)] = combined if ins.sharding is None else jax.device_put(combined,
                                                                                                    ins.sharding)
 
@@ -411,20 +422,26 @@ class PipelineExecutable:
             for op in per_mb:
                 if op.fold_key:
                     columns.append(self._folds[s](self._value(op.source, self.home[s], state), M))
-                elif op.source.kind is OuterKind.IN and op.source.index in batches:
+                    continue
+                if op.source.kind is OuterKind.IN and op.source.index in batches:
                     leaf = batches[op.source.index]
-                    columns.append([put(leaf[m * size:(m + 1) * size], op.sharding) for m in range(M)])
                 else:
-                    whole = self._value(op.source, self.home[s], state)
-                    columns.append([jax.device_put(whole[m * size:(m + 1) * size], op.sharding) for m in range(M)])
+                    leaf = self._value(op.source, self.home[s], state)
+                # The whole value placed once, micro-batch-major, then cut by one program.
+                stacked, unstack = self._slicers[(s, op.position)]
+                columns.append(unstack(put(leaf.reshape(M, size, *leaf.shape[1:]), stacked)))
             batch = tuple(tuple(c[m] for c in columns) for m in range(M)) if per_mb else ()
             out.append(StageInputs(tuple(fixed), batch))
         return out
 
     def _zero_grads(self) -> list[list[jax.Array] | None]:
-        """Per stage here, its gradient accumulators (``data_replicas.Accumulator``), zero."""
-        return [[jnp.zeros(a.shape, a.dtype, device=a.sharding) for a in plan.accumulators]
-                if self.local[s] else None for s, plan in enumerate(self.gradients.stages)]
+        """Per stage here, its gradient accumulators (``data_replicas.Accumulator``), zero: made
+        by one program per mesh (the step donates them, so each step makes its own)."""
+        grads: list[list[jax.Array] | None] = [None] * len(self.gradients.stages)
+        for stages, make in self._accumulators:
+            for s, zeros in zip(stages, make()):
+                grads[s] = zeros
+        return grads
 
 
 @dataclasses.dataclass
@@ -449,6 +466,19 @@ class _StepState:
         if self.run is not None:
             held += [list(self.run.results.values()), self.run.grads]
         return held
+
+
+@functools.lru_cache(maxsize=None)
+def _combiner(how: AuxReduction, count: int, per_replica: bool) -> Callable[[list[jax.Array]], jax.Array]:
+    """One program combining ``count`` micro-batches' values as ``how`` says (each first over its
+    replicas, with ``per_replica``)."""
+
+    def combine(parts: list[jax.Array]) -> jax.Array:
+        if per_replica:
+            parts = [_combine_leading(part, how) for part in parts]
+        return _combine(parts, how)
+
+    return jax.jit(combine)
 
 
 def _combine(parts: Sequence[jax.Array], how: AuxReduction) -> jax.Array:
@@ -485,6 +515,24 @@ def _unpacker(avals: Sequence[Any], shardings: Sequence[NamedSharding]) -> Calla
     sizes = np.cumsum([int(np.prod(a.shape, dtype=np.int64)) for a in avals])[:-1]
     return jax.jit(lambda v: [part.reshape(a.shape) for part, a in zip(jnp.split(v, sizes), avals)],
                    out_shardings=list(shardings))
+
+
+def _accumulator_maker(plans: Sequence[Sequence[Any]]) -> Callable[[], list[list[jax.Array]]]:
+    """One program making the zero accumulators of several stages of one mesh (per stage, its
+    ``data_replicas.Accumulator``s), each with its sharding."""
+    shapes = [[(a.shape, a.dtype) for a in accumulators] for accumulators in plans]
+    shardings = [[a.sharding for a in accumulators] for accumulators in plans]
+    return jax.jit(lambda: [[jnp.zeros(shape, dtype) for shape, dtype in stage] for stage in shapes],
+                   out_shardings=shardings)
+
+
+def _slicer(sharding: NamedSharding, num_micro_batches: int) -> tuple[NamedSharding, Callable]:
+    """For a per-micro-batch operand read with ``sharding``: the sharding of its whole value
+    shaped ``[M, micro-batch, ...]`` (each micro-batch already where the stage reads it), and
+    one program cutting that into the M micro-batches."""
+    stacked = NamedSharding(sharding.mesh, P(None, *sharding.spec))
+    return stacked, jax.jit(lambda x: [x[m] for m in range(num_micro_batches)],
+                            out_shardings=[sharding] * num_micro_batches)
 
 
 def _fold_all(key: jax.Array, num_micro_batches: int) -> list[jax.Array]:

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from meshpar.passes.pipeline.edge_transfer import Direction
+from meshpar.passes.pipeline.fused_runs import RunFused
 from meshpar.passes.pipeline.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, ReduceGradients, RunBackward,
     RunBackwardInput, RunBackwardWeight, RunForward, Send, received_buffer,
@@ -28,7 +29,7 @@ from meshpar.passes.pipeline.pipeline_program import (
 from meshpar.runtime.coordination import Arrival, CoordinationError, not_delivered, raise_lost_peer, senders, wait_ready
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.remote import absent
-from meshpar.runtime.stage_executables import StageExecutables
+from meshpar.runtime.stage_executables import StageExecutables, on_mesh
 from meshpar.runtime.step_trace import StepRecorder
 
 __all__ = ["InstructionError", "StageInputs", "ProgramRun", "ProgramInterpreter"]
@@ -111,11 +112,16 @@ class ProgramInterpreter:
         self.reducers = dict(reducers)
         self.local, self.watch = tuple(local), watch
         self.launch_window, self.timeout_s = launch_window, timeout_s
+        self._kernels: dict[type, Callable[[Any, Sequence[StageExecutables], dict, Sequence[StageInputs | None], list],
+                                           Launched]] = {
+            RunForward: self._forward_kernel,
+            RunBackward: self._backward_kernel,
+            RunBackwardInput: self._backward_input_kernel,
+            RunBackwardWeight: self._backward_weight_kernel,
+        }
         self._handlers: dict[type, Callable[[int, Any, _State], Launched]] = {
-            RunForward: self._forward,
-            RunBackward: self._backward,
-            RunBackwardInput: self._backward_input,
-            RunBackwardWeight: self._backward_weight,
+            **{kind: self._compute for kind in self._kernels},
+            RunFused: self._fused,
             Send: self._send,
             Recv: self._recv,
             Free: self._free,
@@ -126,6 +132,7 @@ class ProgramInterpreter:
         if unknown:
             raise TypeError(f"program: instructions of kinds {unknown} have no handler in the program interpreter")
         self._senders = tuple(senders(t.src) for t in program.transfers)
+        self._fused_programs: dict[RunFused, _FusedProgram] = {}
 
     def run(self, inputs: Sequence[StageInputs | None], grads: list[list[jax.Array] | None],
             recorder: StepRecorder | None = None, meter: LiveBytesMeter | None = None) -> ProgramRun:
@@ -147,6 +154,8 @@ class ProgramInterpreter:
                 raise
             except Exception as e:
                 raise InstructionError(f"mesh {mesh}: {ins} failed: {e}") from e
+            if self.local[mesh]:
+                state.count(ins)
             if recorder is not None:
                 recorder.launched(mesh, ins, launched, launch_time)
             if meter is not None:
@@ -184,50 +193,76 @@ class ProgramInterpreter:
             # The launch read a value whose sender is gone (or failed on its own: then as it is).
             raise_lost_peer(e, state.arriving, "pipeline transfers", doing)
 
-    # -- handlers -------------------------------------------------------------
+    # -- compute ------------------------------------------------------------------
+    #
+    # One kernel per compute kind: reads its operands from ``buffers`` (and the stage's
+    # ``inputs``, ``grads``), writes its results there, returns the arrays it launched. Called
+    # with the program's buffers it launches the stage's programs; called while a fused program
+    # is traced, with that program's values, it adds the stage's work to it.
 
-    def _forward(self, mesh: int, ins: RunForward, state: _State) -> Launched:
-        if not self.local[mesh]:
-            return ()
-        inputs = state.inputs[ins.stage]
-        outs, residuals = self.executables[ins.stage].forward(
-            inputs.fixed, inputs.batch[ins.micro_batch] if inputs.batch else (),
-            [state.read(b) for b in ins.inputs])
-        for b, v in zip(ins.outputs, outs):
-            state.buffers[b] = v
-        state.buffers[ins.residuals] = residuals
-        state.live[ins.stage] += 1
-        state.peak_live[ins.stage] = max(state.peak_live[ins.stage], state.live[ins.stage])
+    def _forward_kernel(self, ins: RunForward, executables: Sequence[StageExecutables], buffers: dict,
+                        inputs: Sequence[StageInputs | None], grads: list) -> Launched:
+        stage_inputs = inputs[ins.stage]
+        outs, residuals = executables[ins.stage].forward(
+            stage_inputs.fixed, stage_inputs.batch[ins.micro_batch] if stage_inputs.batch else (),
+            [buffers[b] for b in ins.inputs])
+        buffers.update(zip(ins.outputs, outs))
+        buffers[ins.residuals] = residuals
         return (*outs, *residuals)
 
-    def _backward(self, mesh: int, ins: RunBackward, state: _State) -> Launched:
-        if not self.local[mesh]:
-            return ()
-        input_cts, state.grads[ins.stage] = self.executables[ins.stage].backward(
-            state.read(ins.residuals), [state.read(b) for b in ins.cotangents], state.grads[ins.stage])
-        for b, v in zip(ins.input_cotangents, input_cts):
-            state.buffers[b] = v
-        return (*input_cts, *state.grads[ins.stage])
+    def _backward_kernel(self, ins: RunBackward, executables: Sequence[StageExecutables], buffers: dict,
+                         inputs: Sequence[StageInputs | None], grads: list) -> Launched:
+        input_cts, grads[ins.stage] = executables[ins.stage].backward(
+            buffers[ins.residuals], [buffers[b] for b in ins.cotangents], grads[ins.stage])
+        buffers.update(zip(ins.input_cotangents, input_cts))
+        return (*input_cts, *grads[ins.stage])
 
-    def _backward_input(self, mesh: int, ins: RunBackwardInput, state: _State) -> Launched:
-        if not self.local[mesh]:
-            return ()
-        executables = self.executables[ins.stage]
-        residuals = state.read(ins.residuals)
-        input_cts, computed = executables.backward_input(residuals, [state.read(b) for b in ins.cotangents])
-        for b, v in zip(ins.input_cotangents, input_cts):
-            state.buffers[b] = v
-        state.buffers[ins.weight_state] = executables.weight_state(residuals, computed)
-        state.waiting[ins.stage] += 1
-        state.peak_weight[ins.stage] = max(state.peak_weight[ins.stage], state.waiting[ins.stage])
+    def _backward_input_kernel(self, ins: RunBackwardInput, executables: Sequence[StageExecutables], buffers: dict,
+                               inputs: Sequence[StageInputs | None], grads: list) -> Launched:
+        executables = executables[ins.stage]
+        residuals = buffers[ins.residuals]
+        input_cts, computed = executables.backward_input(residuals, [buffers[b] for b in ins.cotangents])
+        buffers.update(zip(ins.input_cotangents, input_cts))
+        buffers[ins.weight_state] = executables.weight_state(residuals, computed)
         return (*input_cts, *computed)
 
-    def _backward_weight(self, mesh: int, ins: RunBackwardWeight, state: _State) -> Launched:
+    def _backward_weight_kernel(self, ins: RunBackwardWeight, executables: Sequence[StageExecutables], buffers: dict,
+                                inputs: Sequence[StageInputs | None], grads: list) -> Launched:
+        grads[ins.stage] = executables[ins.stage].backward_weight(buffers[ins.weight_state], grads[ins.stage])
+        return tuple(grads[ins.stage])
+
+    # -- handlers -------------------------------------------------------------
+
+    def _compute(self, mesh: int, ins: Instruction, state: _State) -> Launched:
         if not self.local[mesh]:
             return ()
-        state.grads[ins.stage] = self.executables[ins.stage].backward_weight(
-            state.read(ins.weight_state), state.grads[ins.stage])
-        return tuple(state.grads[ins.stage])
+        for b in ins.reads:
+            state.read(b)  # a KeyError naming the buffer when it is not live
+        return self._kernels[type(ins)](ins, self.executables, state.buffers, state.inputs, state.grads)
+
+    def _fused(self, mesh: int, ins: RunFused, state: _State) -> Launched:
+        if not self.local[mesh]:
+            return ()
+        program = self._fused_program(ins)
+        stages = program.stages
+        batches = [state.inputs[m.stage].batch[m.micro_batch] if state.inputs[m.stage].batch else ()
+                   for m in ins.members if isinstance(m, RunForward)]
+        outputs, grads = program.run([state.inputs[s].fixed for s in stages], batches,
+                                     [state.read(b) for b in ins.inputs], [state.grads[s] for s in ins.accumulates])
+        state.buffers.update(zip(ins.outputs, outputs))
+        for s, g in zip(ins.accumulates, grads):
+            state.grads[s] = g
+        for b in ins.dropped:
+            state.buffers.pop(b, None)
+        return (*jax.tree.leaves(outputs), *jax.tree.leaves(grads))
+
+    def _fused_program(self, ins: RunFused) -> _FusedProgram:
+        """The compiled program of ``ins``: one per shape of group (the same members a number of
+        micro-batches later compute the same), built on first use."""
+        key = _shifted(ins, min(m.micro_batch for m in ins.members))
+        if key not in self._fused_programs:
+            self._fused_programs[key] = _FusedProgram(key, self)
+        return self._fused_programs[key]
 
     def _send(self, mesh: int, ins: Send, state: _State) -> Launched:
         transfer = self.program.transfers[ins.transfer]
@@ -260,12 +295,7 @@ class ProgramInterpreter:
         return tuple(g for grads in reduced for g in grads)
 
     def _free(self, mesh: int, ins: Free, state: _State) -> Launched:
-        if state.buffers.pop(ins.buffer, None) is None:
-            return ()
-        if ins.buffer.kind is BufferKind.RESIDUALS:
-            state.live[ins.buffer.index] -= 1
-        elif ins.buffer.kind is BufferKind.WEIGHT_STATE:
-            state.waiting[ins.buffer.index] -= 1
+        state.buffers.pop(ins.buffer, None)
         return ()
 
 
@@ -287,3 +317,68 @@ class _State:
             return self.buffers[buffer]
         except KeyError:
             raise KeyError(f"{buffer} is not live") from None
+
+    def count(self, ins: Instruction) -> None:
+        """Per stage, the residuals and weight states ``ins`` leaves held (and, for a fused
+        program, those it held inside), and the peaks of both."""
+        counters = {BufferKind.RESIDUALS: (self.live, self.peak_live),
+                    BufferKind.WEIGHT_STATE: (self.waiting, self.peak_weight)}
+        for b in (*ins.writes, *ins.temporaries):
+            if b.kind in counters:
+                held, peak = counters[b.kind]
+                held[b.index] += 1
+                peak[b.index] = max(peak[b.index], held[b.index])
+        for b in (*ins.frees, *ins.temporaries):
+            if b.kind in counters:
+                counters[b.kind][0][b.index] -= 1
+
+
+def _shifted(x: Any, base: int) -> Any:
+    """``x`` (an instruction, or anything in one) with every micro-batch number less ``base``."""
+    if isinstance(x, tuple):
+        return tuple(_shifted(v, base) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: getattr(x, f.name) - base if f.name == "micro_batch"
+                                         else _shifted(getattr(x, f.name), base)
+                                         for f in dataclasses.fields(x)})
+    return x
+
+
+class _FusedProgram:
+    """A ``RunFused``'s members as one jitted program: the interpreter's compute kernels traced
+    in order on the program's own values, the local moves between them made inside it.
+
+    ``run(fixed, batches, inputs, grads) -> (outputs, grads)``: per stage of its members (in
+    ``stages`` order) the stage's per-step operands, per forward member its micro-batch
+    operands (``()`` for a stage with none), the instruction's ``inputs``, the accumulators of
+    its ``accumulates`` stages (donated); the instruction's ``outputs`` and the updated
+    accumulators."""
+
+    def __init__(self, ins: RunFused, interpreter: ProgramInterpreter) -> None:
+        self.stages = tuple(sorted({m.stage for m in ins.members}))
+        num_stages = len(interpreter.program.stages)
+        kernels, transfers = interpreter._kernels, interpreter.program.transfers
+        executables = [e.traceable() for e in interpreter.executables]
+
+        def fused(fixed, batches, inputs, accumulators):
+            buffers = dict(zip(ins.inputs, inputs))
+            grads: list = [None] * num_stages
+            for s, g in zip(ins.accumulates, accumulators):
+                grads[s] = list(g)
+            stage_inputs: list = [None] * num_stages
+            batch = iter(batches)
+            for s, f in zip(self.stages, fixed):
+                stage_inputs[s] = StageInputs(tuple(f), {})
+            pending = list(ins.moves)
+            for member in ins.members:
+                if isinstance(member, RunForward):
+                    stage_inputs[member.stage].batch[member.micro_batch] = next(batch)
+                kernels[type(member)](member, executables, buffers, stage_inputs, grads)
+                for mv in [mv for mv in pending if mv.source in buffers]:
+                    dst = transfers[mv.transfer].dst
+                    buffers[mv.into] = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, dst),
+                                                    buffers[mv.source])
+                    pending.remove(mv)
+            return [buffers[b] for b in ins.outputs], [grads[s] for s in ins.accumulates]
+
+        self.run = on_mesh(jax.jit(fused, donate_argnums=(3,)), interpreter.executables[self.stages[0]].mesh)

@@ -31,6 +31,7 @@ Residuals and weight state are led by the replica count, and so are ``grads``
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -57,7 +58,9 @@ def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
         with jax.set_mesh(mesh):
             return fn(*args)
 
-    run.jitted = fn  # type: ignore[attr-defined]  # for compiled_count
+    # The jitted function itself (for compiled_count, and to be traced inside a program that
+    # enters the mesh itself: a fused run of passes), and the mesh.
+    run.jitted, run.mesh = fn, mesh  # type: ignore[attr-defined]
     return run
 
 
@@ -67,12 +70,28 @@ class StageExecutables:
     backward: Callable
     backward_input: Callable
     backward_weight: Callable
-    state_from_residual: tuple[int | None, ...]  # per weight-state value, the residual it is, or None
+    # Per weight-state value, the residual it is, or None; None for all: the input pass returns
+    # the whole state (packed).
+    state_from_residual: tuple[int | None, ...] | None
 
     def weight_state(self, residuals: Sequence[jax.Array], computed: Sequence[jax.Array]) -> list[jax.Array]:
         """The weight pass's operands: passed-on residuals and what the input pass computed."""
+        if self.state_from_residual is None:
+            return list(computed)
         rest = iter(computed)
         return [next(rest) if k is None else residuals[k] for k in self.state_from_residual]
+
+    def traceable(self) -> StageExecutables:
+        """The same functions without entering the mesh: to be called while a program that
+        entered it is traced (``jax.set_mesh`` cannot be entered inside ``jax.jit``)."""
+        return dataclasses.replace(self, forward=self.forward.jitted, backward=self.backward.jitted,
+                                   backward_input=self.backward_input.jitted,
+                                   backward_weight=self.backward_weight.jitted)
+
+    @property
+    def mesh(self) -> Mesh:
+        """The stage's mesh."""
+        return self.forward.mesh
 
     def compiled_count(self) -> int:
         """Executables compiled so far (constant across steps once the first has run)."""
@@ -113,6 +132,13 @@ def compile_stage(
     in_avals = stage.jaxpr.in_avals
     state_from_residual = tuple(
         k if k is not None and k < parts.num_residuals else None for k in parts.forwarded_state)
+    # On a mesh of one device the residuals and the weight state travel packed: a program's
+    # outputs each cost the host about 2 us (a small GPT stage's forward has 155), one flat
+    # array per dtype costs it one. On larger meshes they are sharded as XLA chose: left alone.
+    residuals = _Packing(parts.forward.out_avals[parts.num_outputs:]) if _packs(mesh, replicas) else None
+    state = _Packing(parts.backward_input.out_avals[num_acts:]) if residuals is not None else None
+    if state is not None:
+        state_from_residual = None
 
     def forward(fixed, batch, acts):
         args = [None] * len(stage.inputs)
@@ -127,7 +153,8 @@ def compile_stage(
                                                   *[STACKED] * parts.num_residuals])(*values)
         results = [to_wire(o) if split.stacked(k) else jax.lax.with_sharding_constraint(to_wire(o), s)
                    for k, (o, s) in enumerate(zip(outs[: parts.num_outputs], output_shardings))]
-        return results, list(outs[parts.num_outputs :])
+        kept = list(outs[parts.num_outputs :])
+        return results, kept if residuals is None else residuals.pack(kept)
 
     # The received cotangents meet the replicas as their outputs left them.
     cotangent_axes = [split.output_axis(slot) for slot in parts.diff_outputs for e in io.out_edges[slot]
@@ -158,18 +185,23 @@ def compile_stage(
             return sums
         return [jax.lax.with_sharding_constraint(g, sh) for g, sh in zip(sums, accumulators)]
 
-    def backward(residuals, cotangents, grads):
+    def backward(kept, cotangents, grads):
+        kept = kept if residuals is None else residuals.unpack(kept)
         outs = split.map(lambda r, c: backward_fn(*r, *output_cotangents(c)), [STACKED, cotangent_axes],
-                         [*act_axes, *[STACKED] * parts.num_param_cotangents])(residuals, cotangents)
+                         [*act_axes, *[STACKED] * parts.num_param_cotangents])(kept, cotangents)
         return constrain(outs[:num_acts]), accumulate(grads, outs[num_acts:])
 
-    def backward_input(residuals, cotangents):
+    def backward_input(kept, cotangents):
+        kept = kept if residuals is None else residuals.unpack(kept)
         outs = split.map(lambda r, c: input_fn(*r, *output_cotangents(c)), [STACKED, cotangent_axes],
-                         [*act_axes, *[STACKED] * parts.num_weight_state])(residuals, cotangents)
-        state = outs[num_acts:]
-        return constrain(outs[:num_acts]), [v for v, k in zip(state, state_from_residual) if k is None]
+                         [*act_axes, *[STACKED] * parts.num_weight_state])(kept, cotangents)
+        computed = outs[num_acts:]
+        if state is not None:
+            return constrain(outs[:num_acts]), state.pack(list(computed))
+        return constrain(outs[:num_acts]), [v for v, k in zip(computed, state_from_residual) if k is None]
 
     def backward_weight(weight_state, grads):
+        weight_state = weight_state if state is None else state.unpack(weight_state)
         return accumulate(grads, split.map(lambda w: weight_fn(*w), [STACKED],
                                            [STACKED] * parts.num_param_cotangents)(weight_state))
 
@@ -180,6 +212,40 @@ def compile_stage(
         on_mesh(jax.jit(backward_weight, donate_argnums=(1,)), mesh),
         state_from_residual,
     )
+
+
+def _packs(mesh: Mesh, replicas: StageReplicas | None) -> bool:
+    """Whether a stage on ``mesh`` passes its residuals packed (``_Packing``)."""
+    return mesh.devices.size == 1 and replicas is None
+
+
+class _Packing:
+    """Values of the avals ``avals`` carried as one flat array per dtype, in order of first
+    appearance, then the values of extended dtypes (keys) as they are."""
+
+    def __init__(self, avals: Sequence[Any]) -> None:
+        self.avals = tuple(avals)
+        plain = [k for k, a in enumerate(self.avals) if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)]
+        self.groups: dict[Any, list[int]] = {}
+        for k in plain:
+            self.groups.setdefault(self.avals[k].dtype, []).append(k)
+        self.loose = [k for k in range(len(self.avals)) if k not in plain]
+
+    def pack(self, values: Sequence[jax.Array]) -> list[jax.Array]:
+        flat = [jnp.concatenate([jnp.ravel(values[k]) for k in group]) for group in self.groups.values()]
+        return [*flat, *(values[k] for k in self.loose)]
+
+    def unpack(self, packed: Sequence[jax.Array]) -> list[jax.Array]:
+        values: list[Any] = [None] * len(self.avals)
+        for flat, group in zip(packed, self.groups.values()):
+            start = 0
+            for k in group:
+                size = math.prod(self.avals[k].shape)
+                values[k] = flat[start:start + size].reshape(self.avals[k].shape)
+                start += size
+        for value, k in zip(packed[len(self.groups):], self.loose):
+            values[k] = value
+        return values
 
 
 class _Stacked:

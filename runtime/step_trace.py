@@ -31,7 +31,9 @@ Only what this process observes is recorded: compute on its own meshes, and
 transfers delivered to its own meshes (a process owning only the source mesh
 holds no shard of the moved value, so cannot see it arrive). Instructions
 that produce nothing (``Recv``, ``Free``, compute skipped on other
-processes' meshes) get no event.
+processes' meshes) get no event. A fused program (``passes.pipeline.fused_runs``) runs
+several tasks in one execution, which no clock sees inside: its interval is split evenly
+among them, in order (run with ``fuse_compute=1`` to time each task alone).
 """
 
 from __future__ import annotations
@@ -89,10 +91,11 @@ class StepTrace:
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:
-    """An instruction's launch: ``seq`` counts launches, ``witness`` is ready when it is done."""
+    """An instruction's launch: ``seq`` counts launches, ``witness`` is ready when it is done;
+    ``tasks`` are the schedule tasks it runs (several for a fused program)."""
 
     seq: int
-    task: Task
+    tasks: tuple[Task, ...]
     launch: float
     witness: jax.Array
 
@@ -100,7 +103,7 @@ class _Launch:
 @dataclasses.dataclass(frozen=True)
 class _Record:
     seq: int
-    task: Task
+    tasks: tuple[Task, ...]
     lane: Lane
     launch: float
     ready: float
@@ -120,13 +123,13 @@ class _LaneWaiter:
 
     def _run(self) -> None:
         while (launch := self.pending.get()) is not None:
-            self.waiting_for = launch.task
+            self.waiting_for = launch.tasks[-1]
             try:
                 launch.witness.block_until_ready()
             except Exception as e:  # reported by StepRecorder.timeline
                 self.error = e
                 return
-            self.records.append(_Record(launch.seq, launch.task, self.lane, launch.launch, time.perf_counter()))
+            self.records.append(_Record(launch.seq, launch.tasks, self.lane, launch.launch, time.perf_counter()))
         self.waiting_for = None
 
 
@@ -187,36 +190,36 @@ class StepRecorder:
         at = self._task_lane(mesh, instruction)
         if at is None:
             return
-        task, lane = at
+        tasks, lane = at
         seq, self._seq = self._seq, self._seq + 1
         if self.serialize:
             jax.block_until_ready(arrays)
-            self._records.append(_Record(seq, task, lane, launch_time, time.perf_counter()))
+            self._records.append(_Record(seq, tasks, lane, launch_time, time.perf_counter()))
             return
         # Each instruction is one execution (or one move), whose outputs are ready together:
         # one of them times it. Accumulated gradients get donated, so a marker on one does.
         last = arrays[-1]
-        witness = _ready_marker(last) if instruction.accumulates is not None else last
+        witness = _ready_marker(last) if instruction.accumulates else last
         if lane not in self._waiters:
             self._waiters[lane] = _LaneWaiter(lane)
-        self._waiters[lane].pending.put(_Launch(seq, task, launch_time, witness))
+        self._waiters[lane].pending.put(_Launch(seq, tasks, launch_time, witness))
 
     def outside_pipeline(self, seconds: float) -> None:
         """An instruction of the step around the pipeline program took ``seconds`` (run alone)."""
         self.outside_pipeline_s += seconds
 
-    def _task_lane(self, mesh: int, instruction: Instruction) -> tuple[Task, Lane] | None:
-        """The task ``instruction`` runs and its lane, or ``None`` when this process cannot see it."""
-        if not instruction.tasks:
+    def _task_lane(self, mesh: int, instruction: Instruction) -> tuple[tuple[Task, ...], Lane] | None:
+        """The tasks ``instruction`` runs and its lane, or ``None`` when this process cannot see it."""
+        tasks = instruction.tasks
+        if not tasks:
             return None  # a reduction: no schedule task, the simulator prices it beside the timeline
-        task = instruction.tasks[-1]
         if instruction.sends:
             transfer = self.program.transfers[instruction.sends[0][0]]
             home = self.program.schedule.stage_mesh
             if not self.local[home[transfer.dst_stage]]:
                 return None
-            return task, Lane(LaneKind.LINK, home[transfer.src_stage], home[transfer.dst_stage])
-        return task, Lane(LaneKind.COMPUTE, mesh)
+            return tasks, Lane(LaneKind.LINK, home[transfer.src_stage], home[transfer.dst_stage])
+        return tasks, Lane(LaneKind.COMPUTE, mesh)
 
     def timeline(self) -> Timeline:
         """The step's events once everything launched is ready, times from the first start.
@@ -253,9 +256,14 @@ def _infer_events(records: Sequence[_Record], program: PipelineProgram) -> list[
     events = []
     for r in sorted(records, key=lambda r: r.seq):
         bounds = [r.launch, lane_free.get(r.lane, r.launch)]
-        bounds += [ends[d] for d in task_dependencies(r.task, schedule.edges, schedule.split_backward) if d in ends]
+        bounds += [ends[d] for task in r.tasks for d in task_dependencies(task, schedule.edges, schedule.split_backward)
+                   if d in ends and d not in r.tasks]
         start = max(bounds)
         end = max(r.ready, start)
-        ends[r.task] = lane_free[r.lane] = end
-        events.append(TimelineEvent(r.task, r.lane, start, end))
+        # A fused program's tasks ran inside one execution: its time is split evenly among them.
+        step = (end - start) / len(r.tasks)
+        for k, task in enumerate(r.tasks):
+            ends[task] = start + (k + 1) * step
+            events.append(TimelineEvent(task, r.lane, start + k * step, start + (k + 1) * step))
+        lane_free[r.lane] = end
     return events

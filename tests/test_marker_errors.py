@@ -71,3 +71,24 @@ def test_auto_layers_with_another_num_stages_says_where_the_markers_came_from():
     with pytest.raises(StageMarkerError, match=r"auto_layers=4 cut the loss into 4 layers with 3 automatic markers, "
                                                r"one stage each; pass auto_layers=2"):
         meshpar.parallelize(supervised_step(mse), method=method)(state, BATCH)
+
+
+def test_outside_parallelize_a_marker_leaves_nothing_in_the_program():
+    """Under plain jax.jit the model's program has no marker and no effect (an effect costs JAX's
+    C++ dispatch path); while parallelize traces, the marker is there, with its effect."""
+    import jax
+
+    from meshpar.autodiff import tracing_pipeline
+    from meshpar.passes.pipeline.step_primitives import stage_boundary_p
+
+    def model(h):
+        h = jnp.tanh(h)
+        meshpar.mark_stage_boundary()
+        return h * 2
+
+    # A function of its own per trace: JAX caches a function's trace.
+    plain = jax.make_jaxpr(lambda h: model(h))(jnp.ones(3))
+    assert not plain.effects and all(e.primitive is not stage_boundary_p for e in plain.eqns)
+    with tracing_pipeline():
+        traced = jax.make_jaxpr(lambda h: model(h))(jnp.ones(3))
+    assert traced.effects and [e.primitive for e in traced.eqns].count(stage_boundary_p) == 1

@@ -302,7 +302,7 @@ def test_each_kind_says_what_it_reads_writes_frees_and_runs():
             reads, writes, frees, kind = want
             assert (ins.reads, ins.writes, ins.frees) == (reads, writes, frees), ins
             assert [t.kind for t in ins.tasks] == ([] if kind is None else [kind]), ins
-            assert ins.accumulates == (ins.stage if isinstance(ins, (RunBackward, RunBackwardWeight)) else None)
+            assert ins.accumulates == ((ins.stage,) if isinstance(ins, (RunBackward, RunBackwardWeight)) else ())
     assert len(seen) == 8
 
 

@@ -33,11 +33,14 @@ class ScheduleOptions:
       name: a key of ``pipeline_schedule.SCHEDULES``.
       num_micro_batches: micro-batches per step, at least 1.
       weight_delay: ``False``, ``True`` or ``"auto"`` (``weight_delay.check_weight_delay``).
+      fuse_compute: the most stage passes a mesh runs as one program (``fused_runs``); 1: each
+        its own; ``None``: no limit.
     """
 
     name: str
     num_micro_batches: int
     weight_delay: bool | str
+    fuse_compute: int | None = 1
 
 
 @dataclasses.dataclass(frozen=True)

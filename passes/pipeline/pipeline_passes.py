@@ -63,6 +63,7 @@ from .data_replicas import DataReplicas, plan_data_replicas, verify_data_replica
 from .drop_mesh_axis import drop_mesh_axis
 from .micro_batching import MicroBatching
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
+from .fused_runs import fuse_compute_runs
 from .step_layout import StepLayout, layout_step, verify_step_layout
 from .step_primitives import pipeline_grad_p, stage_boundary_p
 from .step_program import StepProgram, lower_step, verify_step_program
@@ -263,6 +264,10 @@ def compile_pipeline(
     reduced = gradients.reduced_stages()
     program = _run("lower_to_program", lambda: lower_to_program(schedule, ios, transfers, reduced),
                    lambda p: verify_pipeline_program(p, reduced))
+    if options.schedule.fuse_compute != 1:
+        unfused = program
+        program = _run("fuse_compute_runs", lambda: fuse_compute_runs(unfused, options.schedule.fuse_compute),
+                       lambda p: verify_pipeline_program(p, reduced))
     step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes, gradients),
                 lambda sp: verify_step_program(sp, split, graph, program))
     # A stage output leaves as its first move takes it; one no later stage reads (the loss, an

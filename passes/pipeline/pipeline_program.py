@@ -103,7 +103,7 @@ class Instruction(abc.ABC):
     """What an instruction of a program says about itself, so that every pass over programs
     (the verifier, the launch-time trace, the live-byte prediction, fusion) reads it without a
     list of kinds: the buffers it reads and writes on its mesh and those it frees, the schedule
-    tasks it runs, and the stage whose gradient accumulators it updates. A new kind is this
+    tasks it runs, and the stages whose gradient accumulators it updates. A new kind is this
     class's subclass here and one handler in the runtime."""
 
     @property
@@ -122,14 +122,19 @@ class Instruction(abc.ABC):
         return ()
 
     @property
+    def temporaries(self) -> tuple[BufferId, ...]:
+        """Buffers it makes and drops within itself (a fused program's insides)."""
+        return ()
+
+    @property
     def tasks(self) -> tuple[Task, ...]:
         """The schedule tasks it runs, in order (none for a receive, a free, a reduction)."""
         return ()
 
     @property
-    def accumulates(self) -> int | None:
-        """The stage whose gradient accumulators it updates, if any."""
-        return None
+    def accumulates(self) -> tuple[int, ...]:
+        """The stages whose gradient accumulators it updates."""
+        return ()
 
     @property
     def reduces(self) -> tuple[int, ...]:
@@ -187,7 +192,7 @@ class RunBackward(Instruction):
     reads = property(lambda self: (self.residuals, *self.cotangents))
     writes = property(lambda self: self.input_cotangents)
     tasks = property(lambda self: (Task(TaskKind.BACKWARD, self.stage, self.micro_batch),))
-    accumulates = property(lambda self: self.stage)
+    accumulates = property(lambda self: (self.stage,))
 
     def check(self, program: PipelineProgram, mesh: int) -> str | None:
         return _cotangent_wiring(program, mesh, self.stage, self.micro_batch, self.cotangents, self.input_cotangents)
@@ -229,7 +234,7 @@ class RunBackwardWeight(Instruction):
     reads = property(lambda self: (self.weight_state,))
     writes = property(lambda self: ())
     tasks = property(lambda self: (Task(TaskKind.BACKWARD_WEIGHT, self.stage, self.micro_batch),))
-    accumulates = property(lambda self: self.stage)
+    accumulates = property(lambda self: (self.stage,))
 
     def check(self, program: PipelineProgram, mesh: int) -> str | None:
         return _off_its_mesh(program, mesh, self.stage)
@@ -502,7 +507,7 @@ def _reduction_error(program: PipelineProgram, reduced_stages: frozenset[int]) -
             continue
         if len(at) != 1 or instructions[at[0]].reduces != want:
             return f"mesh {mesh}: not one gradient reduction of stages {want}"
-        late = [ins for ins in instructions[at[0]:] if ins.accumulates in want]
+        late = [ins for ins in instructions[at[0]:] if set(ins.accumulates) & set(want)]
         if late:
             return f"mesh {mesh}: {late[0]} accumulates after the step's gradient reduction"
     return None
