@@ -30,7 +30,6 @@ micro-batches):
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -44,23 +43,24 @@ from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
 __all__ = ["AuxReduction", "grad", "is_tracing_pipeline", "value_and_grad", "tracing_pipeline"]
 
-_state = threading.local()
+# Part of JAX's tracing caches' keys: a function (or a jit inside it) traced by plain jax.jit
+# would otherwise be served to meshpar from the cache without its markers and meshpar's
+# gradient, and one meshpar traced would be served to jax.jit with them.
+_TRACING_PIPELINE = jax_ir.trace_context_flag(
+    "meshpar_tracing_pipeline", "Set while meshpar traces a step: its markers and gradients bind their primitives.")
 
 
 @contextlib.contextmanager
 def tracing_pipeline() -> Iterator[None]:
-    """While active, ``value_and_grad`` binds ``pipeline_grad_p`` instead of differentiating."""
-    previous = getattr(_state, "active", False)
-    _state.active = True
-    try:
+    """While active, ``value_and_grad`` binds ``pipeline_grad_p`` instead of differentiating and
+    ``mark_stage_boundary`` binds its marker."""
+    with _TRACING_PIPELINE(True):
         yield
-    finally:
-        _state.active = previous
 
 
 def is_tracing_pipeline() -> bool:
     """Whether ``meshpar.parallelize`` (or the planner) is tracing a step in this thread."""
-    return getattr(_state, "active", False)
+    return bool(_TRACING_PIPELINE.value)
 
 
 def _check_aux_reduction(aux_reduction: Any) -> None:
@@ -160,7 +160,7 @@ def value_and_grad(
         if max(positions) < len(args) and any(has_variables(args[a]) for a in positions):
             return _nnx_value_and_grad(fun, positions, several, has_aux, aux_reduction, reduction, fold_rng,
                                        (holomorphic, allow_int, reduce_axes), args)
-        if not getattr(_state, "active", False):
+        if not is_tracing_pipeline():
             return plain(*args)
         return _pipeline_value_and_grad(fun, positions, several, has_aux, lambda: aux_reduction, reduction,
                                         fold_rng, holomorphic or allow_int, args)
@@ -286,7 +286,7 @@ def _nnx_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], sev
 
     others = tuple(x for i, x in enumerate(args) if i not in positions)
     holomorphic, allow_int, reduce_axes = jax_options
-    if getattr(_state, "active", False):
+    if is_tracing_pipeline():
         (value, (aux, updates)), grads = _pipeline_value_and_grad(
             functional, (0,), False, True, aux_reduction_of, reduction, fold_rng,
             holomorphic or allow_int, (params, rests, *others))

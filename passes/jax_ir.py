@@ -19,6 +19,8 @@ time, naming the version in a comment, so the rest of meshpar reads one IR:
 - Dead-code rules: JAX 0.12 gave them a ``live_inputs`` argument; ``dce_rule`` hides it.
 - Equation contexts: JAX 0.11 added ``cur_layout_mode``, 0.12 ``no_collectives``;
   ``with_context_mesh`` rebuilds a context from its own fields, whatever they are.
+- Tracing caches: ``trace_context_flag`` adds a flag to their keys (``config.bool_state``'s
+  ``include_in_trace_context``, the same in 0.10.2 to 0.12).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from jax.extend.core import primitives as prims
 
 # What jax.extend does not export (JAX 0.10.2 to 0.12): effect registries, transformation rule
 # tables, dead-code elimination, the PRNG's key-wrapping primitive, the concrete context mesh,
-# equation contexts, and the distributed runtime's and backend's state.
+# equation contexts, trace-context flags, and the distributed runtime's and backend's state.
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import effects as _effects
@@ -67,7 +70,7 @@ __all__ = [
     "compiled_count", "concrete_mesh", "cross_host_transfer_settings", "dce_jaxpr", "dce_rule", "distributed_client",
     "eval_jaxpr", "inline_requested", "jaxpr_as_fun", "join_effects", "nested_jaxprs", "new_jaxpr_eqn",
     "new_source_info", "no_effects", "random_wrap_p", "register_effect_type", "register_primitive_rules",
-    "scan_operand_counts", "typematch", "user_frames", "with_context_mesh",
+    "scan_operand_counts", "trace_context_flag", "typematch", "user_frames", "with_context_mesh",
 ]
 
 join_effects: Callable[..., Effects] = _core.join_effects
@@ -189,6 +192,13 @@ def with_context_mesh(eqn: JaxprEqn, mesh: Callable[[Any], Any]) -> JaxprEqn:
             value = tuple(sorted(value.items()))  # the constructor interns its arguments: hashable
         fields.append(value)
     return eqn.replace(ctx=_core.JaxprEqnContext._create(*fields))
+
+
+def trace_context_flag(name: str, help: str) -> Any:
+    """A thread-local boolean that is part of JAX's tracing caches' keys (as ``jax_enable_x64``
+    is): a function traced with the flag set is traced again, not served from a cache, with it
+    unset, and the other way round. ``with flag(True):`` sets it; ``flag.value`` reads it."""
+    return _config.bool_state(name, False, help, include_in_trace_context=True)
 
 
 def concrete_mesh() -> Any:

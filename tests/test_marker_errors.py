@@ -1,7 +1,8 @@
 """Stage-marker errors a flax user meets: a marker inside nn.remat or nn.scan names the user's
 module line (not flax's) and says how to move it; auto_layers with a different num_stages says
-the markers came from auto_layers."""
+the markers came from auto_layers; markers bind only while meshpar traces, whatever JAX cached."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,8 +10,10 @@ from flax import linen as nn
 
 import meshpar
 from examples.train_step import supervised_step
+from meshpar.autodiff import tracing_pipeline
 from meshpar.passes.pipeline.stage_graph import StageMarkerError
-from pipeline_models import make_state, mse
+from meshpar.passes.pipeline.step_primitives import stage_boundary_p
+from pipeline_models import assert_trees_close, make_state, mse
 
 BATCH = {"x": np.ones((8, 6), np.float32), "y": np.ones((8, 6), np.float32)}
 
@@ -75,20 +78,48 @@ def test_auto_layers_with_another_num_stages_says_where_the_markers_came_from():
 
 def test_outside_parallelize_a_marker_leaves_nothing_in_the_program():
     """Under plain jax.jit the model's program has no marker and no effect (an effect costs JAX's
-    C++ dispatch path); while parallelize traces, the marker is there, with its effect."""
-    import jax
-
-    from meshpar.autodiff import tracing_pipeline
-    from meshpar.passes.pipeline.step_primitives import stage_boundary_p
-
+    C++ dispatch path); while parallelize traces, the marker is there, with its effect. The same
+    function is traced both ways: JAX's tracing caches tell the two apart."""
     def model(h):
         h = jnp.tanh(h)
         meshpar.mark_stage_boundary()
         return h * 2
 
-    # A function of its own per trace: JAX caches a function's trace.
-    plain = jax.make_jaxpr(lambda h: model(h))(jnp.ones(3))
+    plain = jax.make_jaxpr(model)(jnp.ones(3))
     assert not plain.effects and all(e.primitive is not stage_boundary_p for e in plain.eqns)
     with tracing_pipeline():
-        traced = jax.make_jaxpr(lambda h: model(h))(jnp.ones(3))
+        traced = jax.make_jaxpr(model)(jnp.ones(3))
     assert traced.effects and [e.primitive for e in traced.eqns].count(stage_boundary_p) == 1
+    again = jax.make_jaxpr(model)(jnp.ones(3))
+    assert not again.effects and all(e.primitive is not stage_boundary_p for e in again.eqns)
+
+
+class _JittedBlocks(nn.Module):
+    """Two Dense blocks, each a jax.jit-ed function with the marker after it."""
+
+    @nn.compact
+    def __call__(self, x):
+        for k in range(2):
+            kernel = self.param(f"w{k}", nn.initializers.lecun_normal(), (6, 6))
+            x = _jitted_block(x, kernel)
+        return x
+
+
+@jax.jit
+def _jitted_block(x, kernel):
+    x = jnp.tanh(x @ kernel)
+    meshpar.mark_stage_boundary()
+    return x
+
+
+def test_a_step_jitted_first_still_has_its_markers_under_parallelize():
+    """A user checks their step with jax.jit, then parallelizes it. The jit inside the model was
+    traced, and cached, without markers; parallelize still sees them (JAX traces it again) and
+    says where they sit, instead of cutting the step without them."""
+    state = make_state(_JittedBlocks(), BATCH["x"][:1])
+    step = supervised_step(mse)
+    jax.jit(step)(state, BATCH)
+    method = meshpar.PipeshardParallel(num_micro_batches=2, num_stages=3, stage_mesh_shape=(1, 1),
+                                       devices=jax.devices()[:3])
+    with pytest.raises(StageMarkerError, match=r"inside a `jit` body at .*test_marker_errors.py"):
+        meshpar.parallelize(step, method=method)(state, BATCH)

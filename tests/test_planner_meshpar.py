@@ -12,6 +12,7 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
+from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.passes.planning.layer_profile import CrossingValue, LayerProfile, ModelProfile
 from meshpar.passes.planning.planner_meshpar import (Hardware, NoPlanFits, StagePlan, _axis_bandwidth, _live, _memory,
@@ -178,7 +179,8 @@ def test_cut_points_choose_which_markers_cut():
                 meshpar.mark_stage_boundary()
         return jnp.sum(x)
 
-    closed = jax.make_jaxpr(loss)(jnp.ones(4), jnp.ones(3))
+    with tracing_pipeline():
+        closed = jax.make_jaxpr(loss)(jnp.ones(4), jnp.ones(3))
     assert count_markers(closed) == 3
     assert split_stages(closed, 1).num_stages == 4
     assert split_stages(closed, 1, (1,)).num_stages == 2
