@@ -13,7 +13,9 @@ which is when it is sampled, and released when the last reference goes.
 
 CPU devices report no allocator statistics (``Device.memory_stats()`` is
 ``None`` on the CPU client), so the references are what can be measured on
-every platform; XLA's scratch space inside one executable is not among them.
+every platform. A program's scratch space, which no reference holds, is added from XLA's
+memory analysis of the compiled program (its temporaries) while the program runs: what the
+allocator sees, on the devices of the program's mesh.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax
 
 from meshpar.passes.model.devices import DeviceKey, device_key
 from meshpar.passes.pipeline.pipeline_program import BufferId, BufferKind
-from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile
+from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile, ProgramKey
 
 __all__ = ["LiveBytesMeter", "device_bytes"]
 
@@ -86,15 +88,19 @@ class LiveBytesMeter:
         self._shared: dict[int, int] = {}
         self._resident_in_pipeline = [0] * len(self.mesh_devices)
         self._resident_peak = [0] * len(self.mesh_devices)
+        self._program_temps: dict[ProgramKey, int] = {}
 
     def around(self, held: Callable[[], Iterable[Any]]) -> None:
         """What the step holds outside the pipeline program: read at every sample (the
         executor's placed inputs, values and outputs, as they are then)."""
         self._held_around = held
 
-    def sample(self, resident: Iterable[Any] = (), activations: Mapping[BufferId, Any] | None = None) -> None:
+    def sample(self, resident: Iterable[Any] = (), activations: Mapping[BufferId, Any] | None = None,
+               running: tuple[int, int, ProgramKey] | None = None) -> None:
         """One sample: ``resident`` arrays (and nested lists of them) besides what ``around``
-        returns; ``activations`` the pipeline program's buffers (``None`` outside it)."""
+        returns; ``activations`` the pipeline program's buffers (``None`` outside it);
+        ``running``: ``(mesh, bytes, program)``, the temporaries per device of the programs just
+        launched on ``mesh`` (running now), counted in each of its devices' total."""
         seen: set[int] = set()
         per_device: dict[int, int] = {}
         for value in (*self._held_around(), *resident):
@@ -123,8 +129,14 @@ class LiveBytesMeter:
                 largest += max(sizes.values(), default=0)
             key = (buffer.kind, buffer.index, buffer.slot)
             self._buffer_bytes[key] = max(self._buffer_bytes.get(key, 0), largest)
-        for d in {*per_device, *acts}:
-            self._total[d] = max(self._total.get(d, 0), per_device.get(d, 0) + acts.get(d, 0))
+        temps: dict[int, int] = {}
+        if running is not None:
+            mesh, nbytes, program = running
+            temps = dict.fromkeys(self.mesh_devices[mesh], nbytes)
+            self._program_temps[program] = max(self._program_temps.get(program, 0), nbytes)
+        for d in {*per_device, *acts, *temps}:
+            total = per_device.get(d, 0) + acts.get(d, 0) + temps.get(d, 0)
+            self._total[d] = max(self._total.get(d, 0), total)
             self._activations[d] = max(self._activations.get(d, 0), acts.get(d, 0))
 
     def _note_shared(self, state: BufferId, value: Any, activations: Mapping[BufferId, Any]) -> None:
@@ -143,4 +155,4 @@ class LiveBytesMeter:
     def profile(self) -> MemoryProfile:
         """The per-buffer and resident bytes seen, for ``passes.simulation.live_bytes.predict_live_bytes``."""
         return MemoryProfile(dict(self._buffer_bytes), tuple(self._resident_in_pipeline), tuple(self._resident_peak),
-                             self.mesh_devices, dict(self._shared))
+                             self.mesh_devices, dict(self._shared), dict(self._program_temps))

@@ -27,6 +27,7 @@ from meshpar.passes.pipeline.pipeline_program import (
     RunBackwardInput, RunBackwardWeight, RunForward, Send, received_buffer,
 )
 from meshpar.runtime.coordination import Arrival, CoordinationError, not_delivered, raise_lost_peer, senders, wait_ready
+from meshpar.passes.simulation.live_bytes import program_key
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables, on_mesh
@@ -139,7 +140,10 @@ class ProgramInterpreter:
         """Runs every instruction; ``inputs`` and ``grads`` (zeros, donated) per stage, ``None`` where
         not local. ``recorder`` is told of every launch; ``meter`` samples what is held after each."""
         n = len(self.program.stages)
-        state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [])
+        # Metered, every program an instruction launches is measured too (its temporaries).
+        temps = _ProgramTemps() if meter is not None else None
+        executables = self.executables if temps is None else [temps.watched(e) for e in self.executables]
+        state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [], executables, temps)
         if recorder is not None:
             operands = [v for i in inputs if i is not None for v in (*i.fixed, *(x for mb in i.batch for x in mb))]
             recorder.begin(operands, grads)
@@ -159,7 +163,7 @@ class ProgramInterpreter:
             if recorder is not None:
                 recorder.launched(mesh, ins, launched, launch_time)
             if meter is not None:
-                self._sample(meter, state)
+                self._sample(meter, state, mesh, ins)
             if self.launch_window is not None and launched:
                 # An execution's outputs are ready together: one array stands for the launch.
                 unfinished.append((launched[0], ins))
@@ -168,14 +172,16 @@ class ProgramInterpreter:
         results = {b: state.buffers[b] for b in self.program.results if b in state.buffers}
         return ProgramRun(results, state.grads, state.peak_live, state.peak_weight, state.arriving)
 
-    def _sample(self, meter: LiveBytesMeter, state: _State) -> None:
+    def _sample(self, meter: LiveBytesMeter, state: _State, mesh: int, ins: Instruction) -> None:
         """What is held now: stage operands and accumulators resident, buffers and moves in flight
-        (under the buffer they will be received into) as activations."""
+        (under the buffer they will be received into) as activations, and the temporaries of the
+        programs ``ins`` launched on ``mesh`` (they run now)."""
         resident = [state.grads, *((i.fixed, i.batch) for i in state.inputs if i is not None)]
         activations = dict(state.buffers)
         for (k, m), value in state.in_flight.items():
             activations[received_buffer(self.program.transfers[k], m)] = value
-        meter.sample(resident, activations)
+        running = state.temps.take()
+        meter.sample(resident, activations, None if running is None else (mesh, running, program_key(ins)))
 
     def _wait(self, array: jax.Array, ins: Instruction, state: _State) -> None:
         # A gradient accumulator donated to the stage's next pass is that pass's to finish.
@@ -238,7 +244,7 @@ class ProgramInterpreter:
             return ()
         for b in ins.reads:
             state.read(b)  # a KeyError naming the buffer when it is not live
-        return self._kernels[type(ins)](ins, self.executables, state.buffers, state.inputs, state.grads)
+        return self._kernels[type(ins)](ins, state.executables, state.buffers, state.inputs, state.grads)
 
     def _fused(self, mesh: int, ins: RunFused, state: _State) -> Launched:
         if not self.local[mesh]:
@@ -247,7 +253,8 @@ class ProgramInterpreter:
         stages = program.stages
         batches = [state.inputs[m.stage].batch[m.micro_batch] if state.inputs[m.stage].batch else ()
                    for m in ins.members if isinstance(m, RunForward)]
-        outputs, grads = program.run([state.inputs[s].fixed for s in stages], batches,
+        run = program.run if state.temps is None else state.temps.watch(program.run)
+        outputs, grads = run([state.inputs[s].fixed for s in stages], batches,
                                      [state.read(b) for b in ins.inputs], [state.grads[s] for s in ins.accumulates])
         state.buffers.update(zip(ins.outputs, outputs))
         for s, g in zip(ins.accumulates, grads):
@@ -310,6 +317,8 @@ class _State:
     waiting: list[int]
     peak_weight: list[int]
     arriving: list[Arrival]
+    executables: Sequence[StageExecutables]
+    temps: _ProgramTemps | None
 
     def read(self, buffer: BufferId) -> Any:
         """The live buffer ``buffer``; a ``KeyError`` naming it when it is not live."""
@@ -331,6 +340,35 @@ class _State:
         for b in (*ins.frees, *ins.temporaries):
             if b.kind in counters:
                 counters[b.kind][0][b.index] -= 1
+
+
+class _ProgramTemps:
+    """While a step is metered: the temporary bytes (per device) of the programs launched since
+    the last ``take``, each program measured once (``on_mesh``'s ``temp_bytes``)."""
+
+    def __init__(self) -> None:
+        self._launched: int | None = None
+        self._known: dict[int, int] = {}
+
+    def watch(self, fn: Callable) -> Callable:
+        def call(*args: Any) -> Any:
+            if id(fn) not in self._known:
+                self._known[id(fn)] = fn.temp_bytes(*args)
+            self._launched = (self._launched or 0) + self._known[id(fn)]
+            return fn(*args)
+
+        return call
+
+    def watched(self, executables: StageExecutables) -> StageExecutables:
+        return dataclasses.replace(executables, forward=self.watch(executables.forward),
+                                   backward=self.watch(executables.backward),
+                                   backward_input=self.watch(executables.backward_input),
+                                   backward_weight=self.watch(executables.backward_weight))
+
+    def take(self) -> int | None:
+        """The bytes launched since the last call; ``None`` when nothing was."""
+        launched, self._launched = self._launched, None
+        return launched
 
 
 def _shifted(x: Any, base: int) -> Any:

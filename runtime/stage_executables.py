@@ -52,15 +52,21 @@ __all__ = ["StageExecutables", "compile_stage", "on_mesh"]
 
 def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
     """``fn`` traced with ``mesh`` in context: bare ``PartitionSpec`` constraints in the user's
-    step resolve to the stage's own mesh."""
+    step resolve to the stage's own mesh. ``run.temp_bytes(*args)`` is the bytes per device the
+    compiled program for ``args`` needs besides its arguments and results (XLA's memory
+    analysis; compiled once more for it, so for measurements only)."""
 
     def run(*args):
         with jax.set_mesh(mesh):
             return fn(*args)
 
+    def temp_bytes(*args) -> int:
+        with jax.set_mesh(mesh):
+            return int(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
     # The jitted function itself (for compiled_count, and to be traced inside a program that
     # enters the mesh itself: a fused run of passes), and the mesh.
-    run.jitted, run.mesh = fn, mesh  # type: ignore[attr-defined]
+    run.jitted, run.mesh, run.temp_bytes = fn, mesh, temp_bytes  # type: ignore[attr-defined]
     return run
 
 

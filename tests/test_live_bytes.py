@@ -108,3 +108,17 @@ def test_profile_checks_and_peaks(traces):
     peaks = LiveBytes({0: 5, 1: 3, 2: 4}, {0: 1, 2: 2}, "measured")
     assert peaks.peak_bytes == 5 and peaks.peak_activation_bytes == 2
     assert LiveBytes({}, {}, "measured").peak_bytes == 0
+
+
+def test_running_programs_temporaries_count_in_the_total(traces):
+    """XLA's memory analysis of each stage program (its scratch space) is counted on its mesh's
+    devices while it runs: one measured program per compute task, and a total that covers the
+    resident bytes plus the largest program's temporaries."""
+    _, trace, executable = traces["1f1b"]
+    temps = trace.memory_profile.program_temp_bytes
+    tasks = {(t.kind.value, t.where) for seq in executable.program.schedule.sequences for t in seq}
+    assert set(temps) == {(task,) for task in tasks} and all(v >= 0 for v in temps.values())
+    assert any(v > 0 for v in temps.values())
+    for m, devices in enumerate(executable.mesh_devices):
+        largest = max(v for ((_, stage),), v in temps.items() if executable.home[stage] == m)
+        assert trace.live_bytes.total[devices[0]] >= trace.memory_profile.resident_in_pipeline[m] + largest

@@ -11,6 +11,10 @@ A step holds two kinds of bytes on each device:
   weight pass's state, cotangents, and every value received or in flight to a
   mesh.
 
+Besides both, a running program needs its **temporaries** (XLA's memory analysis of the
+compiled program: what it allocates inside, a fused program's residuals among them). They
+count in the total (what the allocator sees) while it runs, in neither kind.
+
 The runtime (``runtime.live_bytes_meter``) samples both after every
 instruction it launches, from the arrays it holds (each array's bytes on a
 device: its shard's, or all of it where replicated), and keeps per device the
@@ -24,7 +28,8 @@ launched (a moved value at its ``Send``, on the receiving mesh) and go at
 their ``Free`` (a weight state's arrays that are its stage's residuals count once, with
 the residuals until they are freed, then with the state); the per-device total is the larger of the resident bytes
 while the pipeline runs plus the activation peak, and the resident peak
-(outside the pipeline, where old and new parameters are both held). Bytes are
+(outside the pipeline, where old and new parameters are both held), each raised by the
+temporaries of the programs running at that point. Bytes are
 per device of a mesh; devices of one mesh hold the same shard sizes, so a
 mesh's prediction stands for each of its devices.
 """
@@ -34,9 +39,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ..pipeline.pipeline_program import BufferId, BufferKind, PipelineProgram, received_buffer
+from ..pipeline.pipeline_program import BufferId, BufferKind, Instruction, PipelineProgram, received_buffer
 
-__all__ = ["LiveBytes", "MemoryProfile", "predict_live_bytes"]
+__all__ = ["LiveBytes", "MemoryProfile", "ProgramKey", "predict_live_bytes", "program_key"]
+
+ProgramKey = tuple[tuple[str, int], ...]
+
+
+def program_key(ins: Instruction) -> ProgramKey:
+    """What names the program an instruction runs, the same for every micro-batch: the kinds and
+    stages of its tasks (``(("F", 0),)``; a fused program's several)."""
+    return tuple((t.kind.value, t.where) for t in ins.tasks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +86,7 @@ class MemoryProfile:
       mesh_devices: per mesh, its device ids.
       state_from_residuals: per stage with a split backward, the bytes of its weight state
         that are arrays of its residuals (kept, not copied, when the residuals are freed).
+      program_temp_bytes: per program (``program_key``), its temporaries per device while it runs.
     """
 
     buffer_bytes: Mapping[tuple[BufferKind, int, int], int]
@@ -80,6 +94,7 @@ class MemoryProfile:
     resident_peak: Sequence[int]
     mesh_devices: Sequence[Sequence[int]]
     state_from_residuals: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    program_temp_bytes: Mapping[ProgramKey, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.mesh_devices)
@@ -104,6 +119,7 @@ def predict_live_bytes(program: PipelineProgram, profile: MemoryProfile) -> Live
     live: dict[tuple[BufferId, int], int] = {}  # (buffer, mesh) -> bytes per device
     held = [0] * num_meshes
     peak = [0] * num_meshes
+    peak_running = [0] * num_meshes  # activations held plus a running program's temporaries
 
     def add(buffer: BufferId, mesh: int, nbytes: int) -> None:
         live[(buffer, mesh)] = live.get((buffer, mesh), 0) + nbytes
@@ -142,9 +158,11 @@ def predict_live_bytes(program: PipelineProgram, profile: MemoryProfile) -> Live
         for transfer, m in ins.sends:
             dst = received_buffer(program.transfers[transfer], m)
             add(dst, home[program.transfers[transfer].dst_stage], bytes_of(dst))
+        temp = profile.program_temp_bytes.get(program_key(ins), 0) if ins.tasks else 0
+        peak_running[mesh] = max(peak_running[mesh], held[mesh] + temp)
     total, activations = {}, {}
     for m, devices in enumerate(profile.mesh_devices):
-        mesh_total = max(profile.resident_in_pipeline[m] + peak[m], profile.resident_peak[m])
+        mesh_total = max(profile.resident_in_pipeline[m] + max(peak[m], peak_running[m]), profile.resident_peak[m])
         for d in devices:
             total[d], activations[d] = mesh_total, peak[m]
     return LiveBytes(total, activations, "predicted")
