@@ -163,7 +163,7 @@ def gradient_stages(executable, host_of: Callable[[int], int]) -> list[dict]:
 
     from meshpar.passes.pipeline.step_program import ReduceGradient
 
-    device_bytes = [0] * executable.graph.num_stages
+    device_bytes = [0] * len(executable.stage_meshes)
     for ins in executable.step_program:
         if isinstance(ins, ReduceGradient):
             device_bytes[ins.stage] += ins.aval.dtype.itemsize * math.prod(ins.sharding.shard_shape(ins.aval.shape))
@@ -196,15 +196,16 @@ def move_link_bytes(executable, host_of: Callable[[int], int]) -> int | None:
     one process, so on one host. ``None`` when a move runs as a collective program, whose pieces
     are padded to one static shape: its bytes are not the plan's."""
     from meshpar.passes.pipeline.edge_transfer import TransferKind
-    from meshpar.passes.pipeline.step_program import ReduceGradient
+    from meshpar.passes.pipeline.step_program import FeedStages, ReduceGradient, RunMove
     from meshpar.passes.resharding.hop_program import HopProgram
 
     M = executable.num_micro_batches
+    step = list(executable.step_program)
     uses = [(t.move_key, M) for t in executable.program.transfers]
-    uses += [(op.fetch.move_key, 1) for ops in executable.layout.stage_operands for op in ops if op.fetch]
-    uses += [(ins.move.move_key, 1) for ins in executable.step_program
-             if isinstance(ins, ReduceGradient) and ins.move is not None]
-    uses += [(vm.move_key, 1) for vm in executable.layout.outer_moves.values()]
+    uses += [(op.fetch.move_key, 1) for ins in step if isinstance(ins, FeedStages) for feed in ins.stages
+             for op in feed.operands if op.fetch]
+    uses += [(ins.move.move_key, 1) for ins in step if isinstance(ins, ReduceGradient) and ins.move is not None]
+    uses += [(ins.via.move_key, 1) for ins in step if isinstance(ins, RunMove)]
     total = 0
     for key, times in uses:
         planned = executable.moves.of(key)

@@ -35,7 +35,6 @@ import orbax.checkpoint as ocp
 
 from meshpar.parallelize import ParallelizedStep
 from meshpar.runtime.coordination import agree
-from meshpar.runtime.placement import spans_platforms, union_sharding
 from meshpar.runtime.remote import absent
 
 __all__ = ["state_shardings", "save", "restore"]
@@ -67,18 +66,16 @@ def state_shardings(step: ParallelizedStep, *args: Any, argnum: int = 0) -> Any:
         raise TypeError(f"step: expected a meshpar.parallelize(...) step, got {type(step).__name__}")
     if not isinstance(argnum, int) or not 0 <= argnum < len(args):
         raise ValueError(f"argnum: expected the index of one of the {len(args)} arguments, got {argnum!r}")
-    placements = step.get_executable(*args).layout.in_placements
+    kept = step.get_executable(*args).leaf_shardings
     first = len(jax.tree.leaves(args[:argnum]))
     flat, treedef = jax.tree_util.tree_flatten_with_path(args[argnum])
     structs = []
     for k, (path, leaf) in enumerate(flat):
-        placement = placements[first + k]
-        if not placement.meshes:
+        sharding = kept[first + k]
+        if sharding is None:
             raise ValueError(
                 f"args[{argnum}]{jax.tree_util.keystr(path)}: the step keeps it on no mesh (a batch leaf, "
                 f"placed per micro-batch); state_shardings is for arguments it keeps, like the train state")
-        sharding = (placement.shardings[0] if len(placement.meshes) == 1 or spans_platforms(placement.shardings)
-                    else union_sharding(placement.shardings))
         dtype = jax.dtypes.canonicalize_dtype(leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf),
                                             allow_extended_dtype=True)
         structs.append(jax.ShapeDtypeStruct(np.shape(leaf), dtype, sharding=sharding))

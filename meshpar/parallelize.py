@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from meshpar.nnx_state import write_back
+from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline
 from meshpar.passes.simulation.timeline import write_chrome_trace
 from meshpar.pipeshard_parallel import AUTO, PipeshardParallel
 from meshpar.runtime.pipeline_executor import PipelineExecutable
@@ -126,6 +127,12 @@ class ParallelizedStep:
         A step over flax NNX objects returns its own outputs and then the Variable values it
         updated (``meshpar.nnx_state``): calling the step writes them back."""
         return self._lookup(args)[1].executable
+
+    def get_compiled(self, *args: Any) -> CompiledPipeline:
+        """The compiler's IRs for these arguments (compiling them if needed): the stage graph,
+        the step split and layout, the schedule, the programs and the planned moves, as
+        ``describe()`` reads them."""
+        return self._lookup(args)[1].pipeline
 
     def _lookup(self, args: tuple) -> tuple[list, CompiledStep]:
         """``args``' leaves, and the compiled step for their structure and shapes (compiled on

@@ -25,7 +25,7 @@ from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_varia
                                partition_specs, returning_updates)
 from meshpar.passes.pipeline.describe_pipeline import describe_pipeline
 from meshpar.passes.pipeline.micro_batching import resolve_micro_batching
-from meshpar.passes.pipeline.pipeline_passes import compile_pipeline, state_counterparts
+from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline, compile_pipeline, state_counterparts
 from meshpar.passes.pipeline.stage_graph import StageGraph, StageMarkerError, user_location
 from meshpar.passes.pipeline.step_split import GradCallError, OuterKind
 from meshpar.pipeshard_parallel import PipeshardParallel
@@ -46,11 +46,12 @@ def leaf_dtype(x: Any) -> Any:
 
 
 class CompiledStep(NamedTuple):
-    """A compiled step: its executable, and for a step over NNX objects which argument leaves
-    its trailing outputs update (``None`` otherwise)."""
+    """A compiled step: its executable, for a step over NNX objects which argument leaves its
+    trailing outputs update (``None`` otherwise), and the compiler's IRs it was built from."""
 
     executable: PipelineExecutable | SpmdStep
     updates: StateUpdates | None
+    pipeline: CompiledPipeline
 
 
 def _trace_mesh(method: PipeshardParallel) -> Any:
@@ -173,8 +174,9 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
         replica_loss,
     )
     if method.single_program and compiled.graph.num_stages == 1 and M == 1:
-        return CompiledStep(_single_program(compiled, outer, out_tree, method), state_updates)
-    executable = PipelineExecutable(compiled, out_tree, jax.tree.leaves(out_shapes), timeout_s=method.timeout_s,
+        return CompiledStep(_single_program(compiled, outer, out_tree, method), state_updates, compiled)
+    executable = PipelineExecutable(compiled.step, compiled.program, compiled.moves, compiled.kernels, out_tree,
+                                    jax.tree.leaves(out_shapes), timeout_s=method.timeout_s,
                                     description=describe_pipeline(compiled))
     if jax.process_count() > 1:
         # One agreement for the whole pipeline: every process compiled the
@@ -186,7 +188,7 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
             timeout_s=method.timeout_s,
             what=f"meshpar.parallelize({getattr(fun, '__name__', 'step')})",
         )
-    return CompiledStep(executable, state_updates)
+    return CompiledStep(executable, state_updates, compiled)
 
 
 def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardParallel) -> SpmdStep:
@@ -197,7 +199,7 @@ def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardP
     ins = [p.on(0) if p.meshes else read_as.get(i, NamedSharding(mesh, P(method.data_axis)))
            for i, p in enumerate(layout.in_placements)]
     outs = [p.on(0) if p is not None and p.meshes else None for p in layout.out_placements]
-    step = SpmdStep(outer, compiled.micro_batching, ins, outs, out_tree, layout, compiled.meshes,
+    step = SpmdStep(outer, compiled.micro_batching, ins, outs, out_tree, compiled.step.leaf_shardings,
                     description=f"one stage, one micro-batch on mesh {dict(mesh.shape)}: one SPMD program "
                                 f"(PipeshardParallel.single_program)")
     return step

@@ -1,11 +1,11 @@
 """Runs a compiled pipeline step: its step program (``passes.pipeline.step_program``), one
 handler per instruction kind, the pipeline program in its middle (``program_interpreter``).
 
-Everything here was decided when the pipeline compiled: where each value lives
-(``passes.pipeline.step_layout``), how micro-batches combine and where each gradient is
-reduced (``step_program``), what runs on each mesh in which order (``pipeline_program``) and
-how each value moves (``plan_moves``). Each move is prepared once, at construction, so the
-hot path plans, compiles and looks up nothing.
+The executable is built from what the compiler verified and nothing else: the step program,
+whose every instruction carries what it needs (placements, each stage's operands, the moves
+around the pipeline, the outputs' sources, the stacked leaves' splits and joins), the pipeline
+program, the move table, and the stage kernels. Each move, stage program and helper program
+is prepared once, at construction, so the hot path plans, compiles and looks up nothing.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.passes import jax_ir
 from meshpar.passes.model.devices import device_key, planner_ids
-from meshpar.passes.pipeline.edge_transfer import Direction, MoveKey
+from meshpar.passes.pipeline.edge_transfer import MoveKey
 from meshpar.passes.pipeline.micro_batching import AuxReduction
-from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline
-from meshpar.passes.pipeline.pipeline_program import ReduceGradients
+from meshpar.passes.pipeline.pipeline_program import PipelineProgram, ReduceGradients
+from meshpar.passes.pipeline.plan_moves import MoveTable
+from meshpar.passes.pipeline.stage_kernels import StageKernel
 from meshpar.passes.pipeline.step_program import (
-    AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, PlaceInputs, ReduceGradient, RunCompute, RunMove,
-    RunPipeline,
+    AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, JoinStackedLeaves, PlaceInputs, ReduceGradient,
+    RunCompute, RunMove, RunPipeline, SplitStackedLeaves, StepProgram,
 )
-from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef
+from meshpar.passes.pipeline.step_split import OuterKind, OuterMove, OuterRef
 from meshpar.passes.pipeline.wire_format import from_wire
 from meshpar.runtime.coordination import (Arrival, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
                                          wait_ready)
@@ -53,12 +54,13 @@ LAUNCH_WINDOW = 8
 
 
 class PipelineExecutable:
-    """A traced, split, scheduled and lowered train step, ready to run.
+    """A compiled train step, ready to run.
 
     Args:
-      compiled: every IR the compiler made (``passes.pipeline.pipeline_passes.CompiledPipeline``):
-        the step program this runs, the pipeline program in its middle, the stages' parts, the
-        layout and the planned moves (each prepared once, here, by its executor's handler).
+      step: the step program this runs (every instruction carries what it needs).
+      program: the pipeline program in its middle.
+      moves: every planned move (each prepared once, here, by its executor's handler).
+      kernels: per stage, what its stage programs compile from.
       out_tree, out_avals: the step's output treedef, shapes and dtypes.
       timeout_s: how long a process waits, at the end of a step, for values
         other processes send it (multi-process runs only).
@@ -67,104 +69,77 @@ class PipelineExecutable:
 
     def __init__(
         self,
-        compiled: CompiledPipeline,
+        step: StepProgram,
+        program: PipelineProgram,
+        moves: MoveTable,
+        kernels: Sequence[StageKernel],
         out_tree: Any,
         out_avals: Sequence[Any],
         timeout_s: float = 120.0,
         description: str = "",
     ) -> None:
-        graph, split, layout, program = compiled.graph, compiled.split, compiled.layout, compiled.program
-        parts, meshes, moves, micro_batching = compiled.parts, compiled.meshes, compiled.moves, compiled.micro_batching
-        step_program, micro_batch_size = compiled.step, compiled.micro_batch_size
-        self.graph, self.split, self.layout, self.program = graph, split, layout, program
-        self.step_program = step_program
+        self.step_program, self.program, self.moves = step, program, moves
         self.description = description
         self.schedule = program.schedule
-        self.meshes = tuple(meshes)
+        self.home = program.schedule.stage_mesh
+        on = {self.home[k.stage.index]: k.mesh for k in kernels}
+        self.meshes = tuple(on[m] for m in range(len(program.instructions)))
         # Ids distinct across platforms: the meshes may be on a GPU and on the host.
         self.device_ids = planner_ids(*(m.devices.flat for m in self.meshes))
         self.mesh_devices = tuple(tuple(self.device_ids[device_key(d)] for d in m.devices.flat) for m in self.meshes)
-        self.home = program.schedule.stage_mesh
-        self.stage_meshes = tuple(self.meshes[m] for m in self.home)
+        self.stage_meshes = tuple(k.mesh for k in kernels)
         self.num_micro_batches = program.schedule.num_micro_batches
-        self.micro_batch_size = micro_batch_size
         self.out_tree = out_tree
-        pieces = compiled.leaf_pieces
+        joins = [ins for ins in step if isinstance(ins, JoinStackedLeaves)]
+        pieces = joins[0].pieces if joins else None
         self.out_avals = tuple(out_avals) if pieces is None else tuple(
             out_avals[j] if p is None else _piece_aval(out_avals[j], pieces.outputs[j], p)
             for j, p in pieces.piece_outputs())
+        # Per leaf of the user's arguments, where the step keeps it between calls.
+        self.leaf_shardings = step.leaf_shardings
         self.timeout_s = timeout_s
-        self.micro_batching = micro_batching
         # Per mesh (a mesh may host several stages), and per stage: whether a device of it is
         # this process's.
         self.mesh_local = [owns_a_device_of(m) for m in self.meshes]
         self.local = [self.mesh_local[m] for m in self.home]
-        self.moves = moves
         self._prepared: dict[MoveKey, Move] = {}
-        in_ct = {t.edge: t.src for t in program.transfers if t.direction is Direction.COTANGENT}
-        self.executables = [
-            compile_stage(
-                stage, parts[stage.index], program.stages[stage.index], layout.stage_operands[stage.index],
-                compiled.stage_output_shardings[stage.index],
-                [in_ct[e] for e in program.stages[stage.index].cotangent_in_edges],
-                self.stage_meshes[stage.index], micro_batching.loss_seed,
-                compiled.gradients.stages[stage.index],
-            )
-            for stage in graph.stages
-        ]
-        self.gradients = compiled.gradients
-        self.edges = graph.edges()
+        self.executables = [compile_stage(k) for k in kernels]
         # Per program.transfers entry, its prepared move.
         self.transfer_moves = tuple(self._move(t.move_key) for t in program.transfers)
         several = jax.process_count() > 1
         if several:
             self._connect_meshes()
-        reducers = {mesh: self._reducer(mesh, ins.stages) for mesh, instructions in enumerate(program.instructions)
+        reducers = {mesh: self._reducer(mesh, [kernels[s].accumulation for s in ins.stages])
+                    for mesh, instructions in enumerate(program.instructions)
                     for ins in instructions if isinstance(ins, ReduceGradients)}
         self._interpreter = ProgramInterpreter(
             program, self.executables, self.transfer_moves, reducers, self.mesh_local, watch=several,
             launch_window=LAUNCH_WINDOW if several else None, timeout_s=timeout_s)
-        self._fetches = {(s, op.position): self._move(op.fetch.move_key)
-                         for s, ops in enumerate(layout.stage_operands) for op in ops if op.fetch}
-        # Per ReduceGradient instruction with a move (by identity, as the step program holds it),
-        # the move of its gradient to the owner's mesh.
-        self._gradient_moves = {id(ins): self._move(ins.move.move_key) for ins in step_program
-                                if isinstance(ins, ReduceGradient) and ins.move is not None}
-        self._outer_moves = {mv: self._move(vm.move_key) for mv, vm in layout.outer_moves.items()}
-        # Stacked leaves held as per-stage pieces: split on the way in, joined on the way out.
-        self.stacked_leaves = None if pieces is None else StackedLeaves(
-            pieces, compiled.stacked_arrays, compiled.gathered_arrays, self._move)
-        # Per move around the pipeline, the other processes sending it (to name them if it fails).
-        self._outer_senders = {mv: senders(vm.src) for mv, vm in layout.outer_moves.items()}
-        self._consts = {(s, op.position): put(split.consts[op.source.index], op.sharding)
-                        for s, ops in enumerate(layout.stage_operands) for op in ops
-                        if op.source.kind is OuterKind.CONST and self.local[s]}
-        self._compute_fns = {id(c): self._compile_compute(c) for c in (*split.before, *split.after)
-                             if isinstance(c, OuterCompute)}
-        self._folds = {s: jax.jit(_fold_all, static_argnums=1) for s in range(graph.num_stages)}
-        # Per per-micro-batch operand of a stage here: the sharding its whole value is placed
-        # with (micro-batches leading, each laid out as the stage reads it) and the program
-        # cutting it into the micro-batches.
-        self._slicers = {(s, op.position): _slicer(op.sharding, self.num_micro_batches)
-                         for s, ops in enumerate(layout.stage_operands) if self.local[s]
-                         for op in ops if op.per_micro_batch and not op.fold_key}
         # Per mesh here, its stages and the one program making their gradient accumulators.
         self._accumulators = []
         for mesh in range(len(self.meshes)):
             stages = [s for s, m in enumerate(self.home) if m == mesh and self.local[s]]
             if stages:
-                plans = [compiled.gradients.stages[s].accumulators for s in stages]
-                self._accumulators.append((stages, _accumulator_maker(plans)))
-        packed = [mv for mv in split.moved() if len(mv.values) > 1]
-        self._packs = {mv: _packer(layout.outer_moves[mv].src) for mv in packed}
-        self._unpacks = {mv: _unpacker([split.avals[r] for r in mv.values],
-                                       [layout.value_shardings[(r, mv.dst)] for r in mv.values]) for mv in packed}
-        # Per stage, the most micro-batches whose forward residuals were alive
-        # at once during the last step (what the schedule costs in memory), and
-        # the most weight passes waiting at once; 0 on other processes' meshes.
-        self.peak_live_activations: list[int] = [0] * graph.num_stages
-        self.peak_weight_states: list[int] = [0] * graph.num_stages
+                self._accumulators.append(
+                    (stages, _accumulator_maker([kernels[s].accumulation.accumulators for s in stages])))
+        # What each step instruction runs, prepared once (by the instruction's identity).
+        self._ready: dict[int, Any] = {}
+        self._compute_fns: list[Callable] = []
+        self.stacked_leaves: StackedLeaves | None = None
+        self.peak_live_activations: list[int] = [0] * len(kernels)
+        self.peak_weight_states: list[int] = [0] * len(kernels)
+        preparers: dict[type, Callable[[Any], None]] = {
+            SplitStackedLeaves: self._prepare_stacked,
+            RunCompute: self._prepare_compute,
+            RunMove: self._prepare_move,
+            FeedStages: self._prepare_feed,
+            ReduceGradient: self._prepare_gradient,
+        }
+        for ins in step:
+            if type(ins) in preparers:
+                preparers[type(ins)](ins)
         self._handlers: dict[type, Callable[[Any, _StepState], None]] = {
+            SplitStackedLeaves: self._split_stacked,
             PlaceInputs: self._place_inputs,
             RunCompute: self._run_compute,
             RunMove: self._run_move,
@@ -174,7 +149,11 @@ class PipelineExecutable:
             ReduceGradient: self._reduce_gradient,
             AwaitArrivals: self._await_arrivals,
             AssembleOutputs: self._assemble_outputs,
+            JoinStackedLeaves: self._join_stacked,
         }
+        unknown = sorted({type(ins).__name__ for ins in step} - {k.__name__ for k in self._handlers})
+        if unknown:
+            raise TypeError(f"step: instructions of kinds {unknown} have no handler in the pipeline executor")
 
     def _move(self, key: MoveKey) -> Move:
         """The prepared move of ``key``: one per distinct move, built at construction."""
@@ -182,15 +161,55 @@ class PipelineExecutable:
             self._prepared[key] = prepare_move(self.moves.of(key), self.timeout_s)
         return self._prepared[key]
 
-    def _compile_compute(self, compute: OuterCompute) -> Callable:
+    # -- preparing the step's instructions ---------------------------------------
+
+    def _prepare_stacked(self, ins: SplitStackedLeaves) -> None:
+        self.stacked_leaves = StackedLeaves(ins.pieces, dict(ins.held), dict(ins.gathered), self._move)
+
+    def _prepare_compute(self, ins: RunCompute) -> None:
+        compute = ins.compute
         fn = jax_ir.jaxpr_as_fun(compute.jaxpr)
-        targets = [self.layout.value_shardings.get((ref, compute.mesh)) for ref in compute.outputs]
+        targets = ins.output_shardings
 
         def run(*args):
             outs = fn(*args)
             return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
-        return on_mesh(jax.jit(run), self.meshes[compute.mesh])
+        self._ready[id(ins)] = on_mesh(jax.jit(run), self.meshes[compute.mesh])
+        self._compute_fns.append(self._ready[id(ins)])
+
+    def _prepare_move(self, ins: RunMove) -> None:
+        move = self._move(ins.via.move_key)
+        if not ins.unpacked:
+            self._ready[id(ins)] = (move, None, None)
+            return
+        avals = [self.step_program.avals[r] for r in ins.move.values]
+        self._ready[id(ins)] = (move, _packer(ins.via.src), _unpacker(avals, ins.unpacked))
+
+    def _prepare_feed(self, ins: FeedStages) -> None:
+        M = ins.num_micro_batches
+        prepared = {}
+        for feed in ins.stages:
+            for op, owner in zip(feed.operands, feed.fetched_from):
+                key = (feed.stage, op.position)
+                if op.fetch is not None:
+                    prepared[key] = ("fetch", self._move(op.fetch.move_key), owner)
+                elif not self.local[feed.stage]:
+                    continue
+                elif op.fold_key:
+                    prepared[key] = ("fold", jax.jit(_fold_all, static_argnums=1))
+                elif op.per_micro_batch:
+                    # The whole value placed once, micro-batches leading, then cut by one program.
+                    prepared[key] = ("slices", *_slicer(op.sharding, M))
+                elif op.source.kind is OuterKind.CONST:
+                    prepared[key] = ("const", put(self.step_program.consts[op.source.index], op.sharding))
+                else:
+                    prepared[key] = ("value",)
+        self._ready[id(ins)] = prepared
+
+    def _prepare_gradient(self, ins: ReduceGradient) -> None:
+        if ins.move is not None:
+            self._ready[id(ins)] = self._move(ins.move.move_key)
 
     def _connect_meshes(self) -> None:
         """Every collective group of each mesh spanning processes, connected once, mesh by mesh.
@@ -212,11 +231,11 @@ class PipelineExecutable:
                             mesh)(ones) for axes in [*range(ones.ndim), None]]
             wait_ready(sums, self.timeout_s, f"connecting the devices of mesh {dict(mesh.shape)} across processes")
 
-    def _reducer(self, mesh: int, stages: Sequence[int]) -> Callable:
-        """``stages``' accumulators reduced on ``mesh``: replicas' partial sums summed
-        over the data axis (one all-reduce for all of them), each cast to its parameter's dtype
-        and laid out as its gradient is read (``data_replicas.StageAccumulation.reduced``)."""
-        plans = [self.gradients.stages[s] for s in stages]
+    def _reducer(self, mesh: int, plans: Sequence[Any]) -> Callable:
+        """The accumulators of stages reduced on ``mesh`` (per stage, its ``StageAccumulation``):
+        replicas' partial sums summed over the data axis (one all-reduce for all of them), each
+        cast to its parameter's dtype and laid out as its gradient is read
+        (``data_replicas.StageAccumulation.reduced``)."""
 
         def reduce_gradients(grads):
             return [[(g.sum(0) if plan.replicas is not None else g).astype(dtype) for g, (_, dtype) in
@@ -234,7 +253,7 @@ class PipelineExecutable:
     def compiled_count(self) -> int:
         """Executables compiled so far: constant across steps after the first."""
         return (sum(e.compiled_count() for e in self.executables)
-                + sum(jax_ir.compiled_count(f.jitted) for f in self._compute_fns.values()))
+                + sum(jax_ir.compiled_count(f.jitted) for f in self._compute_fns))
 
     # -- the step -------------------------------------------------------------
 
@@ -252,10 +271,7 @@ class PipelineExecutable:
         """
         arrivals: list[Arrival] = []
         try:
-            if self.stacked_leaves is None:
-                return self._step(leaves, recorder, meter, arrivals)
-            outputs = self._step(self.stacked_leaves.split(leaves, self.timeout_s), recorder, meter, arrivals)
-            return self.stacked_leaves.join(outputs, self.timeout_s)
+            return self._step(leaves, recorder, meter, arrivals)
         except jax.errors.JaxRuntimeError as e:
             # The program's own transfers are named where they are waited for; this names the
             # moves around the pipeline, whose failures surface in what reads them.
@@ -283,35 +299,79 @@ class PipelineExecutable:
 
     # -- handlers -------------------------------------------------------------
 
+    def _split_stacked(self, ins: SplitStackedLeaves, state: _StepState) -> None:
+        state.leaves = self.stacked_leaves.split(state.leaves, self.timeout_s)
+
+    def _join_stacked(self, ins: JoinStackedLeaves, state: _StepState) -> None:
+        state.outputs = self.stacked_leaves.join(state.outputs, self.timeout_s)
+
     def _place_inputs(self, ins: PlaceInputs, state: _StepState) -> None:
-        state.placed = [place(v, p) for v, p in zip(state.leaves, self.layout.in_placements)]
+        state.placed = [place(v, p) for v, p in zip(state.leaves, ins.placements)]
+        state.placements = ins.placements
 
     def _run_compute(self, ins: RunCompute, state: _StepState) -> None:
         compute = ins.compute
         if self.mesh_local[compute.mesh]:
-            outs = self._compute_fns[id(compute)](*[self._value(r, compute.mesh, state) for r in compute.inputs])
+            outs = self._ready[id(ins)](*[self._value(r, compute.mesh, state) for r in compute.inputs])
             state.values.update({(ref, compute.mesh): o for ref, o in zip(compute.outputs, outs)})
 
     def _run_move(self, ins: RunMove, state: _StepState) -> None:
         # Every process joins the move, whether or not it holds either end.
-        step, vm = ins.move, self.layout.outer_moves[ins.move]
-        move = self._outer_moves[step]
-        if len(step.values) == 1:
+        step, via = ins.move, ins.via
+        move, pack, unpack = self._ready[id(ins)]
+        if pack is None:
             moved = state.values[(step.values[0], step.dst)] = move(
-                self._value(step.values[0], step.src, state, vm.src))
-            self._note_arrival(step, moved, state.arrivals)
+                self._value(step.values[0], step.src, state, via.src))
+            self._note_arrival(step, via, moved, state.arrivals)
             return
         if self.mesh_local[step.src]:
-            vector = self._packs[step](*[self._value(r, step.src, state) for r in step.values])
+            vector = pack(*[self._value(r, step.src, state) for r in step.values])
         else:
-            vector = absent(vm.shape, vm.dtype, vm.src)
+            vector = absent(via.shape, via.dtype, via.src)
         moved = move(vector)
-        self._note_arrival(step, moved, state.arrivals)
+        self._note_arrival(step, via, moved, state.arrivals)
         if self.mesh_local[step.dst]:
-            state.values.update({(r, step.dst): v for r, v in zip(step.values, self._unpacks[step](moved))})
+            state.values.update({(r, step.dst): v for r, v in zip(step.values, unpack(moved))})
 
     def _feed_stages(self, ins: FeedStages, state: _StepState) -> None:
-        state.inputs = self._stage_inputs(state)
+        """Each stage's operands: placed leaves, constants and values computed before the pipeline,
+        fetched parameters, micro-batch slices sent straight from where the batch is to the stage
+        that reads them, and keys folded with each micro-batch's index."""
+        prepared, leaves, placed = self._ready[id(ins)], state.leaves, state.placed
+        size, M = ins.micro_batch_size, ins.num_micro_batches
+        out: list[StageInputs | None] = []
+        for feed in ins.stages:
+            s, mesh = feed.stage, feed.mesh
+            fixed, columns = [], []
+            for op in feed.operands:
+                how = prepared.get((s, op.position))
+                if how is None:  # an operand of a stage of another process's
+                    continue
+                if how[0] == "fetch":
+                    # Every process joins the move, whether or not it owns stage s.
+                    fixed.append(how[1](placed[op.source.index][how[2]]))
+                elif how[0] == "const":
+                    fixed.append(how[1])
+                elif how[0] == "value":
+                    fixed.append(self._value(op.source, mesh, state))
+                elif how[0] == "fold":
+                    columns.append(how[1](self._value(op.source, mesh, state), M))
+                else:
+                    _, stacked, unstack = how
+                    if op.source.kind is OuterKind.IN and not state.placements[op.source.index].meshes:
+                        leaf = leaves[op.source.index]  # a batch leaf, never placed whole
+                        on_devices = isinstance(leaf, jax.Array) and leaf.is_fully_addressable \
+                            and jax.process_count() == 1
+                        leaf = leaf if on_devices else np.asarray(leaf)
+                    else:
+                        leaf = self._value(op.source, mesh, state)
+                    columns.append(unstack(put(leaf.reshape(M, size, *leaf.shape[1:]), stacked)))
+            if not self.local[s]:
+                out.append(None)
+                continue
+            batch = tuple(tuple(c[m] for c in columns) for m in range(M)) if columns else ()
+            out.append(StageInputs(tuple(fixed), batch))
+        state.inputs = out
 
     def _run_pipeline(self, ins: RunPipeline, state: _StepState) -> None:
         state.run = self._interpreter.run(state.inputs, self._zero_grads(), state.recorder, state.meter)
@@ -331,21 +391,23 @@ class PipelineExecutable:
         grads = state.run.grads[ins.stage]
         g = grads[ins.position] if grads is not None else absent(ins.aval.shape, ins.aval.dtype, ins.sharding)
         if ins.move is not None:
-            g = self._gradient_moves[id(ins)](g)
+            g = self._ready[id(ins)](g)
         key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
         state.values[key] = g if key not in state.values or not self.mesh_local[ins.mesh] else state.values[key] + g
 
     def _await_arrivals(self, ins: AwaitArrivals, state: _StepState) -> None:
         if state.run.arriving:
-            wait_arrivals(state.run.arriving, self.timeout_s, "pipeline transfers", "waiting for them at the end of a step")
+            wait_arrivals(state.run.arriving, self.timeout_s, "pipeline transfers",
+                          "waiting for them at the end of a step")
 
     def _assemble_outputs(self, ins: AssembleOutputs, state: _StepState) -> None:
         results = []
-        for j, (ref, meshes) in enumerate(self.split.outputs):
+        for j, source in enumerate(ins.outputs):
+            ref = source.ref
             if ref.kind is OuterKind.LITERAL:
-                results.append(jnp.asarray(self.split.literals[j], self.out_avals[j].dtype))
+                results.append(jnp.asarray(source.literal, self.out_avals[j].dtype))
             elif ref.kind is OuterKind.CONST:
-                results.append(self.split.consts[ref.index])
+                results.append(self.step_program.consts[ref.index])
             elif ref.kind is OuterKind.IN:
                 arrays = state.placed[ref.index]
                 if not arrays:  # a batch leaf returned as it came
@@ -354,90 +416,43 @@ class PipelineExecutable:
                     results.append(next(iter(arrays.values())))
                 else:
                     ms = sorted(arrays)
-                    placement = self.layout.in_placements[ref.index]
-                    results.append(join([arrays[m] for m in ms], [placement.on(m) for m in ms],
+                    results.append(join([arrays[m] for m in ms], [source.placement.on(m) for m in ms],
                                         arrays[ms[0]].shape, arrays[ms[0]].dtype))
-            elif len(meshes) == 1:
-                results.append(self._value(ref, meshes[0], state, ins.shardings[j][0]))
+            elif len(source.meshes) == 1:
+                results.append(self._value(ref, source.meshes[0], state, source.shardings[0]))
             else:
                 aval = self.out_avals[j]
-                results.append(join([state.values[(ref, m)] for m in meshes if (ref, m) in state.values],
-                                    ins.shardings[j], aval.shape, aval.dtype))
+                results.append(join([state.values[(ref, m)] for m in source.meshes if (ref, m) in state.values],
+                                    source.shardings, aval.shape, aval.dtype))
         state.outputs = results
 
     # -- values ---------------------------------------------------------------
 
     def _value(self, ref: OuterRef, mesh: int, state: _StepState, stand_in: NamedSharding | None = None) -> Any:
-        """``ref`` on ``mesh``, where the layout put it; on another process's mesh, an array with no
+        """``ref`` on ``mesh``, where the step put it; on another process's mesh, an array with no
         shards here laid out as ``stand_in`` (the sharding of what reads it)."""
         if ref.kind is OuterKind.IN:
             arrays = state.placed[ref.index]
             return arrays[mesh] if mesh in arrays else next(iter(arrays.values()))
         if ref.kind is OuterKind.CONST:
-            return self.split.consts[ref.index]
+            return self.step_program.consts[ref.index]
         if (ref, mesh) in state.values:
             return state.values[(ref, mesh)]
-        aval = self.split.avals[ref]
+        aval = self.step_program.avals[ref]
         return absent(aval.shape, aval.dtype, stand_in)
 
-    def _note_arrival(self, step: OuterMove, moved: jax.Array, arrivals: list[Arrival]) -> None:
+    @staticmethod
+    def _note_arrival(step: OuterMove, via: Any, moved: jax.Array, arrivals: list[Arrival]) -> None:
         """Adds ``moved`` to ``arrivals`` when other processes send it here."""
-        if self.mesh_local[step.dst] and self._outer_senders[step]:
+        sending = senders(via.src)
+        if owns_a_device_of(via.dst.mesh) and sending:
             names = ", ".join(map(str, step.values))
-            arrivals.append(Arrival(moved, f"{names} moved from mesh {step.src} to mesh {step.dst}",
-                                    self._outer_senders[step]))
-
-    def _stage_inputs(self, state: _StepState) -> list[StageInputs | None]:
-        """Each stage's operands: placed leaves, constants and values computed before the pipeline,
-        fetched parameters, micro-batch slices sent straight from where the batch is to the stage
-        that reads them, and keys folded with each micro-batch's index."""
-        placed, leaves = state.placed, state.leaves
-        size, M = self.micro_batch_size, self.num_micro_batches
-        batches = {}
-        for i, leaf in enumerate(leaves):
-            if not self.layout.in_placements[i].meshes:
-                on_devices = isinstance(leaf, jax.Array) and leaf.is_fully_addressable and jax.process_count() == 1
-                batches[i] = leaf if on_devices else np.asarray(leaf)
-        out: list[StageInputs | None] = []
-        for s, ops in enumerate(self.layout.stage_operands):
-            fixed = []
-            for op in ops:
-                if op.per_micro_batch:
-                    continue
-                if op.fetch is not None:
-                    # Every process joins the move, whether or not it owns stage s.
-                    owner = self.layout.in_placements[op.source.index].meshes[0]
-                    fixed.append(self._fetches[(s, op.position)](placed[op.source.index][owner]))
-                elif not self.local[s]:
-                    continue
-                elif op.source.kind is OuterKind.CONST:
-                    fixed.append(self._consts[(s, op.position)])
-                else:
-                    fixed.append(self._value(op.source, self.home[s], state))
-            if not self.local[s]:
-                out.append(None)
-                continue
-            per_mb = [op for op in ops if op.per_micro_batch]
-            columns = []
-            for op in per_mb:
-                if op.fold_key:
-                    columns.append(self._folds[s](self._value(op.source, self.home[s], state), M))
-                    continue
-                if op.source.kind is OuterKind.IN and op.source.index in batches:
-                    leaf = batches[op.source.index]
-                else:
-                    leaf = self._value(op.source, self.home[s], state)
-                # The whole value placed once, micro-batch-major, then cut by one program.
-                stacked, unstack = self._slicers[(s, op.position)]
-                columns.append(unstack(put(leaf.reshape(M, size, *leaf.shape[1:]), stacked)))
-            batch = tuple(tuple(c[m] for c in columns) for m in range(M)) if per_mb else ()
-            out.append(StageInputs(tuple(fixed), batch))
-        return out
+            arrivals.append(Arrival(moved, f"{names} moved from mesh {step.src} to mesh {step.dst}", sending))
 
     def _zero_grads(self) -> list[list[jax.Array] | None]:
         """Per stage here, its gradient accumulators (``data_replicas.Accumulator``), zero: made
         by one program per mesh (the step donates them, so each step makes its own)."""
-        grads: list[list[jax.Array] | None] = [None] * len(self.gradients.stages)
+        grads: list[list[jax.Array] | None] = [None] * len(self.executables)
         for stages, make in self._accumulators:
             for s, zeros in zip(stages, make()):
                 grads[s] = zeros
@@ -458,6 +473,7 @@ class _StepState:
     inputs: list[StageInputs | None] = dataclasses.field(default_factory=list)
     run: ProgramRun | None = None
     outputs: list[Any] = dataclasses.field(default_factory=list)
+    placements: Sequence[Any] = ()
 
     def held(self) -> list[Any]:
         """Every array (or nested list of arrays) this step holds outside the pipeline program."""

@@ -7,24 +7,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from meshpar.passes.model.devices import device_key
-from meshpar.passes.pipeline.step_layout import Placement
+from meshpar.passes.pipeline.step_layout import Placement, spans_platforms, union_sharding
 
-__all__ = ["put", "place", "join", "spans_platforms", "union_sharding", "view"]
-
-
-def spans_platforms(shardings: Sequence[NamedSharding]) -> bool:
-    """Whether ``shardings``' meshes are on several platforms (a GPU and the host): no one array
-    spans them."""
-    return len({d.platform for s in shardings for d in s.mesh.devices.flat}) > 1
-
-
-def union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
-    """Replicated over every device of ``shardings``' meshes (all on one platform)."""
-    devices = [d for s in shardings for d in s.mesh.devices.flat]
-    return NamedSharding(Mesh(np.array(devices), ("union",)), P())
+__all__ = ["put", "place", "join", "view"]
 
 
 def put(value: Any, sharding: NamedSharding) -> jax.Array:

@@ -19,12 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 from meshpar.passes.pipeline.micro_batching import MicroBatching
-from meshpar.passes.pipeline.step_layout import StepLayout
 from meshpar.runtime.placement import put
 
 __all__ = ["SpmdStep"]
@@ -39,18 +38,18 @@ class SpmdStep:
       in_shardings: per flattened input leaf, where it is placed.
       out_shardings: per output leaf, where it goes (``None``: where XLA computes it).
       out_tree: the step's output treedef.
-      layout, meshes: the compiled pipeline's placements and its one mesh, which the
-        shardings come from (what ``meshpar.checkpoint`` reads of any compiled step).
+      leaf_shardings: per input leaf, where the step keeps it between calls (``None``: a batch
+        leaf), as ``StepProgram.leaf_shardings`` says (what ``meshpar.checkpoint`` reads).
     """
 
     def __init__(self, jaxpr: jax_ir.ClosedJaxpr, micro_batching: MicroBatching,
                  in_shardings: Sequence[NamedSharding], out_shardings: Sequence[NamedSharding | None],
-                 out_tree: Any, layout: StepLayout, meshes: Sequence[Mesh], description: str = "") -> None:
+                 out_tree: Any, leaf_shardings: Sequence[NamedSharding | None], description: str = "") -> None:
         if micro_batching.num_micro_batches != 1:
             raise ValueError(f"micro_batching: one SPMD program runs one micro-batch, got "
                              f"{micro_batching.num_micro_batches}")
         self.out_tree = out_tree
-        self.layout, self.meshes = layout, tuple(meshes)
+        self.leaf_shardings = tuple(leaf_shardings)
         self.description = description
         self.in_shardings = tuple(in_shardings)
         fold = micro_batching.fold_keys

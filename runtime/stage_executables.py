@@ -40,11 +40,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.data_replicas import StageAccumulation, StageReplicas
-from meshpar.passes.pipeline.pipeline_program import StageIO
-from meshpar.passes.pipeline.stage_graph import RefKind, Stage
-from meshpar.passes.pipeline.stage_parts import StageParts
-from meshpar.passes.pipeline.step_layout import StageOperand
+from meshpar.passes.pipeline.data_replicas import StageReplicas
+from meshpar.passes.pipeline.stage_graph import RefKind
+from meshpar.passes.pipeline.stage_kernels import StageKernel
 from meshpar.passes.pipeline.wire_format import from_wire, to_wire
 
 __all__ = ["StageExecutables", "compile_stage", "on_mesh"]
@@ -105,22 +103,15 @@ class StageExecutables:
                    for f in (self.forward, self.backward, self.backward_input, self.backward_weight))
 
 
-def compile_stage(
-    stage: Stage,
-    parts: StageParts,
-    io: StageIO,
-    operands: Sequence[StageOperand],
-    output_shardings: Sequence[NamedSharding],
-    input_cotangent_shardings: Sequence[NamedSharding],
-    mesh: Mesh,
-    loss_seed: float,
-    accumulation: StageAccumulation | None = None,
-) -> StageExecutables:
-    """Jits ``parts`` for ``stage`` on ``mesh``; outputs and input cotangents are constrained to
-    the shardings their transfers expect, accumulated gradients to their accumulators' (so
-    every micro-batch's pass reads them as the first did, and compiles once). With
-    ``accumulation.replicas``, runs its per-replica parts side by side instead (module doc);
-    ``loss_seed`` is then the replicas'."""
+def compile_stage(kernel: StageKernel) -> StageExecutables:
+    """Jits a stage's kernel (its parts, on its mesh); outputs and input cotangents are
+    constrained to the shardings their transfers expect, accumulated gradients to their
+    accumulators' (so every micro-batch's pass reads them as the first did, and compiles
+    once). With ``accumulation.replicas``, runs its per-replica parts side by side instead
+    (module doc); the loss seed is then the replicas'."""
+    stage, parts, io, operands = kernel.stage, kernel.parts, kernel.io, kernel.operands
+    output_shardings, input_cotangent_shardings = kernel.output_shardings, kernel.input_cotangent_shardings
+    mesh, loss_seed, accumulation = kernel.mesh, kernel.loss_seed, kernel.accumulation
     replicas = accumulation.replicas if accumulation is not None else None
     accumulators = [a.sharding for a in accumulation.accumulators] if accumulation is not None else None
     if replicas is not None:

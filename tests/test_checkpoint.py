@@ -4,9 +4,12 @@ bit as if never interrupted; host values round-trip; bad arguments are named."""
 
 import jax
 import numpy as np
+import optax
 import pytest
+from flax.training import train_state
 
 import meshpar
+from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
 from pipeline_models import TensorParallel, make_state, mse
 
@@ -148,3 +151,30 @@ def test_restore_names_a_missing_directory_and_mismatched_leaves(tmp_path):
         meshpar.checkpoint.restore(tmp_path / "ckpt", {"w": jax.ShapeDtypeStruct((4,), np.float32, sharding=device)})
     with pytest.raises(ValueError, match=r"abstract_state\['b'\]: not in .*process_0, which holds what this process"):
         meshpar.checkpoint.restore(tmp_path / "ckpt", {"b": jax.ShapeDtypeStruct((3,), np.float32, sharding=device)})
+
+
+def test_state_shardings_of_a_scan_stacked_model_are_where_the_step_keeps_it(tmp_path):
+    """A GPT whose blocks are one nn.scan, cut inside the scan: the step keeps each stacked leaf
+    as one array over both stages' devices, and state_shardings says so per leaf of the user's
+    state (the layout's inputs are the per-stage pieces, more of them than leaves); a restored
+    state lands there and steps on bit for bit."""
+    model = GPT(scan_layers=True, num_layers=4)
+    batch = gpt_batch(0, 8, model.seq_len, model.vocab_size)
+    params = model.init(jax.random.PRNGKey(0), batch["x"][:1])
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    method = meshpar.PipeshardParallel(num_micro_batches=2, num_stages=2, stage_mesh_shape=(1, 1),
+                                       devices=jax.devices()[:2])
+    step = meshpar.parallelize(supervised_step(gpt_loss), method=method)
+    abstract = meshpar.checkpoint.state_shardings(step, state, batch)
+    stepped, _ = step(state, batch)
+    wrong = [jax.tree_util.keystr(path) for (path, struct), leaf in
+             zip(jax.tree_util.tree_leaves_with_path(abstract), jax.tree.leaves(stepped))
+             if not struct.sharding.is_equivalent_to(leaf.sharding, leaf.ndim)]
+    assert not wrong, f"{len(wrong)} leaves placed elsewhere than the step keeps them: {wrong[:5]}"
+    stacked = [s for path, s in jax.tree_util.tree_leaves_with_path(abstract.params)
+               if "'blocks'" in jax.tree_util.keystr(path)]
+    assert stacked and all(set(s.sharding.device_set) == set(jax.devices()[:2]) for s in stacked)
+
+    meshpar.checkpoint.save(tmp_path / "ckpt", stepped)
+    restored = meshpar.checkpoint.restore(tmp_path / "ckpt", abstract)
+    _assert_bitwise_equal(step(restored, batch), step(stepped, batch))

@@ -49,7 +49,7 @@ def test_a_loop_that_cannot_be_cut_gives_a_stage_with_nothing_to_do_and_a_warnin
                                          r".*fori_loop"):
         ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, _method(auto_layers=2), steps=1)
     assert_trees_close(par_state, ref_state)
-    graph = parallel.get_executable(par_state, batch).graph
+    graph = parallel.get_compiled(par_state, batch).graph
     (stage,) = degenerate_stages(graph)
     assert stage.stage == 1 and stage.flops_share < DEGENERATE_FLOPS_SHARE
     assert not graph.stages[1].param_inputs
@@ -83,7 +83,7 @@ def test_a_scanned_stack_is_cut_inside_and_no_stage_is_degenerate():
         warnings.simplefilter("error", UserWarning)
         ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, _method(auto_layers=2), steps=1)
     assert_trees_close(par_state, ref_state)
-    graph = parallel.get_executable(par_state, batch).graph
+    graph = parallel.get_compiled(par_state, batch).graph
     assert degenerate_stages(graph) == () and all(s.param_inputs for s in graph.stages)
 
 
@@ -94,4 +94,4 @@ def test_stages_that_each_hold_layers_are_not_named():
         warnings.simplefilter("error", UserWarning)
         parallel = meshpar.parallelize(supervised_step(mse), method=_method())
         parallel(state, batch)
-    assert degenerate_stages(parallel.get_executable(state, batch).graph) == ()
+    assert degenerate_stages(parallel.get_compiled(state, batch).graph) == ()

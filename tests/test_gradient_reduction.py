@@ -48,8 +48,8 @@ def _grid():
                                    marks=() if (schedule, M, data) in CI_GRID else pytest.mark.slow)
 
 
-def _replica_counts(executable):
-    return [g.replicas.count if g.replicas is not None else 1 for g in executable.gradients.stages]
+def _replica_counts(compiled):
+    return [g.replicas.count if g.replicas is not None else 1 for g in compiled.gradients.stages]
 
 
 @pytest.mark.parametrize("schedule, M, data", list(_grid()))
@@ -67,8 +67,9 @@ def test_every_schedule_matches_single_device_jit(schedule, M, data):
     ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, method, steps=2)
     assert_trees_close(par_state, ref_state)
     executable = parallel.get_executable(par_state, batch)
+    compiled = parallel.get_compiled(par_state, batch)
     # Every stage ran as replicas (none fell back to the per-micro-batch reduction).
-    assert _replica_counts(executable) == [data] * num_stages
+    assert _replica_counts(compiled) == [data] * num_stages
     reductions = [ins for instructions in executable.program.instructions for ins in instructions
                   if isinstance(ins, ReduceGradients)]
     assert len(reductions) == (2 if data > 1 else 0)
@@ -91,7 +92,7 @@ def test_tied_gpt_and_u_transformer_match_single_device_jit(model_name, schedule
     method = meshpar.PipeshardParallel(num_micro_batches=M, num_stages=2, stage_mesh_shape=(2, 2), schedule=schedule)
     ref_state, par_state, parallel = run_both(supervised_step(loss), state, batch, method, steps=2)
     assert_trees_close(par_state.params, ref_state.params)
-    assert _replica_counts(parallel.get_executable(par_state, batch)) == [2, 2]
+    assert _replica_counts(parallel.get_compiled(par_state, batch)) == [2, 2]
 
 
 _HLO_PROBE = textwrap.dedent("""
@@ -190,7 +191,8 @@ def test_bfloat16_parameters_accumulate_in_float32():
             accumulation_dtype=dtype))
         runs[dtype] = parallel(state, batch)[0]
         executable = parallel.get_executable(state, batch)
-        assert {a.dtype for g in executable.gradients.stages for a in g.accumulators} == {jnp.dtype(dtype)}
+        compiled = parallel.get_compiled(state, batch)
+        assert {a.dtype for g in compiled.gradients.stages for a in g.accumulators} == {jnp.dtype(dtype)}
     assert {x.dtype for x in jax.tree.leaves(runs[jnp.float32].params)} == {jnp.dtype(jnp.bfloat16)}
     # The reference: the same step in float32 throughout (parameters upcast), on one device.
     f32 = state.replace(params=jax.tree.map(lambda x: x.astype(jnp.float32), state.params),
@@ -235,7 +237,7 @@ def test_replica_r_of_micro_batch_m_draws_from_the_key_folded_with_m_then_r():
     parallel = meshpar.parallelize(_dropout_step, method=meshpar.PipeshardParallel(
         num_micro_batches=M, stage_mesh_shape=(D, 1), devices=jax.devices()[:2 * D]))
     got, loss = parallel(state, batch, key)
-    assert _replica_counts(parallel.get_executable(state, batch, key)) == [D, D]
+    assert _replica_counts(parallel.get_compiled(state, batch, key)) == [D, D]
 
     # Reference: every (micro-batch, replica) block on its own, with its own key; the step's
     # loss and gradients are the blocks' means (equal blocks).
@@ -279,9 +281,10 @@ def test_a_stage_that_does_not_split_keeps_the_per_micro_batch_reduction_and_say
     ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, method, steps=2)
     assert_trees_close(par_state, ref_state)
     executable = parallel.get_executable(par_state, batch)
-    assert _replica_counts(executable) == [2, 1]
+    compiled = parallel.get_compiled(par_state, batch)
+    assert _replica_counts(compiled) == [2, 1]
     why = "traced per replica, its equations differ from the micro-batch's"
-    assert executable.gradients.stages[1].per_micro_batch == why
+    assert compiled.gradients.stages[1].per_micro_batch == why
     assert f"gradients of stage 1: reduced in every micro-batch's backward ({why})" in executable.describe()
 
 
@@ -291,7 +294,8 @@ def test_the_verifier_names_the_stage_whose_plan_is_broken():
     parallel = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(
         num_micro_batches=2, stage_mesh_shape=(2, 1), devices=jax.devices()[:4]))
     executable = parallel.get_executable(state, batch)
-    plan, graph, meshes, home = executable.gradients, executable.graph, executable.meshes, executable.home
+    compiled = parallel.get_compiled(state, batch)
+    plan, graph, meshes, home = compiled.gradients, compiled.graph, executable.meshes, executable.home
     verify_data_replicas(plan, graph, meshes, home)
     stage = plan.stages[1]
     whole = dataclasses.replace(stage.accumulators[0], shape=stage.accumulators[0].shape[1:])

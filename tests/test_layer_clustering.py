@@ -87,7 +87,7 @@ def test_a_markerless_model_pipelined_with_auto_layers_equals_jit():
     parallel = meshpar.parallelize(step, method=method)
     got_state, got_loss = parallel(state, batch)
     want_state, want_loss = jax.jit(step)(state, batch)
-    assert parallel.get_executable(state, batch).graph.num_stages == 2
+    assert parallel.get_compiled(state, batch).graph.num_stages == 2
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     assert_trees_close(got_state.params, want_state.params)
     with pytest.raises(StageMarkerError, match="auto_layers=2"):

@@ -1,7 +1,8 @@
 """The import rules of the layout, checked by scanning every module's imports (``ast``).
 
 - The compiler (``meshpar.passes``) imports nothing from the API package or the runtime.
-- The runtime (``meshpar.runtime``) imports only the compiler's IR types and its own modules.
+- The runtime (``meshpar.runtime``) imports only the compiler's IR types and its own modules:
+  no compiler pass (a function marked ``@compiler_pass``) and not the driver.
 - No import cycles among meshpar's modules, counting imports inside functions too.
 - JAX's internals (``jax._src``) are imported by ``meshpar.passes.jax_ir`` alone, in the
   packages, the benchmarks, the examples and the tests.
@@ -80,6 +81,40 @@ def test_compiler_imports_only_the_compiler(module):
 def test_runtime_imports_only_compiler_and_runtime(module):
     outside = sorted(m for m in IMPORTS[module] if _layer(m) == "meshpar")
     assert not outside, f"{module} imports {outside}: the runtime reads IR types and executors, never the API"
+
+
+def _imported_names(path: pathlib.Path) -> list[tuple[str, str]]:
+    """``(module, name)`` of every ``from meshpar.passes... import name`` in ``path``."""
+    return [(node.module, a.name) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshpar.passes")
+            for a in node.names]
+
+
+DRIVER = "meshpar.passes.pipeline.pipeline_passes"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) == "meshpar.runtime"))
+def test_runtime_imports_no_compiler_pass_and_not_the_driver(module):
+    import importlib
+
+    from meshpar.passes.compiler_pass import is_compiler_pass
+
+    names = _imported_names(MODULES[module])
+    passes = sorted(f"{m}.{n}" for m, n in names if is_compiler_pass(getattr(importlib.import_module(m), n, None)))
+    driver = sorted(f"{m}.{n}" for m, n in names if m == DRIVER or f"{m}.{n}" == DRIVER)
+    assert not passes and not driver, (f"{module} imports compiler passes {passes} or the driver {driver}: the "
+                                       f"runtime interprets what the compiler made")
+
+
+def test_the_passes_are_marked():
+    # The rule above is vacuous if passes are not marked: the driver and the lowering are.
+    from meshpar.passes.compiler_pass import is_compiler_pass
+    from meshpar.passes.pipeline.pipeline_passes import compile_pipeline
+    from meshpar.passes.pipeline.pipeline_program import lower_to_program
+    from meshpar.passes.pipeline.step_program import StepProgram, lower_step
+
+    assert is_compiler_pass(compile_pipeline) and is_compiler_pass(lower_to_program) and is_compiler_pass(lower_step)
+    assert not is_compiler_pass(StepProgram)
 
 
 def test_no_import_cycles():

@@ -75,9 +75,9 @@ def _stage_of_leaf(path, params_paths):
     return None
 
 
-def _assert_on_stage_meshes(state, executable):
-    meshes = [set(m.devices.flat) for m in executable.meshes]
-    params_paths = [(executable.graph.param_owner(k), p)
+def _assert_on_stage_meshes(state, compiled):
+    meshes = [set(m.devices.flat) for m in compiled.meshes]
+    params_paths = [(compiled.graph.param_owner(k), p)
                     for k, (p, _) in enumerate(jax.tree_util.tree_leaves_with_path(state.params))]
     for tree in (state.params, state.opt_state):
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -111,20 +111,21 @@ def test_wrapped_updates_match_jit_stay_on_stage_meshes_and_move_only_scalars(wr
         np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
         assert_trees_close(par.params, ref.params)
         assert_trees_close(par.opt_state, ref.opt_state)
-        _assert_on_stage_meshes(par, parallel.get_executable(par, batch))
+        _assert_on_stage_meshes(par, parallel.get_compiled(par, batch))
     assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), ref.params, state.params)), "no update ran"
     if NAN in kinds:
         assert int(ref.opt_state.total_notfinite) == 1, "the non-finite step must be skipped"
     executable = parallel.get_executable(par, _batch(0))
     moved = _moved_shapes(executable.describe())
     assert all(int(np.prod(shape)) == 1 for _, shape in moved), moved
-    assert all(int(np.prod(executable.split.avals[v].shape)) == 1 for m in executable.split.moved() for v in m.values)
+    compiled = parallel.get_compiled(par, _batch(0))
+    assert all(int(np.prod(compiled.split.avals[v].shape)) == 1 for m in compiled.split.moved() for v in m.values)
 
 
 def test_apply_if_finite_sends_mesh_1s_finiteness_flags_and_the_predicate_back():
     batch = _batch(0)
     state = _state(TwoStages(), optax.apply_if_finite(_adam(), 3))
-    split = meshpar.parallelize(_step, method=METHOD).get_executable(state, batch).split
+    split = meshpar.parallelize(_step, method=METHOD).get_compiled(state, batch).split
     moves = split.moved()
     assert [(m.src, m.dst, len(m.values)) for m in moves] == [(1, 0, 2), (0, 1, 1)]
     assert [str(split.avals[v].dtype) for m in moves for v in m.values] == ["bool", "bool", "int32"]
@@ -163,8 +164,8 @@ def test_a_users_cond_around_apply_if_finite_splits_and_scalar_parameters_stay_o
         np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
         assert_trees_close(par.params, ref.params)
         assert_trees_close(par.opt_state, ref.opt_state)
-        _assert_on_stage_meshes(par, parallel.get_executable(par, batch))
-    split = parallel.get_executable(par, _batch(0)).split
+        _assert_on_stage_meshes(par, parallel.get_compiled(par, batch))
+    split = parallel.get_compiled(par, _batch(0)).split
     assert split.moved() and all(int(np.prod(split.avals[v].shape)) == 1 for m in split.moved() for v in m.values)
 
 

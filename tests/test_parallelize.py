@@ -80,8 +80,9 @@ def test_batch_goes_per_micro_batch_to_its_stage_and_on_device_batches_stay_ther
     step = supervised_step(mse)
     parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2))
     executable = parallel.get_executable(state, batch)
+    compiled = parallel.get_compiled(state, batch)
     batch_leaves = range(len(jax.tree.leaves(state)), len(jax.tree.leaves((state, batch))))
-    assert all(executable.layout.in_placements[i].meshes == () for i in batch_leaves)
+    assert all(compiled.layout.in_placements[i].meshes == () for i in batch_leaves)
     on_device = jax.device_put(batch, jax.devices()[7])
     s1, l1 = parallel(state, batch)
     s2, l2 = parallel(state, on_device)
@@ -103,7 +104,7 @@ def test_u_transformer_matches_single_device_jit(config, schedule):
     model = UTransformer(num_stages=config[2])
     ref_state, par_state, parallel = _run_both(model, ut_batch(0, 16), ut_loss, config, schedule)
     assert_trees_close(par_state.params, ref_state.params)
-    edges = parallel.get_executable(par_state, ut_batch(0, 16)).edges
+    edges = parallel.get_compiled(par_state, ut_batch(0, 16)).graph.edges()
     if config[2] > 2:
         assert any(c - p > 1 for p, c, _ in edges), "expected skip connections between non-adjacent stages"
 
@@ -113,6 +114,7 @@ def test_state_stays_on_stage_meshes_and_nothing_recompiles():
     batch = _mlp_batch()
     _, state, parallel = _run_both(model, batch, mse, (2, 2, 2), "1f1b", steps=2)
     executable = parallel.get_executable(state, batch)
+    compiled = parallel.get_compiled(state, batch)
     meshes = [set(m.devices.flat) for m in executable.meshes]
     for leaf in jax.tree.leaves(state.params):
         assert set(leaf.sharding.device_set) in meshes, "a parameter left its stage mesh"
@@ -128,7 +130,7 @@ def test_a_returned_state_is_placed_for_the_next_step_without_copies():
 
     batch = _mlp_batch()
     _, state, parallel = _run_both(TensorParallel(), batch, mse, (2, 2, 2), "1f1b", steps=1)
-    placements = parallel.get_executable(state, batch).layout.in_placements
+    placements = parallel.get_compiled(state, batch).layout.in_placements
     leaves = jax.tree.leaves(state)
     sharded = [x for x in jax.tree.leaves(state.params) if any(e is not None for e in x.sharding.spec)]
     assert sharded, "the model's kernels are sharded over 'model'"
@@ -279,8 +281,8 @@ def test_scalars_cross_meshes(executor):
     ref_state, par_state, parallel = _run_both(_ScalarsAcrossStages(), _mlp_batch(), mse, (2, 2, 2), "1f1b",
                                                executor=executor)
     assert_trees_close(par_state.params, ref_state.params)
-    executable = parallel.get_executable(par_state, _mlp_batch())
-    scalar_edges = [ref for p, c, ref in executable.edges if executable.graph.stages[p].jaxpr.out_avals[ref.slot].shape == ()]
+    graph = parallel.get_compiled(par_state, _mlp_batch()).graph
+    scalar_edges = [ref for p, c, ref in graph.edges() if graph.stages[p].jaxpr.out_avals[ref.slot].shape == ()]
     assert scalar_edges, "the auxiliary term should cross the stage boundary as a 0-d value"
 
 
@@ -295,6 +297,7 @@ def test_signal_resharding_moves_one_byte_with_the_same_dependencies():
     _, loss = parallel(state, batch)
     assert np.isfinite(float(loss))
     executable = parallel.get_executable(state, batch)
+    compiled = parallel.get_compiled(state, batch)
     assert {t.kind.value for t in executable.program.transfers} == {"signal"}
     assert "signal: one byte" in executable.describe()
     transfer, forward = executable.program.transfers[0], executable.transfer_moves[0]
@@ -362,6 +365,7 @@ def test_runtime_counts_live_activations_per_stage(schedule, weight_delay, live)
         num_micro_batches=4, num_stages=2, schedule=schedule, weight_delay=weight_delay))
     parallel(state, batch)
     executable = parallel.get_executable(state, batch)
+    compiled = parallel.get_compiled(state, batch)
     assert executable.peak_live_activations == live
     waiting = []
     for seq in executable.schedule.sequences:
@@ -421,6 +425,7 @@ def test_split_backward_equals_whole_backward_bit_for_bit_and_compiles_once(sche
             gradient_reduction=gradient_reduction))
         s, loss = parallel(state, batch)
         executable = parallel.get_executable(state, batch)
+        compiled = parallel.get_compiled(state, batch)
         count = executable.compiled_count()
         s, loss = parallel(s, batch)
         assert executable.compiled_count() == count
@@ -449,6 +454,7 @@ def test_simulated_memory_peaks_equal_the_runtime_counts(num_stages, num_micro_b
             num_micro_batches=num_micro_batches, num_stages=num_stages, schedule=schedule, weight_delay=weight_delay))
         parallel(state, batch)
         executable = parallel.get_executable(state, batch)
+        compiled = parallel.get_compiled(state, batch)
         num_edges = len(executable.schedule.edges)
         durations = TaskDurations(
             tuple(StageSeconds(*map(float, rng.uniform(0.1, 2, 4))) for _ in range(num_stages)),

@@ -197,7 +197,8 @@ def test_meshes_with_other_axis_names_shard_over_them_and_match_jit(annotation, 
     for kernel, mesh, spec in zip(kernels, meshes, (P(None, "tp"), P("tp", None)), strict=True):
         assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2), kernel.sharding
     executable = parallel.get_executable(par_state, batch)
-    per_micro_batch = [op for ops in executable.layout.stage_operands for op in ops if op.per_micro_batch]
+    compiled = parallel.get_compiled(par_state, batch)
+    per_micro_batch = [op for ops in compiled.layout.stage_operands for op in ops if op.per_micro_batch]
     assert per_micro_batch and all(op.sharding.spec == P("dp") for op in per_micro_batch)
     assert {t.src.spec for t in executable.program.transfers} == {P("dp")}
     assert "(1 sharded over 'tp', the rest replicated)" in executable.describe()

@@ -204,7 +204,7 @@ def test_plan_parallelism_runs_as_planned_and_equals_jit():
     want_state, want_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     assert_trees_close(got_state.params, want_state.params)
-    assert parallel.get_executable(state, batch).graph.num_stages == 2
+    assert parallel.get_compiled(state, batch).graph.num_stages == 2
     with pytest.raises(ValueError, match="planner: expected one of"):
         plan_parallelism(step, state, batch, planner="oracle")
     with pytest.raises(ValueError, match="gradient_reduction: expected one of"):
@@ -227,7 +227,7 @@ def test_auto_plans_on_the_first_call_and_equals_jit(capsys):
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     assert_trees_close(got_state.params, want_state.params)
     assert parallel.plan.best.num_micro_batches == 4 and parallel.method.num_micro_batches == 4
-    assert parallel.get_executable(state, batch).graph.num_stages == parallel.plan.best.num_stages
+    assert parallel.get_compiled(state, batch).graph.num_stages == parallel.plan.best.num_stages
     assert "chosen: meshpar:" in capsys.readouterr().out
     with pytest.raises(ValueError, match="stage_meshes or cut_points"):
         meshpar.PipeshardParallel(num_stages="auto", cut_points=(1,))

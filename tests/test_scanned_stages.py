@@ -70,11 +70,12 @@ def _check_run(cut, optimizer, remat, steps=2):
 def test_a_gpt_scanned_in_one_nn_scan_cut_into_4_stages_equals_jit_and_each_stage_holds_its_slice():
     state, batch, par, parallel = _check_run("4 stages", "adam", remat=False)
     executable = parallel.get_executable(par, batch)
+    compiled = parallel.get_compiled(par, batch)
     # Each stage reads two layers of every stacked parameter, nothing more.
-    stacked_inputs = [[a.shape for a in _param_avals(s) if a.shape[0] == 2] for s in executable.graph.stages]
+    stacked_inputs = [[a.shape for a in _param_avals(s) if a.shape[0] == 2] for s in compiled.graph.stages]
     assert all(len(shapes) == 11 for shapes in stacked_inputs), stacked_inputs
     whole_kernels = {np.shape(x) for x in jax.tree.leaves(state.params["params"]["blocks"]) if np.ndim(x) == 3}
-    assert len(whole_kernels) == 4 and not any(a.shape in whole_kernels for s in executable.graph.stages
+    assert len(whole_kernels) == 4 and not any(a.shape in whole_kernels for s in compiled.graph.stages
                                                for a in _param_avals(s))
     # The stacks come back whole, over the four stage meshes' devices: the next step splits
     # them into views of their shards.
@@ -103,14 +104,15 @@ def test_a_gpt_scanned_in_one_nn_scan_cut_into_4_stages_equals_jit_and_each_stag
 def test_an_uneven_cut_3_plus_5_with_remat_in_the_scan_equals_jit_and_comes_back_on_the_first_mesh():
     _, batch, par, parallel = _check_run("3 + 5", "sgd", remat=True)
     executable = parallel.get_executable(par, batch)
+    compiled = parallel.get_compiled(par, batch)
     sizes = {s.index: sorted({a.shape[0] for a in _param_avals(s) if a.shape[0] in (3, 5)})
-             for s in executable.graph.stages}
+             for s in compiled.graph.stages}
     assert sizes == {0: [3], 1: [5]}
     first_mesh = {d.id for d in executable.meshes[0].devices.flat}
     for x in _stacked_leaves(par):
         assert {d.id for d in x.sharding.device_set} == first_mesh
     # remat stays in the scanned body of every piece.
-    bodies = [e.params["jaxpr"].jaxpr for s in executable.graph.stages for e in s.jaxpr.eqns
+    bodies = [e.params["jaxpr"].jaxpr for s in compiled.graph.stages for e in s.jaxpr.eqns
               if e.primitive.name == "scan"]
     assert len(bodies) == 2 and all(any(e.primitive.name == "remat2" for e in b.eqns) for b in bodies)
 
@@ -128,7 +130,7 @@ def test_num_stages_on_a_model_whose_only_structure_is_one_scan_cuts_it_evenly()
     state, batch = _gpt_state("sgd")
     parallel = meshpar.parallelize(supervised_step(gpt_loss), method=_method(4, num_stages=4))
     parallel(state, batch)
-    graph = parallel.get_executable(state, batch).graph
+    graph = parallel.get_compiled(state, batch).graph
     lengths = [e.params["length"] for s in graph.stages for e in s.jaxpr.eqns if e.primitive.name == "scan"]
     assert lengths == [2, 2, 2, 2]
 
@@ -185,5 +187,5 @@ def test_a_hand_written_lax_scan_over_a_stacked_array_cut_unevenly_equals_jit():
     state = (params, tx.init(params))
     ref, par, parallel = run_both(step, state, batch, _method(2, num_stages=2), steps=2)
     assert_trees_close(par, ref)
-    graph = parallel.get_executable(par, batch).graph
+    graph = parallel.get_compiled(par, batch).graph
     assert [e.params["length"] for s in graph.stages for e in s.jaxpr.eqns if e.primitive.name == "scan"] == [3, 2]

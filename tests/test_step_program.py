@@ -35,19 +35,19 @@ def _aux_step(state, batch):
     return state.apply_gradients(grads=grads), loss, aux
 
 
-def _executable(step, num_stages=2, **options):
+def _compiled(step, num_stages=2, **options):
     batch = _batch()
     state = make_state(MLP(features=(16, 16, 16, 4), num_stages=num_stages), batch["x"][:1])
     state = state.replace(tx=optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-3)))
     state = state.replace(opt_state=state.tx.init(state.params))
     parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(
         num_micro_batches=4, num_stages=num_stages, **options))
-    return parallel.get_executable(state, batch), parallel, state, batch
+    return parallel.get_compiled(state, batch), parallel, state, batch
 
 
 def test_the_compiler_decides_reductions_gradient_homes_and_order():
-    executable, parallel, state, batch = _executable(_aux_step)
-    step = executable.step_program
+    compiled, parallel, state, batch = _compiled(_aux_step)
+    step = compiled.step
     kinds = [type(i) for i in step]
     assert kinds[0] is PlaceInputs and kinds[-1] is AssembleOutputs and kinds.count(RunPipeline) == 1
     combines = [i for i in step if isinstance(i, CombineMicroBatches)]
@@ -55,8 +55,8 @@ def test_the_compiler_decides_reductions_gradient_homes_and_order():
     # for it (micro_batching), never by one the runtime picks.
     assert [c.value.kind for c in combines] == [OuterKind.LOSS, OuterKind.AUX, OuterKind.AUX]
     assert combines[0].how is AuxReduction.SUM and len(combines[0].buffers) == 4
-    assert [c.how for c in combines[1:]] == list(executable.micro_batching.aux)
-    graph, home = executable.graph, executable.schedule.stage_mesh
+    assert [c.how for c in combines[1:]] == list(compiled.micro_batching.aux)
+    graph, home = compiled.graph, compiled.schedule.stage_mesh
     grads = [i for i in step if isinstance(i, ReduceGradient)]
     assert sorted((g.stage, g.param) for g in grads) == sorted((s.index, k) for s in graph.stages for k in s.param_inputs)
     assert all(g.mesh == home[graph.param_owner(g.param)] for g in grads)
@@ -68,32 +68,32 @@ def test_the_compiler_decides_reductions_gradient_homes_and_order():
 
 
 def test_interleaved_gradients_are_reduced_on_the_owners_mesh():
-    executable, *_ = _executable(supervised_step(mse), num_stages=4, stages_per_mesh=2, schedule="interleaved_1f1b")
-    grads = [i for i in executable.step_program if isinstance(i, ReduceGradient)]
+    compiled, *_ = _compiled(supervised_step(mse), num_stages=4, stages_per_mesh=2, schedule="interleaved_1f1b")
+    grads = [i for i in compiled.step if isinstance(i, ReduceGradient)]
     assert {g.mesh for g in grads} == {0, 1}
     assert all(g.mesh == g.stage % 2 for g in grads)
 
 
-def _verify(executable, instructions):
-    verify_step_program(dataclasses.replace(executable.step_program, instructions=tuple(instructions)),
-                        executable.split, executable.graph, executable.program)
+def _verify(compiled, instructions):
+    verify_step_program(dataclasses.replace(compiled.step, instructions=tuple(instructions)),
+                        compiled.split, compiled.graph, compiled.program)
 
 
 def test_verifier_rejects_a_second_reduction_a_read_too_early_a_second_pipeline_and_a_lost_combine():
-    executable, *_ = _executable(_aux_step)
-    ins = list(executable.step_program)
-    _verify(executable, ins)
+    compiled, *_ = _compiled(_aux_step)
+    ins = list(compiled.step)
+    _verify(compiled, ins)
     first_grad = next(k for k, i in enumerate(ins) if isinstance(i, ReduceGradient))
     with pytest.raises(PlanVerificationError, match="reduced exactly once"):
-        _verify(executable, ins[:first_grad] + [ins[first_grad]] + ins[first_grad:])
+        _verify(compiled, ins[:first_grad] + [ins[first_grad]] + ins[first_grad:])
     reads_grad = next(k for k, i in enumerate(ins) if isinstance(i, RunCompute)
                       and any(r.kind is OuterKind.GRAD for r in i.compute.inputs))
     early = ins[:first_grad] + [ins[reads_grad]] + [i for k, i in enumerate(ins[first_grad:], first_grad) if k != reads_grad]
     with pytest.raises(PlanVerificationError, match="before it is made there"):
-        _verify(executable, early)
+        _verify(compiled, early)
     pipeline = next(k for k, i in enumerate(ins) if isinstance(i, RunPipeline))
     with pytest.raises(PlanVerificationError, match="once each"):
-        _verify(executable, ins[:pipeline] + [ins[pipeline]] + ins[pipeline:])
+        _verify(compiled, ins[:pipeline] + [ins[pipeline]] + ins[pipeline:])
     combine = next(k for k, i in enumerate(ins) if isinstance(i, CombineMicroBatches))
     with pytest.raises(PlanVerificationError, match="combined"):
-        _verify(executable, ins[:combine] + ins[combine + 1:])
+        _verify(compiled, ins[:combine] + ins[combine + 1:])

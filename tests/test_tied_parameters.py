@@ -24,12 +24,13 @@ def test_tied_embeddings_train_as_under_jit(schedule, num_stages, stages_per_mes
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
     executable = parallel.get_executable(par_state, batch)
+    compiled = parallel.get_compiled(par_state, batch)
     # The embedding lives on stage 0's mesh only; the last stage reads a fetched copy and its
     # gradient goes back there, summed with stage 0's once per step.
     embedding = par_state.params["params"]["tok_embed"]["embedding"]
     assert set(embedding.sharding.device_set) == set(executable.meshes[0].devices.flat)
-    last = executable.graph.num_stages - 1
-    fetched = [op for op in executable.layout.stage_operands[last] if op.fetch is not None]
+    last = compiled.graph.num_stages - 1
+    fetched = [op for op in compiled.layout.stage_operands[last] if op.fetch is not None]
     assert len(fetched) == 1
     back = [i for i in executable.step_program if isinstance(i, ReduceGradient) and i.stage == last
             and i.move is not None]

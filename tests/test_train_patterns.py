@@ -291,7 +291,8 @@ def test_int_bool_and_key_values_cross_stages_and_keys_fold_per_micro_batch(key_
     # Folded: every micro-batch draws its own mask; not folded: all draw the same one.
     assert (len({m.tobytes() for m in per_mb}) == M) if fold_rng else (len({m.tobytes() for m in per_mb}) == 1)
     executable = parallel.get_executable(state, batch, key)
-    crossing = [executable.graph.stages[p].jaxpr.out_avals[r.slot] for p, _, r in executable.edges]
+    compiled = parallel.get_compiled(state, batch, key)
+    crossing = [compiled.graph.stages[p].jaxpr.out_avals[r.slot] for p, _, r in compiled.graph.edges()]
     assert {str(a.dtype) for a in crossing} >= {"bool", "int32", "key<fry>" if key_kind == "typed" else "uint32"}
     # Only floating values send cotangents back.
     assert len(executable.program.transfers) == len(crossing) + sum(a.dtype == jnp.float32 for a in crossing)
@@ -381,7 +382,8 @@ def test_masked_mean_recipe_equals_jit_even_with_a_fully_masked_micro_batch():
     assert_trees_close(par.params, ref.params)
     # The count is a whole-batch value, computed before the pipeline, not per micro-batch.
     executable = parallel.get_executable(state, batch)
-    assert executable.split.before and executable.micro_batching.per_micro_batch.count(False) >= 1
+    compiled = parallel.get_compiled(state, batch)
+    assert compiled.split.before and compiled.micro_batching.per_micro_batch.count(False) >= 1
 
 
 # -- updates combining meshes -----------------------------------------------------------------
@@ -406,7 +408,7 @@ def test_global_norm_clipping_and_logging_match_jit():
     assert_trees_close(par.opt_state, ref.opt_state)
     # Only scalars cross meshes around the pipeline: mesh 1's partial norms (for the clip and
     # the logged norm) packed into one transfer, and the clip's scale and flag sent back.
-    split = parallel.get_executable(par, batch).split
+    split = parallel.get_compiled(par, batch).split
     moves = split.moved()
     assert [(m.src, m.dst) for m in moves] == [(1, 0), (0, 1), (0, 1)]
     assert len(moves[0].values) == 4 and all(split.avals[v].shape == () for m in moves for v in m.values)

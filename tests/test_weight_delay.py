@@ -10,7 +10,8 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh
 
-from meshpar.passes.simulation.cost_model import DEVICE_FLOPS, estimate_durations, jaxpr_flops
+from meshpar.passes.pipeline.jaxpr_flops import jaxpr_flops
+from meshpar.passes.simulation.cost_model import DEVICE_FLOPS, estimate_durations
 from meshpar.passes.pipeline.edge_transfer import Direction, EdgeTransfer, TransferKind
 from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from ..verification import PlanVerificationError
 from .drop_mesh_axis import manual_mesh_axis, spec_without
@@ -239,6 +240,7 @@ def _stage_replicas(s: int, graph: StageGraph, replica: StageGraph, parts: Stage
     return StageReplicas(count, axis, replica_parts, tuple(input_dims), frozenset(folded), tuple(output_dims), seed)
 
 
+@compiler_pass
 def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: StepLayout, meshes: Sequence[Mesh],
                        home: Sequence[int], micro_batching: MicroBatching, options: GradientOptions, axis: str,
                        replica_graph: Callable[[int], StageGraph]) -> DataReplicas:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..simulation.cost_model import jaxpr_flops
+from .jaxpr_flops import jaxpr_flops
 from .stage_graph import StageGraph
 
 __all__ = ["DEGENERATE_FLOPS_SHARE", "DegenerateStage", "degenerate_stages"]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from .edge_transfer import Direction
 from .stage_graph import RefKind
@@ -20,6 +21,7 @@ from .step_split import OuterCompute, OuterMove
 __all__ = ["describe_pipeline"]
 
 
+@compiler_pass
 def describe_pipeline(compiled: Any) -> str:
     """``compiled`` (a ``CompiledPipeline``) described line by line."""
     schedule, graph = compiled.schedule, compiled.graph

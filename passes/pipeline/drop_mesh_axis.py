@@ -16,6 +16,7 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 
 __all__ = ["drop_mesh_axis", "manual_mesh_axis", "spec_without"]
@@ -99,6 +100,7 @@ class _Rewrite:
         return jax_ir.ClosedJaxpr(self.jaxpr(closed.jaxpr), closed.consts)
 
 
+@compiler_pass
 def drop_mesh_axis(closed: jax_ir.ClosedJaxpr, axis: str) -> jax_ir.ClosedJaxpr:
     """``closed`` with ``axis`` dropped from every ``NamedSharding`` its equations carry (sharding
     constraints, nested ``jit`` in/out shardings), nested jaxprs included."""
@@ -111,6 +113,7 @@ def drop_mesh_axis(closed: jax_ir.ClosedJaxpr, axis: str) -> jax_ir.ClosedJaxpr:
     return _Rewrite(leaf, None)(closed)
 
 
+@compiler_pass
 def manual_mesh_axis(closed: jax_ir.ClosedJaxpr, axis: str) -> jax_ir.ClosedJaxpr:
     """``closed`` to be evaluated inside a ``shard_map`` manual over ``axis`` (the replicas of
     ``data_replicas``): every equation's recorded context mesh, every nested jit's and every

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ..compiler_pass import compiler_pass
 from .mesh_assignment import batch_sharding
 from .stage_graph import is_differentiable
 
@@ -132,6 +133,7 @@ class EdgeTransfer:
                 f"{self.dtype.name}{list(self.shape)}, {self.kind.value})")
 
 
+@compiler_pass
 def plan_edge_transfers(
     edges: Sequence[tuple[int, int, int]],
     avals: Sequence[Any],

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ..compiler_pass import compiler_pass
 from .edge_transfer import TransferKind
 from .pipeline_program import BufferId, Instruction, PipelineProgram, Recv, Send
 from .pipeline_tasks import Task
@@ -199,6 +200,7 @@ def _fuse(program: PipelineProgram, mesh: int, run: _Run) -> tuple[RunFused, lis
     return fused, sorted(absorbed), moved, last
 
 
+@compiler_pass
 def fuse_compute_runs(program: PipelineProgram, max_members: int | None = None) -> PipelineProgram:
     """``program`` with every run of two or more compute instructions of a mesh fused into one
     ``RunFused`` (module doc); runs of one instruction stay as they are. The result is what

@@ -22,8 +22,9 @@ import math
 import numpy as np
 from jax.extend.core.primitives import scan_p
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
-from ..simulation.cost_model import _eqn_flops
+from .jaxpr_flops import eqn_flops
 from .split_scans import Provenance, layer_scans, split_layer_scans
 from .step_primitives import stage_boundary_p
 
@@ -102,7 +103,7 @@ def _unrolled(loss_jaxpr: jax_ir.ClosedJaxpr, num_params: int) -> tuple[jax_ir.C
 def _unrolled_flops(jaxpr: jax_ir.Jaxpr, provenance: tuple[Provenance, ...]) -> np.ndarray:
     """Per equation of an unrolled loss, its FLOPs; none for the slices and concatenations the
     unrolling added (they move data the scan indexed in place)."""
-    return np.array([0.0 if at.tail or (at.boundary is not None and e.primitive is not scan_p) else _eqn_flops(e)
+    return np.array([0.0 if at.tail or (at.boundary is not None and e.primitive is not scan_p) else eqn_flops(e)
                      for e, at in zip(jaxpr.eqns, provenance)])
 
 
@@ -118,6 +119,7 @@ def _check_unmarked(loss_jaxpr: jax_ir.ClosedJaxpr, argument: str) -> None:
         raise ValueError(f"{argument}: the loss has stage markers; automatic layers are for losses without them")
 
 
+@compiler_pass
 def insert_layer_markers(loss_jaxpr: jax_ir.ClosedJaxpr, num_layers: int, num_params: int,
                          keep: tuple[int, ...] | None = None) -> jax_ir.ClosedJaxpr:
     """``loss_jaxpr`` cut into ``num_layers`` layers at ``cut_positions`` of its unrolled form:
@@ -170,6 +172,7 @@ def _mark(loss_jaxpr: jax_ir.ClosedJaxpr, before: list[Provenance]) -> jax_ir.Cl
     return marked
 
 
+@compiler_pass
 def even_layer_markers(loss_jaxpr: jax_ir.ClosedJaxpr, num_stages: int, num_params: int) -> jax_ir.ClosedJaxpr | None:
     """``loss_jaxpr`` (without markers) cut into ``num_stages`` stages of equally many scanned
     iterations (``stage_ends``' rule: the earlier stages take one more where the count does not

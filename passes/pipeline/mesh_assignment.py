@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..compiler_pass import compiler_pass
 from .pipeline_schedule import check_stage_placement, schedule_kind
 
 __all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "count_meshes", "device_sharding",
@@ -111,6 +112,7 @@ def count_meshes(num_stages: int, num_stage_meshes: int | None, stages_per_mesh:
     return num_stages // per_mesh
 
 
+@compiler_pass
 def place_stages(
     devices: Sequence[Any],
     num_stages: int,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 
 __all__ = ["REDUCTIONS", "AuxReduction", "MicroBatching", "default_aux_reduction", "is_key", "key_operands",
@@ -114,6 +115,7 @@ def _follows_batch(micro: jax_ir.AbstractValue, whole: jax_ir.AbstractValue, m: 
             and micro.shape[1:] == whole.shape[1:])
 
 
+@compiler_pass
 def resolve_micro_batching(
     params: dict[str, Any],
     micro_operands: Sequence[jax_ir.AbstractValue],

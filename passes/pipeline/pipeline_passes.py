@@ -45,11 +45,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from jax.extend.core.primitives import scan_p
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from ..simulation.cost_model import estimate_durations, stage_gradients
-from .edge_transfer import Direction, EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
+from .edge_transfer import EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
 from .mesh_assignment import place_stages
 from .pipeline_options import PipelineOptions
 from .plan_moves import MoveKey, MoveOptions, MoveTable, plan_moves, verify_move_table
@@ -62,6 +63,7 @@ from .degenerate_stages import degenerate_stages
 from .data_replicas import DataReplicas, plan_data_replicas, verify_data_replicas
 from .drop_mesh_axis import drop_mesh_axis
 from .micro_batching import MicroBatching
+from .stage_kernels import StageKernel, stage_kernels, verify_stage_kernels
 from .stage_parts import StageParts, stage_parts, verify_stage_parts
 from .fused_runs import fuse_compute_runs
 from .step_layout import StepLayout, layout_step, verify_step_layout
@@ -99,7 +101,7 @@ class CompiledPipeline:
     moves: MoveTable
     micro_batch_size: int
     step: StepProgram
-    stage_output_shardings: tuple[tuple[NamedSharding, ...], ...]
+    kernels: tuple[StageKernel, ...]
     gradients: DataReplicas
     leaf_pieces: LeafPieces | None = None
     stacked_arrays: dict[int, StackedArray] = dataclasses.field(default_factory=dict)
@@ -120,6 +122,7 @@ def _run(name: str, make: Callable[[], T], verify: Callable[[T], None]) -> T:
     return result
 
 
+@compiler_pass
 def compile_pipeline(
     outer: jax_ir.ClosedJaxpr,
     grad_params: dict[str, Any],
@@ -268,18 +271,17 @@ def compile_pipeline(
         unfused = program
         program = _run("fuse_compute_runs", lambda: fuse_compute_runs(unfused, options.schedule.fuse_compute),
                        lambda p: verify_pipeline_program(p, reduced))
-    step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes, gradients),
+    step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes, gradients,
+                                                 options.micro_batch_size, pieces, held, gathered),
                 lambda sp: verify_step_program(sp, split, graph, program))
-    # A stage output leaves as its first move takes it; one no later stage reads (the loss, an
-    # aux value) stays replicated on the stage's mesh.
-    leaving = {(t.src_stage, t.slot): t.src for t in transfers if t.direction is Direction.ACTIVATION}
-    output_shardings = tuple(
-        tuple(leaving.get((s.index, k), NamedSharding(meshes[home[s.index]], P())) for k in range(len(s.outputs)))
-        for s in graph.stages)
+    kernels = _run("stage_kernels", lambda: stage_kernels(graph, parts, program, layout, meshes,
+                                                          micro_batching.loss_seed, gradients),
+                   lambda ks: verify_stage_kernels(ks, program))
     return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching, moves,
-                            options.micro_batch_size, step, output_shardings, gradients, pieces, held, gathered)
+                            options.micro_batch_size, step, kernels, gradients, pieces, held, gathered)
 
 
+@compiler_pass
 def layered_loss(loss: jax_ir.ClosedJaxpr, num_params: int, options: PipelineOptions) -> jax_ir.ClosedJaxpr:
     """``loss`` (whose first ``num_params`` inputs are parameters) with the stage markers the
     options add: ``auto_layers`` layers cut automatically (only at ``cut_points`` if given);

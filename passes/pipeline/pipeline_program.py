@@ -32,6 +32,7 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
+from ..compiler_pass import compiler_pass
 from .edge_transfer import Direction, EdgeTransfer
 from .pipeline_schedule import PipelineSchedule
 from .pipeline_tasks import Task, TaskKind
@@ -395,6 +396,7 @@ def _output(io: StageIO, s: int, slot: int, m: int) -> BufferId:
     return BufferId(BufferKind.RESULT if slot in io.kept_slots else BufferKind.ACTIVATION, s, m, slot)
 
 
+@compiler_pass
 def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], transfers: Sequence[EdgeTransfer],
                      reduced_stages: frozenset[int] = frozenset()) -> PipelineProgram:
     """Each task of ``schedule``'s launch order becomes instructions on the meshes it touches,

@@ -50,6 +50,7 @@ import enum
 import functools
 from collections.abc import Callable, Sequence
 
+from ..compiler_pass import compiler_pass
 from .dependency_graph import dependency_graph, launch_order, verify_acyclic
 from .pipeline_tasks import Task, TaskKind, task_dependencies
 from .v_schedules import V_STAGES_PER_MESH, dualpipev_actions, min_micro_batches_v, zb_v_actions
@@ -318,6 +319,7 @@ def check_stage_placement(schedule: str, num_stages: int, num_meshes: int, num_m
                              f"micro-batches ({num_meshes} meshes), got {num_micro_batches}")
 
 
+@compiler_pass
 def make_schedule(
     name: str,
     num_stages: int,

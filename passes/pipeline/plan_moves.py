@@ -33,6 +33,7 @@ from typing import Any, Callable, Union
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..compiler_pass import compiler_pass
 from ..model.cluster import Cluster
 from ..model.devices import DeviceKey, device_key, planner_ids
 from ..model.mesh import DeviceMesh
@@ -229,6 +230,7 @@ MOVE_EXECUTORS: dict[TransferKind, MoveExecutor] = {
 }
 
 
+@compiler_pass
 def plan_move(key: MoveKey, options: MoveOptions) -> PlannedMove:
     """``key`` planned and lowered by its executor, and verified."""
     move = MOVE_EXECUTORS[key.kind].lower(key, options)
@@ -257,6 +259,7 @@ class MoveTable:
         return [m.fingerprint for m in self.moves if m.fingerprint is not None]
 
 
+@compiler_pass
 def plan_moves(keys: Iterable[MoveKey], options: MoveOptions) -> MoveTable:
     """One ``PlannedMove`` per distinct key of ``keys``, in first-seen order."""
     seen: dict[MoveKey, PlannedMove] = {}

@@ -36,6 +36,7 @@ from typing import TypeVar
 import numpy as np
 from jax.extend.core.primitives import cond_p
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 
 __all__ = ["cut_cond", "inline_fixed_calls", "split_cond"]
@@ -47,6 +48,7 @@ _FREE: Label = frozenset()
 Deps = int
 
 
+@compiler_pass
 def inline_fixed_calls(jaxpr: jax_ir.Jaxpr) -> jax_ir.Jaxpr:
     """``jaxpr`` with every top-level cond whose index is a literal replaced by its taken
     branch's equations, and every jit call asking to be inlined by its body's, renamed,
@@ -103,6 +105,7 @@ def _inline_into(out: list[jax_ir.JaxprEqn], jaxpr: jax_ir.Jaxpr, env: dict[jax_
         out.append(e)
 
 
+@compiler_pass
 def split_cond(eqn: jax_ir.JaxprEqn, owners: Sequence[int | None]) -> list[tuple[jax_ir.JaxprEqn, Label]] | None:
     """``eqn`` as conds that together compute its outputs, each with the meshes its outputs
     depend on; None if ``eqn`` is not a cond without effects.
@@ -137,6 +140,7 @@ def split_cond(eqn: jax_ir.JaxprEqn, owners: Sequence[int | None]) -> list[tuple
     return [(dce(used, eqn)[1], label) for label, used in sorted(groups.items(), key=lambda g: sorted(g[0]))]
 
 
+@compiler_pass
 def cut_cond(eqn: jax_ir.JaxprEqn, owners: Sequence[int | None]) -> tuple[jax_ir.JaxprEqn, jax_ir.JaxprEqn] | None:
     """``eqn`` as two conds with its index, the first cut at the one-element values of one mesh
     its branches combine with other meshes' values (module docstring); None if no branch

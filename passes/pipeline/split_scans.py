@@ -28,6 +28,7 @@ import jax
 import numpy as np
 from jax.extend.core.primitives import concatenate_p, scan_p, sharding_constraint_p, slice_p
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from ..verification import PlanVerificationError
 from .step_primitives import stage_boundary_p
@@ -76,6 +77,7 @@ def _scanned(e: jax_ir.JaxprEqn) -> list[jax_ir.Atom]:
     return e.invars[sum(jax_ir.scan_operand_counts(e)):]
 
 
+@compiler_pass
 def split_layer_scans(loss: jax_ir.ClosedJaxpr, cuts: Mapping[int, Sequence[int]], marked: bool,
                       markers_before: frozenset[int] = frozenset()
                       ) -> tuple[jax_ir.ClosedJaxpr, tuple[Provenance, ...]]:

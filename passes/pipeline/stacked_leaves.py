@@ -32,6 +32,7 @@ from jax.extend.core import primitives as prims
 from jax.extend.core.primitives import slice_p
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from ..verification import PlanVerificationError
 
@@ -104,6 +105,7 @@ def _piece_avals(aval: jax_ir.ShapedArray, bounds: Bounds) -> list[jax_ir.Shaped
     return [aval.update(shape=(b - a, *aval.shape[1:])) for a, b in zip(bounds, bounds[1:])]
 
 
+@compiler_pass
 def take_pieces(loss: jax_ir.ClosedJaxpr, num_params: int, stacked: Mapping[int, Bounds]) -> jax_ir.ClosedJaxpr:
     """``loss`` with each parameter ``k`` of ``stacked`` replaced, in place, by one parameter per
     piece (``stacked_params``): its slices read the pieces. Parameters after ``num_params``
@@ -317,6 +319,7 @@ class _Rewrite:
         self.append(e.replace(invars=invars))
 
 
+@compiler_pass
 def split_stacked_leaves(step: jax_ir.ClosedJaxpr, stacked: Mapping[int, Bounds], counterparts: Sequence[int | None]
                          ) -> tuple[jax_ir.ClosedJaxpr, LeafPieces, dict[int, Bounds]]:
     """``step`` (the traced train step, one ``pipeline_grad`` equation) rewritten over pieces
@@ -494,6 +497,7 @@ class StackedArray:
     pieces: tuple[NamedSharding, ...]
 
 
+@compiler_pass
 def stacked_arrays(pieces: LeafPieces, piece_shardings: Mapping[int, Sequence[NamedSharding]]
                    ) -> dict[int, StackedArray]:
     """The split input leaves that can be returned to the user as one array without a copy:
@@ -543,6 +547,7 @@ class GatheredArray:
         return [mv for mv in (*self.into, *self.out_of) if mv is not None]
 
 
+@compiler_pass
 def gathered_arrays(pieces: LeafPieces, piece_shardings: Mapping[int, Sequence[NamedSharding]],
                     shapes: Mapping[int, tuple[int, ...]], dtypes: Mapping[int, Any], specs: Mapping[int, Any],
                     axis_names: tuple[str, str], executor: str, strategy: str) -> dict[int, GatheredArray]:

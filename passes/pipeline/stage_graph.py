@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core.primitives import cond_p, remat_p, scan_p, while_p
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from .step_primitives import stage_boundary_p
 
@@ -178,6 +179,7 @@ def count_markers(loss_jaxpr: jax_ir.ClosedJaxpr) -> int:
     return sum(e.primitive is stage_boundary_p for e in loss_jaxpr.jaxpr.eqns)
 
 
+@compiler_pass
 def split_stages(loss_jaxpr: jax_ir.ClosedJaxpr, num_params: int, cuts: Sequence[int] | None = None) -> StageGraph:
     """Cuts ``loss_jaxpr`` at its top-level stage markers: all of them, or only the markers
     numbered ``cuts`` (0-based, in program order; the others then join their neighbours).

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import jax
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from .stage_graph import RefKind, Stage, is_differentiable
 from ..verification import PlanVerificationError
@@ -128,6 +129,7 @@ def _needs(eqns: Sequence[jax_ir.JaxprEqn], roots: Sequence[jax_ir.Atom], stop: 
     return kept[::-1], live
 
 
+@compiler_pass
 def stage_parts(stage: Stage, diff_outputs: Sequence[int] | None = None) -> StageParts:
     """Builds the forward, backward, B and W jaxprs of ``stage`` (see the module docstring);
     ``diff_outputs`` are the output slots that receive cotangents (default: every floating one).

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from .edge_transfer import MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
@@ -26,7 +27,8 @@ from .micro_batching import is_key
 from .stage_graph import RefKind, StageGraph
 from .step_split import OuterKind, OuterMove, OuterRef, StepSplit
 
-__all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step", "value_move", "verify_step_layout"]
+__all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step", "spans_platforms", "union_sharding", "value_move",
+           "verify_step_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,19 @@ class Placement:
 
     def on(self, mesh: int) -> NamedSharding:
         return self.shardings[self.meshes.index(mesh)]
+
+
+def spans_platforms(shardings: Sequence[NamedSharding]) -> bool:
+    """Whether ``shardings``' meshes are on several platforms (a GPU and the host): no one array
+    spans them."""
+    return len({d.platform for s in shardings for d in s.mesh.devices.flat}) > 1
+
+
+def union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
+    """Replicated over every device of ``shardings``' meshes (all on one platform): how one
+    array holds a value several meshes read."""
+    devices = [d for s in shardings for d in s.mesh.devices.flat]
+    return NamedSharding(Mesh(np.array(devices), ("union",)), P())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +151,7 @@ def value_move(what: str, aval: Any, src: NamedSharding, dst: NamedSharding, exe
     return ValueMove(what, tuple(aval.shape), np.dtype(aval.dtype), src, dst, kind)
 
 
+@compiler_pass
 def layout_step(
     graph: StageGraph,
     split: StepSplit,

@@ -5,11 +5,13 @@ step. Around it a step places its inputs, computes and moves what the loss
 reads, feeds each stage its operands, and afterwards combines each
 micro-batch's loss and aux values, reduces each parameter's gradient on its
 owner's mesh, runs the update and assembles the outputs. ``lower_step`` makes
-all of that instructions, deciding every reduction and every sharding here, so
-the runtime (``meshpar.runtime.pipeline_executor``) is one handler per
-instruction kind:
+all of that instructions, deciding every reduction and every sharding here, each
+instruction carrying what it needs (the runtime reads no layout), so the runtime
+(``meshpar.runtime.pipeline_executor``) is one handler per instruction kind:
 
-- ``PlaceInputs``: every step input leaf where ``StepLayout.in_placements`` puts it;
+- ``SplitStackedLeaves`` / ``JoinStackedLeaves`` (first and last, with stacked leaves): the
+  user's stacked leaves into the per-stage pieces the step takes, and back;
+- ``PlaceInputs``: every step input leaf where its ``Placement`` puts it;
 - ``RunCompute`` / ``RunMove``: one computation around the pipeline on its mesh,
   or one move of values between two meshes (``step_split``);
 - ``FeedStages``: each stage's operands (fetched parameters, constants, the
@@ -26,34 +28,58 @@ instruction kind:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from ..verification import PlanVerificationError
 from .data_replicas import DataReplicas
 from .micro_batching import AuxReduction, MicroBatching
 from .pipeline_program import BufferId, BufferKind, PipelineProgram
+from .stacked_leaves import GatheredArray, LeafPieces, StackedArray
 from .stage_graph import RefKind, StageGraph
-from .step_layout import StepLayout, ValueMove
+from .step_layout import Placement, StageOperand, StepLayout, ValueMove, spans_platforms, union_sharding
 from .step_split import OuterCompute, OuterKind, OuterMove, OuterRef, StepSplit
 
-__all__ = ["PlaceInputs", "RunCompute", "RunMove", "FeedStages", "RunPipeline", "CombineMicroBatches",
-           "ReduceGradient", "AwaitArrivals", "AssembleOutputs", "StepInstruction", "StepProgram", "lower_step",
-           "verify_step_program"]
+__all__ = ["AssembleOutputs", "AwaitArrivals", "CombineMicroBatches", "FeedStages", "JoinStackedLeaves",
+           "OutputSource", "PlaceInputs", "ReduceGradient", "RunCompute", "RunMove", "RunPipeline",
+           "SplitStackedLeaves", "StageFeed", "StepInstruction", "StepProgram", "lower_step", "verify_step_program"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitStackedLeaves:
+    """The user's stacked leaves as the per-stage pieces the rewritten step takes
+    (``stacked_leaves``): each held leaf as views of its shards, each gathered one cut on its
+    home mesh and moved by ``GatheredArray.into``."""
+
+    pieces: LeafPieces
+    held: tuple[tuple[int, StackedArray], ...]
+    gathered: tuple[tuple[int, GatheredArray], ...]
+
+    def __str__(self) -> str:
+        return f"split {len(self.held) + len(self.gathered)} stacked leaves into their pieces"
 
 
 @dataclasses.dataclass(frozen=True)
 class PlaceInputs:
+    """Every input leaf (of the rewritten step) where ``placements`` puts it."""
+
+    placements: tuple[Placement, ...]
+
     def __str__(self) -> str:
         return "place the inputs"
 
 
 @dataclasses.dataclass(frozen=True)
 class RunCompute:
+    """``compute`` on its mesh; output ``k`` constrained to ``output_shardings[k]`` (``None``: as
+    XLA lays it out)."""
+
     compute: OuterCompute
+    output_shardings: tuple[NamedSharding | None, ...]
 
     def __str__(self) -> str:
         return f"compute of {', '.join(map(str, self.compute.outputs))} on mesh {self.compute.mesh}"
@@ -61,14 +87,39 @@ class RunCompute:
 
 @dataclasses.dataclass(frozen=True)
 class RunMove:
+    """``move``'s values cross meshes by ``via``; several values travel packed into one vector and
+    are unpacked on the destination mesh, value ``k`` laid out as ``unpacked[k]``."""
+
     move: OuterMove
+    via: ValueMove
+    unpacked: tuple[NamedSharding, ...] = ()
 
     def __str__(self) -> str:
         return f"move of {', '.join(map(str, self.move.values))} from mesh {self.move.src} to mesh {self.move.dst}"
 
 
 @dataclasses.dataclass(frozen=True)
+class StageFeed:
+    """Stage ``stage``'s operands for one step, on mesh ``mesh``: per operand (``StageOperand``:
+    its source, sharding, whether it is cut per micro-batch or folded, its fetch), and for a
+    fetched one the mesh its leaf is placed on."""
+
+    stage: int
+    mesh: int
+    operands: tuple[StageOperand, ...]
+    fetched_from: tuple[int | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class FeedStages:
+    """Each stage's operands: fetched parameters, constants, values computed before the
+    pipeline, every per-micro-batch operand cut into ``num_micro_batches`` slices of
+    ``micro_batch_size`` rows, and keys folded with each micro-batch's index."""
+
+    stages: tuple[StageFeed, ...]
+    micro_batch_size: int
+    num_micro_batches: int
+
     def __str__(self) -> str:
         return "feed the stages"
 
@@ -124,47 +175,126 @@ class AwaitArrivals:
 
 
 @dataclasses.dataclass(frozen=True)
-class AssembleOutputs:
-    """Per step output, the sharding of its copy on each mesh holding it."""
+class OutputSource:
+    """Where a step output comes from: ``ref`` held on ``meshes``, the copy on mesh
+    ``meshes[k]`` laid out as ``shardings[k]``. A literal output is ``literal``; an input
+    returned as it came is placed by ``placement`` (no meshes: a batch leaf, returned as given)."""
 
-    shardings: tuple[tuple[NamedSharding, ...], ...]
+    ref: OuterRef
+    meshes: tuple[int, ...]
+    shardings: tuple[NamedSharding, ...]
+    literal: Any = None
+    placement: Placement | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AssembleOutputs:
+    """The step's outputs (of the rewritten step), each from its ``OutputSource``."""
+
+    outputs: tuple[OutputSource, ...]
 
     def __str__(self) -> str:
         return "assemble the outputs"
 
 
-StepInstruction = Union[PlaceInputs, RunCompute, RunMove, FeedStages, RunPipeline, CombineMicroBatches,
-                        ReduceGradient, AwaitArrivals, AssembleOutputs]
+@dataclasses.dataclass(frozen=True)
+class JoinStackedLeaves:
+    """The rewritten step's outputs in pieces joined as the user sees the leaves they replace:
+    a held leaf as one array over its pieces' devices, a gathered one moved home by
+    ``GatheredArray.out_of`` and concatenated."""
+
+    pieces: LeafPieces
+    held: tuple[tuple[int, StackedArray], ...]
+    gathered: tuple[tuple[int, GatheredArray], ...]
+
+    def __str__(self) -> str:
+        return f"join {len(self.held) + len(self.gathered)} stacked leaves from their pieces"
+
+
+StepInstruction = Union[SplitStackedLeaves, PlaceInputs, RunCompute, RunMove, FeedStages, RunPipeline,
+                        CombineMicroBatches, ReduceGradient, AwaitArrivals, AssembleOutputs, JoinStackedLeaves]
 
 
 @dataclasses.dataclass(frozen=True)
 class StepProgram:
-    """The step's instructions, in the order every process runs them."""
+    """The step's instructions, in the order every process runs them, and what they name.
+
+    Attributes:
+      instructions: the program.
+      consts: the step's closed-over constants (``OuterKind.CONST`` refs index them).
+      avals: the type of every value the instructions name (computed, moved, combined).
+      leaf_shardings: per input leaf of the user's step, where the step keeps it between calls
+        (a state leaf on its stage mesh, replicated over several meshes as one array, a
+        stacked leaf as the user sees it); ``None``: a batch leaf, read per micro-batch.
+    """
 
     instructions: tuple[StepInstruction, ...]
+    consts: tuple = ()
+    avals: Mapping[OuterRef, jax_ir.AbstractValue] = dataclasses.field(default_factory=dict)
+    leaf_shardings: tuple[NamedSharding | None, ...] = ()
 
     def __iter__(self):
         return iter(self.instructions)
 
 
-def _outer(step: Any) -> StepInstruction:
-    return RunCompute(step) if isinstance(step, OuterCompute) else RunMove(step)
+def _outer(step: Any, layout: StepLayout, split: StepSplit) -> StepInstruction:
+    if isinstance(step, OuterCompute):
+        return RunCompute(step, tuple(layout.value_shardings.get((ref, step.mesh)) for ref in step.outputs))
+    unpacked = () if len(step.values) == 1 else tuple(layout.value_shardings[(r, step.dst)] for r in step.values)
+    return RunMove(step, layout.outer_moves[step], unpacked)
 
 
+def _leaf_shardings(layout: StepLayout, pieces: LeafPieces | None, held: Mapping[int, StackedArray],
+                    gathered: Mapping[int, GatheredArray]) -> tuple[NamedSharding | None, ...]:
+    """Per user input leaf, where the step keeps it (``StepProgram.leaf_shardings``)."""
+    def kept(placement: Placement) -> NamedSharding | None:
+        if not placement.meshes:
+            return None
+        if len(placement.meshes) == 1 or spans_platforms(placement.shardings):
+            return placement.shardings[0]
+        return union_sharding(placement.shardings)
+
+    if pieces is None:
+        return tuple(kept(p) for p in layout.in_placements)
+    at = {key: n for n, key in enumerate(pieces.piece_inputs())}
+    out = []
+    for i, bounds in enumerate(pieces.inputs):
+        if bounds is None:
+            out.append(kept(layout.in_placements[at[(i, None)]]))
+        else:
+            out.append(held[i].sharding if i in held else gathered[i].sharding)
+    return tuple(out)
+
+
+@compiler_pass
 def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program: PipelineProgram,
-               micro_batching: MicroBatching, meshes: Sequence[Mesh], gradients: DataReplicas) -> StepProgram:
+               micro_batching: MicroBatching, meshes: Sequence[Mesh], gradients: DataReplicas,
+               micro_batch_size: int, pieces: LeafPieces | None = None,
+               held: Mapping[int, StackedArray] | None = None,
+               gathered: Mapping[int, GatheredArray] | None = None) -> StepProgram:
     """The step around ``program``: its reductions are ``micro_batching``'s (the loss by its
     ``reduction``, each aux value by its own, over micro-batches and the replicas of
     ``gradients``), every sharding is ``layout``'s (a value it leaves free replicated on its
-    mesh)."""
+    mesh); with ``pieces``, the user's stacked leaves split before and joined after, as
+    ``held`` and ``gathered`` say."""
 
     def per_replica(stage: int, slot: int) -> bool:
         replicas = gradients.stages[stage].replicas
         return replicas is not None and replicas.per_replica(slot)
 
+    held, gathered = dict(held or {}), dict(gathered or {})
     home = program.schedule.stage_mesh
     M = program.schedule.num_micro_batches
-    ins: list[StepInstruction] = [PlaceInputs(), *map(_outer, split.before), FeedStages(), RunPipeline()]
+    feeds = tuple(
+        StageFeed(s, home[s], ops, tuple(layout.in_placements[op.source.index].meshes[0] if op.fetch else None
+                                         for op in ops))
+        for s, ops in enumerate(layout.stage_operands))
+    ins: list[StepInstruction] = []
+    stacked = (pieces, tuple(sorted(held.items())), tuple(sorted(gathered.items())))
+    if pieces is not None:
+        ins.append(SplitStackedLeaves(*stacked))
+    ins += [PlaceInputs(layout.in_placements), *(_outer(st, layout, split) for st in split.before),
+            FeedStages(feeds, micro_batch_size, M), RunPipeline()]
     loss = graph.loss
     ins.append(CombineMicroBatches(
         OuterRef(OuterKind.LOSS), tuple(BufferId(BufferKind.RESULT, loss.index, m, loss.slot) for m in range(M)),
@@ -179,14 +309,19 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
         avals = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
         for n, k in enumerate(stage.param_inputs):
             ins.append(ReduceGradient(k, stage.index, n, home[graph.param_owner(k)], moves[n], shardings[n], avals[n]))
-    ins += [*map(_outer, split.after), AwaitArrivals()]
+    ins += [*(_outer(st, layout, split) for st in split.after), AwaitArrivals()]
     outputs = []
     for j, (ref, on) in enumerate(split.outputs):
         placement = layout.out_placements[j]
-        outputs.append(tuple(placement.on(m) if placement is not None and m in placement.meshes
-                             else NamedSharding(meshes[m], P()) for m in on))
+        shardings = tuple(placement.on(m) if placement is not None and m in placement.meshes
+                          else NamedSharding(meshes[m], P()) for m in on)
+        outputs.append(OutputSource(ref, tuple(on), shardings, split.literals.get(j),
+                                    layout.in_placements[ref.index] if ref.kind is OuterKind.IN else None))
     ins.append(AssembleOutputs(tuple(outputs)))
-    return StepProgram(tuple(ins))
+    if pieces is not None:
+        ins.append(JoinStackedLeaves(*stacked))
+    return StepProgram(tuple(ins), tuple(split.consts), dict(split.avals),
+                       _leaf_shardings(layout, pieces, held, gathered))
 
 
 def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, program: PipelineProgram) -> None:
@@ -200,9 +335,14 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
       PlanVerificationError: naming the instruction.
     """
     kinds = [type(i) for i in step]
+    stacked = kinds.count(SplitStackedLeaves)
+    if stacked != kinds.count(JoinStackedLeaves) or stacked > 1 or (stacked and (
+            kinds[0] is not SplitStackedLeaves or kinds[-1] is not JoinStackedLeaves)):
+        raise PlanVerificationError("the step does not split its stacked leaves first and join them last, once each")
+    body = kinds[1:-1] if stacked else kinds
     order = [PlaceInputs, FeedStages, RunPipeline, AwaitArrivals, AssembleOutputs]
-    positions = [kinds.index(k) if kinds.count(k) == 1 else -1 for k in order]
-    if -1 in positions or positions != sorted(positions) or positions[-1] != len(kinds) - 1:
+    positions = [body.index(k) if body.count(k) == 1 else -1 for k in order]
+    if -1 in positions or positions != sorted(positions) or positions[-1] != len(body) - 1:
         raise PlanVerificationError("the step does not place, feed, run the pipeline, wait and assemble once each, "
                                     "in that order, assembling last")
     home = program.schedule.stage_mesh

@@ -32,6 +32,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from .micro_batching import is_key
 from .split_conditionals import cut_cond, inline_fixed_calls, split_cond
@@ -226,6 +227,7 @@ def _largest_input_mesh(e: jax_ir.JaxprEqn, colour: dict[jax_ir.Var, int | None]
     return min(coloured, key=lambda vc: (-_nbytes(vc[0].aval), vc[1]))[1]
 
 
+@compiler_pass
 def split_step(outer: jax_ir.ClosedJaxpr, param_owner: Callable[[int], int], loss_mesh: int,
                aux_meshes: Sequence[int], num_meshes: int, loss_readers: Sequence[Sequence[int]],
                counterparts: Sequence[int | None]) -> StepSplit:

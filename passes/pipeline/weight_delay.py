@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+from ..compiler_pass import compiler_pass
 from .pipeline_schedule import SCHEDULES, make_schedule
 from ..simulation.schedule_simulator import TaskDurations, simulate
 
@@ -58,6 +59,7 @@ def max_delay(num_stages: int, num_micro_batches: int) -> int:
     return min(2 * num_stages, 2 * num_micro_batches - 1)
 
 
+@compiler_pass
 def weight_delays(
     weight_delay: bool | str,
     schedule_name: str,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import jax_ir
-from ..simulation.cost_model import jaxpr_flops, jaxpr_ops
+from ..pipeline.jaxpr_flops import jaxpr_flops, jaxpr_ops
 from .layer_profile import CrossingValue, LayerProfile, ModelProfile
 from ..pipeline.stage_graph import RefKind, StageGraph
 from ..pipeline.stage_parts import stage_parts

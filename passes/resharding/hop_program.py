@@ -31,6 +31,7 @@ import hashlib
 import itertools
 import json
 
+from ..compiler_pass import compiler_pass
 from .resharding_plan import ReshardingPlan
 from .transfer_program import Chain, pack_steps, plan_chains, split_box_exact
 from ..verification import PlanVerificationError
@@ -158,6 +159,7 @@ def _assemble(shape, chains_per_round: list[list[Chain]], src_origin, dst_origin
     )
 
 
+@compiler_pass
 def lower_to_hops(plan: ReshardingPlan) -> HopProgram:
     """Lowers ``plan`` to cuts, hops in steps per round, and placements.
 

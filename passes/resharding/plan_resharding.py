@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from ..compiler_pass import compiler_pass
 from ..model.cluster import Cluster
 
 from .balancers import BalancerOptions, get_balancer
@@ -27,6 +28,7 @@ __all__ = ["plan_resharding", "ALPA_BASELINE"]
 ALPA_BASELINE = ("local_allgather", "load_balance")
 
 
+@compiler_pass
 def plan_resharding(
     task: ReshardingTask,
     cluster: Cluster,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from ..compiler_pass import compiler_pass
 from .hop_program import HopProgram
 from ..verification import PlanVerificationError
 
@@ -44,6 +45,7 @@ class Gate:
     pieces: tuple[int, ...]
 
 
+@compiler_pass
 def round_gates(program: HopProgram, host_of: Mapping[int, int]) -> tuple[Gate, ...]:
     """The gates of ``program``, in round, host, sender order: the same on every process.
 

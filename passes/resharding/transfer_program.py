@@ -26,6 +26,7 @@ overlapping writes carry identical data.
 from __future__ import annotations
 
 import dataclasses
+from ..compiler_pass import compiler_pass
 from .resharding_plan import ReshardingPlan, ScheduledTask
 from ..verification import PlanVerificationError
 
@@ -189,6 +190,7 @@ def pack_steps(chains: list[Chain]) -> list[list[tuple[int, int]]]:
     return steps
 
 
+@compiler_pass
 def lower_plan(plan: ReshardingPlan) -> TransferProgram:
     """Lowers ``plan`` to steps of device-to-device transfers.
 

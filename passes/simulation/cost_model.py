@@ -20,11 +20,12 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from jax.extend.core.primitives import scan_p
 from jax.sharding import Mesh, NamedSharding
 
+from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from ..pipeline.data_replicas import StageAccumulation
+from ..pipeline.jaxpr_flops import jaxpr_flops
 from ..pipeline.drop_mesh_axis import spec_without
 from ..pipeline.edge_transfer import Direction, EdgeTransfer
 from ..pipeline.pipeline_options import GRADIENT_REDUCTIONS
@@ -32,53 +33,12 @@ from ..pipeline.plan_moves import MOVE_EXECUTORS
 from .schedule_simulator import StageSeconds, TaskDurations
 from ..pipeline.stage_parts import StageParts
 
-__all__ = ["DEVICE_FLOPS", "jaxpr_flops", "jaxpr_ops", "compute_seconds", "transfer_seconds", "allreduce_seconds",
-           "StageGradients", "stage_gradients", "estimate_durations"]
+__all__ = ["DEVICE_FLOPS", "compute_seconds", "transfer_seconds", "allreduce_seconds", "StageGradients",
+           "stage_gradients", "estimate_durations"]
 
 # Sustained FLOP/s of one device, by platform: orders of magnitude, enough to
 # compare a stage's compute with its transfers.
 DEVICE_FLOPS = {"cpu": 2e10, "gpu": 1e14, "tpu": 1e14}
-
-
-def _size(aval: jax_ir.AbstractValue) -> int:
-    return int(np.prod(getattr(aval, "shape", ()), dtype=np.int64))
-
-
-def _eqn_flops(eqn: jax_ir.JaxprEqn) -> float:
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (contract, _), _ = eqn.params["dimension_numbers"]
-        lhs = eqn.invars[0].aval.shape
-        return 2.0 * _size(eqn.outvars[0].aval) * int(np.prod([lhs[d] for d in contract], dtype=np.int64))
-    if name == "conv_general_dilated":
-        rhs = eqn.invars[1].aval.shape
-        return 2.0 * _size(eqn.outvars[0].aval) * int(np.prod(rhs[1:], dtype=np.int64))
-    inner = list(jax_ir.nested_jaxprs(eqn))
-    if inner:
-        trips = eqn.params.get("length", 1) if name == "scan" else 1
-        return trips * sum(jaxpr_flops(j) for j in inner)
-    return float(sum(_size(v.aval) for v in eqn.outvars))
-
-
-def jaxpr_flops(jaxpr: jax_ir.Jaxpr | jax_ir.ClosedJaxpr) -> float:
-    """Floating-point operations of one run: 2mnk per matmul, one per output element elsewhere,
-    nested bodies counted (a scan's times its length)."""
-    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, jax_ir.ClosedJaxpr) else jaxpr
-    return float(sum(_eqn_flops(e) for e in jaxpr.eqns))
-
-
-def jaxpr_ops(jaxpr: jax_ir.Jaxpr | jax_ir.ClosedJaxpr) -> float:
-    """Operations one run executes: every equation once, nested bodies counted (a scan's times
-    its length), the call equations themselves not."""
-    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, jax_ir.ClosedJaxpr) else jaxpr
-    total = 0.0
-    for e in jaxpr.eqns:
-        inner = list(jax_ir.nested_jaxprs(e))
-        if inner:
-            total += (e.params.get("length", 1) if e.primitive is scan_p else 1) * sum(jaxpr_ops(j) for j in inner)
-        else:
-            total += 1.0
-    return total
 
 
 def compute_seconds(flops: float, num_devices: int, platform: str) -> float:
@@ -183,6 +143,7 @@ def _stage_seconds(parts: StageParts, mesh: Mesh) -> StageSeconds:
                         seconds(parts.backward_weight))
 
 
+@compiler_pass
 def estimate_durations(
     parts: Sequence[StageParts],
     meshes: Sequence[Mesh],
