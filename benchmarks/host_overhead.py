@@ -15,7 +15,7 @@ One process, each stage mesh one device, so every difference from ``jax.jit`` is
   passes: more launches per micro-batch);
 - ``two_meshes_1f1b``: meshpar ``1f1b``, one stage on each of two devices;
 - ``one_mesh_interleaved_fused``, ``two_meshes_1f1b_fused``: the same with ``fuse_compute=None``
-  (``passes.pipeline.fused_runs``): a mesh's back-to-back passes one program, the one mesh's
+  (``passes.pipeline.lowering.fused_runs``): a mesh's back-to-back passes one program, the one mesh's
   whole pipeline one program.
 
 Models: ``tiny`` is ``examples/gpt.py``'s GPT with its defaults (8 layers, d_model 32, seq 8,

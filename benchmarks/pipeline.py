@@ -175,7 +175,7 @@ def _schedule(spec: dict):
     """The schedule a worker ran, from its record's ``schedule`` (``pipeline_worker.schedule_spec``):
     on ``num_meshes`` meshes (a record without it: one stage per mesh), each stage on the mesh
     the schedule places it on, as the worker's was."""
-    from meshpar.passes.pipeline.pipeline_schedule import make_schedule
+    from meshpar.passes.pipeline.scheduling.pipeline_schedule import make_schedule
 
     schedule = make_schedule(spec["name"], spec["num_stages"], spec["num_micro_batches"],
                              [tuple(e) for e in spec["edges"]], spec["weight_delays"], spec.get("num_meshes"))

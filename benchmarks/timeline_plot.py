@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshpar.passes.pipeline.pipeline_tasks import TaskKind
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind
 from meshpar.passes.simulation.timeline import Timeline
 
 __all__ = ["KIND_COLORS", "plot_timelines"]

@@ -12,7 +12,7 @@ from meshpar.planning import plan_parallelism
 from meshpar.reshard import plan_between, plan_for, reshard
 from meshpar.stage_boundary import mark_stage_boundary
 from meshpar.runtime.coordination import CoordinationError, PeerLostError
-from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
 from meshpar.passes import (
     ALPA_BASELINE,
     BALANCERS,

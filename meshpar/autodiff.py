@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from meshpar.passes import jax_ir
 from meshpar.nnx_state import has_variables
-from meshpar.passes.pipeline.micro_batching import REDUCTIONS, AuxReduction
+from meshpar.passes.pipeline.cutting.micro_batching import REDUCTIONS, AuxReduction
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
 __all__ = ["AuxReduction", "grad", "is_tracing_pipeline", "value_and_grad", "tracing_pipeline"]

@@ -7,7 +7,7 @@ import os
 
 
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.stage_graph import first_user_frame, user_location
+from meshpar.passes.pipeline.cutting.stage_graph import first_user_frame, user_location
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
 __all__ = ["find_grad_call"]

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from meshpar.nnx_state import write_back
-from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline
+from meshpar.passes.pipeline_driver import CompiledPipeline
 from meshpar.passes.simulation.timeline import write_chrome_trace
 from meshpar.pipeshard_parallel import AUTO, PipeshardParallel
 from meshpar.runtime.pipeline_executor import PipelineExecutable

@@ -18,12 +18,12 @@ from jax.sharding import Mesh
 
 from meshpar.cluster import Cluster
 from meshpar.passes.model.devices import DeviceKey, device_key, device_name
-from meshpar.passes.pipeline.edge_transfer import EXECUTORS, SIGNAL
-from meshpar.passes.pipeline.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
+from meshpar.passes.pipeline.placing.edge_transfer import EXECUTORS, SIGNAL
+from meshpar.passes.pipeline.placing.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
 from meshpar.passes.pipeline.pipeline_options import (GRADIENT_REDUCTIONS, GradientOptions, PipelineOptions,
                                                       PlacementOptions, ScheduleOptions, TransferOptions)
-from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, check_stage_placement
-from meshpar.passes.pipeline.weight_delay import check_weight_delay
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, check_stage_placement
+from meshpar.passes.simulation.weight_delay import check_weight_delay
 from meshpar.passes.resharding.balancers import get_balancer
 from meshpar.passes.resharding.strategies import get_strategy
 
@@ -57,13 +57,13 @@ class PipeshardParallel:
       stages_per_mesh: stages each mesh runs (virtual pipeline stages, placed on the meshes as
         the schedule places them). ``None``: ``num_stages / len(stage_meshes)`` with
         ``stage_meshes``, else 1. Above 1 the schedule must run virtual stages and the
-        micro-batches fit it (``passes.pipeline.pipeline_schedule.check_stage_placement``).
+        micro-batches fit it (``passes.pipeline.scheduling.pipeline_schedule.check_stage_placement``).
         The devices are cut into ``num_stages / stages_per_mesh`` meshes. Not with ``"auto"``
         (the planner places one stage per mesh).
       schedule: ``gpipe``, ``1f1b``, ``eager_1f1b``, ``zb_h1``, ``interleaved_1f1b`` (virtual
         stages, stage k on mesh k mod P), or ``zb_v`` and ``dualpipev`` (exactly
         ``stages_per_mesh=2`` in a V: stages r and 2P-1-r on mesh r, at least 2P micro-batches;
-        ``passes.pipeline.pipeline_schedule.SCHEDULES``).
+        ``passes.pipeline.scheduling.pipeline_schedule.SCHEDULES``).
       weight_delay: split each backward into an activation-gradient and a
         weight-gradient pass and run the latter later: ``False`` (whole
         backwards), ``True`` (after the stage's next compute task) or
@@ -102,14 +102,14 @@ class PipeshardParallel:
         stage mesh reduces them over ``data_axis`` once per step, as soon as its last weight
         gradient is done. ``"per_micro_batch"``: every backward reduces its micro-batch's
         gradients itself (the plain SPMD program; M times the gradient bytes over the data
-        links), kept to compare against. See ``passes.pipeline.data_replicas`` for when a
+        links), kept to compare against. See ``passes.pipeline.placing.data_replicas`` for when a
         stage keeps the per-micro-batch reduction anyway.
       accumulation_dtype: the floating dtype the gradients of narrower floating parameters
         (bfloat16, float16) accumulate in over micro-batches (default float32, as
         mixed-precision training expects); the reduced gradient has the parameter's dtype.
       fuse_compute: the most stage passes (forwards, backwards, input and weight passes) a mesh
         runs as one program where they run back to back with only values of that mesh between
-        them (``passes.pipeline.fused_runs``): each program launched costs its device a fixed
+        them (``passes.pipeline.lowering.fused_runs``): each program launched costs its device a fixed
         price (XLA's setup of every operation; about a millisecond for a small GPT stage on a
         CPU), which fusing pays once. 1: every pass its own program; ``None``: no limit (a
         mesh hosting every stage then runs its whole pipeline as one program, compiled from

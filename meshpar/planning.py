@@ -23,9 +23,9 @@ from meshpar.cluster import Cluster
 from meshpar.batch_arguments import batch_size
 from meshpar.grad_call import find_grad_call
 from meshpar.nnx_state import has_variables, partition_specs
-from meshpar.passes.pipeline.edge_transfer import Direction, EdgeTransfer, TransferKind
+from meshpar.passes.pipeline.placing.edge_transfer import Direction, EdgeTransfer, TransferKind
 from meshpar.passes.pipeline.pipeline_options import GRADIENT_REDUCTIONS
-from meshpar.passes.pipeline.pipeline_tasks import TaskKind
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind
 from meshpar.passes.simulation.cost_model import DEVICE_FLOPS
 from meshpar.passes.planning.hlo_collectives import all_reduce_equivalent_bytes
 from meshpar.passes.planning.layer_profile import ModelProfile
@@ -34,8 +34,8 @@ from meshpar.passes.planning.planner_amp import MEGATRON_PLACEMENT, search as am
 from meshpar.passes.planning.planner_galvatron import search as galvatron_search
 from meshpar.passes.planning.planner_meshpar import Hardware, NoPlanFits, PipelinePlan, StagePlan, predict, search, stage_meshes
 from meshpar.passes.planning.profile_layers import profile_layers
-from meshpar.passes.pipeline.layer_clustering import insert_layer_markers, max_layers
-from meshpar.passes.pipeline.stage_graph import count_markers, split_stages
+from meshpar.passes.pipeline.cutting.layer_clustering import insert_layer_markers, max_layers
+from meshpar.passes.pipeline.cutting.stage_graph import count_markers, split_stages
 from meshpar.pipeshard_parallel import PipeshardParallel
 from meshpar.reshard import plan_between
 from meshpar.runtime.step_trace import StepRecorder

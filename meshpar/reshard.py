@@ -11,8 +11,8 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from meshpar.cluster import Cluster
-from meshpar.passes.pipeline.edge_transfer import EXECUTORS, TransferKind
-from meshpar.passes.pipeline.plan_moves import (
+from meshpar.passes.pipeline.placing.edge_transfer import EXECUTORS, TransferKind
+from meshpar.passes.pipeline.placing.plan_moves import (
     P2P_ORDERS, MoveKey, MoveOptions, default_cluster, plan_move, resharding_task,
 )
 from meshpar.passes.resharding.balancers import get_balancer

@@ -1,7 +1,7 @@
 """Tracing and compiling one step of ``meshpar.parallelize`` for one input structure.
 
 ``compile_step`` traces the step (abstract evaluation only) at micro-batch and whole-batch
-shapes, hands the traced step to the pass pipeline (``passes.pipeline.pipeline_passes``) and
+shapes, hands the traced step to the pass pipeline (``passes.pipeline_driver``) and
 wraps the compiled pipeline in its executable. Nothing here plans: a planned
 ``PipeshardParallel`` arrives with its ``"auto"`` arguments already chosen.
 """
@@ -24,10 +24,10 @@ from meshpar.grad_call import find_grad_call
 from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_variables, has_variables,
                                partition_specs, returning_updates)
 from meshpar.passes.pipeline.describe_pipeline import describe_pipeline
-from meshpar.passes.pipeline.micro_batching import resolve_micro_batching
-from meshpar.passes.pipeline.pipeline_passes import CompiledPipeline, compile_pipeline, state_counterparts
-from meshpar.passes.pipeline.stage_graph import StageGraph, StageMarkerError, user_location
-from meshpar.passes.pipeline.step_split import GradCallError, OuterKind
+from meshpar.passes.pipeline.cutting.micro_batching import resolve_micro_batching
+from meshpar.passes.pipeline_driver import CompiledPipeline, compile_pipeline, state_counterparts
+from meshpar.passes.pipeline.cutting.stage_graph import StageGraph, StageMarkerError, user_location
+from meshpar.passes.pipeline.cutting.step_split import GradCallError, OuterKind
 from meshpar.pipeshard_parallel import PipeshardParallel
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from meshpar.passes.model.devices import DeviceKey, device_key
-from meshpar.passes.pipeline.pipeline_program import BufferId, BufferKind
+from meshpar.passes.pipeline.lowering.pipeline_program import BufferId, BufferKind
 from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile, ProgramKey
 
 __all__ = ["LiveBytesMeter", "device_bytes"]

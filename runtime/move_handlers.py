@@ -1,4 +1,4 @@
-"""One runtime handler per executor: a ``PlannedMove`` (``passes.pipeline.plan_moves``) becomes the
+"""One runtime handler per executor: a ``PlannedMove`` (``passes.pipeline.placing.plan_moves``) becomes the
 callable that moves a value.
 
 Every process calls every move in the same order (p2p moves number their transfers by a
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import jax
 
-from meshpar.passes.pipeline.edge_transfer import TransferKind
-from meshpar.passes.pipeline.plan_moves import PlannedMove
+from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
+from meshpar.passes.pipeline.placing.plan_moves import PlannedMove
 from meshpar.runtime.coordination import owns_a_device_of
 from meshpar.runtime.p2p_executor import P2PReshardExecutable
 from meshpar.runtime.remote import absent

@@ -44,8 +44,8 @@ from jax.sharding import NamedSharding
 
 from meshpar.passes import jax_ir
 from meshpar.passes.model.devices import device_key
-from meshpar.passes.pipeline.mesh_assignment import device_sharding
-from meshpar.passes.pipeline.plan_moves import P2P_ORDERS, move_device_ids
+from meshpar.passes.pipeline.placing.mesh_assignment import device_sharding
+from meshpar.passes.pipeline.placing.plan_moves import P2P_ORDERS, move_device_ids
 from meshpar.passes.resharding.hop_program import HopProgram
 from meshpar.passes.resharding.round_gates import Gate
 from meshpar.runtime.coordination import wait_ready

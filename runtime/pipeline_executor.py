@@ -1,4 +1,4 @@
-"""Runs a compiled pipeline step: its step program (``passes.pipeline.step_program``), one
+"""Runs a compiled pipeline step: its step program (``passes.pipeline.lowering.step_program``), one
 handler per instruction kind, the pipeline program in its middle (``program_interpreter``).
 
 The executable is built from what the compiler verified and nothing else: the step program,
@@ -23,17 +23,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.passes import jax_ir
 from meshpar.passes.model.devices import device_key, planner_ids
-from meshpar.passes.pipeline.edge_transfer import MoveKey
-from meshpar.passes.pipeline.micro_batching import AuxReduction
-from meshpar.passes.pipeline.pipeline_program import PipelineProgram, ReduceGradients
-from meshpar.passes.pipeline.plan_moves import MoveTable
-from meshpar.passes.pipeline.stage_kernels import StageKernel
-from meshpar.passes.pipeline.step_program import (
+from meshpar.passes.pipeline.placing.edge_transfer import MoveKey
+from meshpar.passes.pipeline.cutting.micro_batching import AuxReduction
+from meshpar.passes.pipeline.lowering.pipeline_program import PipelineProgram, ReduceGradients
+from meshpar.passes.pipeline.placing.plan_moves import MoveTable
+from meshpar.passes.pipeline.lowering.stage_kernels import StageKernel
+from meshpar.passes.pipeline.lowering.step_program import (
     AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, JoinStackedLeaves, PlaceInputs, ReduceGradient,
     RunCompute, RunMove, RunPipeline, SplitStackedLeaves, StepProgram,
 )
-from meshpar.passes.pipeline.step_split import OuterKind, OuterMove, OuterRef
-from meshpar.passes.pipeline.wire_format import from_wire
+from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterMove, OuterRef
+from meshpar.passes.pipeline.placing.wire_format import from_wire
 from meshpar.runtime.coordination import (Arrival, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
                                          wait_ready)
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshpar.passes.model.devices import device_key
-from meshpar.passes.pipeline.step_layout import Placement, spans_platforms, union_sharding
+from meshpar.passes.pipeline.placing.step_layout import Placement, spans_platforms, union_sharding
 
 __all__ = ["put", "place", "join", "view"]
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import jax
 
-from meshpar.passes.pipeline.edge_transfer import Direction
-from meshpar.passes.pipeline.fused_runs import RunFused
-from meshpar.passes.pipeline.pipeline_program import (
+from meshpar.passes.pipeline.placing.edge_transfer import Direction
+from meshpar.passes.pipeline.lowering.fused_runs import RunFused
+from meshpar.passes.pipeline.lowering.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, ReduceGradients, RunBackward,
     RunBackwardInput, RunBackwardWeight, RunForward, Send, received_buffer,
 )

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 
 from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
-from meshpar.passes.pipeline.micro_batching import MicroBatching
+from meshpar.passes.pipeline.cutting.micro_batching import MicroBatching
 from meshpar.runtime.placement import put
 
 __all__ = ["SpmdStep"]

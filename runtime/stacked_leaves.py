@@ -1,6 +1,6 @@
 """The user's stacked leaves in and out of a step that holds them as per-stage pieces.
 
-The compiler (``passes.pipeline.stacked_leaves``) rewrote the step over the pieces of each
+The compiler (``passes.pipeline.placing.stacked_leaves``) rewrote the step over the pieces of each
 stacked leaf that a scan over layers cut into stages reads in slices, and chose how the user
 sees each: a ``StackedArray`` (one array over all its pieces' devices, no copy either way) or
 a ``GatheredArray`` (one array on its first piece's mesh; pieces cut there and moved by
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from meshpar.passes.pipeline.plan_moves import MoveKey
-from meshpar.passes.pipeline.stacked_leaves import GatheredArray, LeafPieces, StackedArray
+from meshpar.passes.pipeline.placing.plan_moves import MoveKey
+from meshpar.passes.pipeline.placing.stacked_leaves import GatheredArray, LeafPieces, StackedArray
 from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals
 from meshpar.runtime.placement import put, view
 from meshpar.runtime.remote import absent

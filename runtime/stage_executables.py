@@ -20,7 +20,7 @@ The functions take operands grouped as the program's buffers hold them:
 
 Activations and outputs are in wire format (``passes.wire_format``: keys as key data).
 
-A stage run as data-parallel replicas (``passes.pipeline.data_replicas.StageReplicas``) keeps
+A stage run as data-parallel replicas (``passes.pipeline.placing.data_replicas.StageReplicas``) keeps
 these signatures at the micro-batch's shapes: inside, its per-replica parts run as a
 ``shard_map`` over the data axis, each device on its replica's block of the micro-batch, so
 each replica's parameter cotangents stay its own partial sums.
@@ -40,10 +40,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.data_replicas import StageReplicas
-from meshpar.passes.pipeline.stage_graph import RefKind
-from meshpar.passes.pipeline.stage_kernels import StageKernel
-from meshpar.passes.pipeline.wire_format import from_wire, to_wire
+from meshpar.passes.pipeline.placing.data_replicas import StageReplicas
+from meshpar.passes.pipeline.cutting.stage_graph import RefKind
+from meshpar.passes.pipeline.lowering.stage_kernels import StageKernel
+from meshpar.passes.pipeline.placing.wire_format import from_wire, to_wire
 
 __all__ = ["StageExecutables", "compile_stage", "on_mesh"]
 

@@ -31,7 +31,7 @@ Only what this process observes is recorded: compute on its own meshes, and
 transfers delivered to its own meshes (a process owning only the source mesh
 holds no shard of the moved value, so cannot see it arrive). Instructions
 that produce nothing (``Recv``, ``Free``, compute skipped on other
-processes' meshes) get no event. A fused program (``passes.pipeline.fused_runs``) runs
+processes' meshes) get no event. A fused program (``passes.pipeline.lowering.fused_runs``) runs
 several tasks in one execution, which no clock sees inside: its interval is split evenly
 among them, in order (run with ``fuse_compute=1`` to time each task alone).
 """
@@ -49,8 +49,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshpar.passes.pipeline.pipeline_program import Instruction, PipelineProgram
-from meshpar.passes.pipeline.pipeline_tasks import Task, task_dependencies
+from meshpar.passes.pipeline.lowering.pipeline_program import Instruction, PipelineProgram
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, task_dependencies
 from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile
 from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 

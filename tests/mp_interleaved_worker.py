@@ -24,7 +24,7 @@ import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
 from examples.u_transformer import UTransformer, ut_batch, ut_loss  # noqa: E402
-from meshpar.passes.pipeline.edge_transfer import TransferKind  # noqa: E402
+from meshpar.passes.pipeline.placing.edge_transfer import TransferKind  # noqa: E402
 from pipeline_models import assert_local_shards_close, make_state  # noqa: E402
 
 local = jax.local_devices()[0]

@@ -1,4 +1,4 @@
-"""passes.pipeline.degenerate_stages: a cut whose stage holds no parameters and almost no
+"""passes.pipeline.cutting.degenerate_stages: a cut whose stage holds no parameters and almost no
 compute is named with a warning (the usual cause: a stack of layers in one scan)."""
 
 import warnings
@@ -12,7 +12,7 @@ from flax import linen as nn
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.degenerate_stages import DEGENERATE_FLOPS_SHARE, degenerate_stages
+from meshpar.passes.pipeline.cutting.degenerate_stages import DEGENERATE_FLOPS_SHARE, degenerate_stages
 from pipeline_models import assert_trees_close, make_state, mse, run_both
 
 

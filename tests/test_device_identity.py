@@ -11,8 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import meshpar
 from meshpar.passes.model.devices import device_key, device_name, distinct_devices, planner_ids
-from meshpar.passes.pipeline.edge_transfer import MoveKey, TransferKind
-from meshpar.passes.pipeline.plan_moves import MoveOptions, plan_move
+from meshpar.passes.pipeline.placing.edge_transfer import MoveKey, TransferKind
+from meshpar.passes.pipeline.placing.plan_moves import MoveOptions, plan_move
 from meshpar.passes.resharding.hop_program import verify_hop_program
 
 

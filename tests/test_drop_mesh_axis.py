@@ -1,11 +1,11 @@
-"""passes.pipeline.drop_mesh_axis: a traced step's sharding annotations without one mesh axis."""
+"""passes.pipeline.placing.drop_mesh_axis: a traced step's sharding annotations without one mesh axis."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.pipeline.drop_mesh_axis import drop_mesh_axis, spec_without
+from meshpar.passes.pipeline.placing.drop_mesh_axis import drop_mesh_axis, spec_without
 
 
 def test_spec_without_drops_the_axis_from_every_dimension():

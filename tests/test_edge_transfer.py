@@ -3,7 +3,7 @@
 import pytest
 
 import meshpar.distributed
-from meshpar.passes.pipeline.edge_transfer import TransferKind, choose_transfer
+from meshpar.passes.pipeline.placing.edge_transfer import TransferKind, choose_transfer
 
 
 @pytest.mark.parametrize("executor, processes, ndim, expected", [

@@ -1,4 +1,4 @@
-"""Fusing a mesh's back-to-back compute (passes.pipeline.fused_runs): every schedule's program
+"""Fusing a mesh's back-to-back compute (passes.pipeline.lowering.fused_runs): every schedule's program
 stays a valid program with the same tasks in the same per-mesh order, a fused program starts
 only on values live before it, and a step run with fused programs equals jax.jit."""
 
@@ -11,10 +11,10 @@ import pytest
 import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.edge_transfer import TransferKind
-from meshpar.passes.pipeline.fused_runs import RunFused, fuse_compute_runs
-from meshpar.passes.pipeline.pipeline_program import verify_pipeline_program
-from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES
+from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
+from meshpar.passes.pipeline.lowering.fused_runs import RunFused, fuse_compute_runs
+from meshpar.passes.pipeline.lowering.pipeline_program import verify_pipeline_program
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
 from pipeline_models import assert_trees_close, make_state
 from test_pipeline_program import _build, _chain, _u_shape
 

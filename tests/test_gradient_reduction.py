@@ -1,4 +1,4 @@
-"""Gradients reduced once per step (``passes.pipeline.data_replicas``): every schedule, micro-batch
+"""Gradients reduced once per step (``passes.pipeline.placing.data_replicas``): every schedule, micro-batch
 count and data-axis size against jax.jit on one device; the compiled programs' collectives read
 from XLA's own HLO dump; accumulation dtype; when a stage keeps the per-micro-batch reduction."""
 
@@ -23,8 +23,8 @@ from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.mlp import MLP
 from examples.train_step import supervised_step
 from examples.u_transformer import UTransformer, ut_batch, ut_loss
-from meshpar.passes.pipeline.data_replicas import verify_data_replicas
-from meshpar.passes.pipeline.pipeline_program import ReduceGradients
+from meshpar.passes.pipeline.placing.data_replicas import verify_data_replicas
+from meshpar.passes.pipeline.lowering.pipeline_program import ReduceGradients
 from meshpar.passes.planning.hlo_collectives import CollectiveKind, collective_groups
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import assert_trees_close, make_state, mse, run_both

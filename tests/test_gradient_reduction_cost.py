@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline.pipeline_tasks import TaskKind, task_dependencies
-from meshpar.passes.pipeline.stage_graph import Ref, RefKind, Stage
-from meshpar.passes.pipeline.stage_parts import stage_parts
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind, task_dependencies
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, Stage
+from meshpar.passes.pipeline.cutting.stage_parts import stage_parts
 from meshpar.passes.simulation.cost_model import StageGradients, allreduce_seconds, estimate_durations
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 

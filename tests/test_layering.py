@@ -4,6 +4,8 @@
 - The runtime (``meshpar.runtime``) imports only the compiler's IR types and its own modules:
   no compiler pass (a function marked ``@compiler_pass``) and not the driver.
 - No import cycles among meshpar's modules, counting imports inside functions too.
+- The compiler's floors import downward only: model -> resharding -> pipeline -> simulation ->
+  planning, and inside the pipeline floor its groups: cutting -> scheduling -> placing -> lowering.
 - JAX's internals (``jax._src``) are imported by ``meshpar.passes.jax_ir`` alone, in the
   packages, the benchmarks, the examples and the tests.
 """
@@ -66,9 +68,9 @@ def _layer(module: str) -> str:
 def test_scanner_sees_the_packages():
     # The rules below are vacuous if the scan finds nothing: check it sees what it must.
     assert len(MODULES) > 70
-    assert "meshpar.passes.pipeline.pipeline_passes" in IMPORTS["meshpar.step_compiler"] or any(
+    assert "meshpar.passes.pipeline_driver" in IMPORTS["meshpar.step_compiler"] or any(
         m.startswith("meshpar.passes.pipeline") for m in IMPORTS["meshpar.step_compiler"])
-    assert "meshpar.passes.pipeline.pipeline_program" in IMPORTS["meshpar.runtime.program_interpreter"]
+    assert "meshpar.passes.pipeline.lowering.pipeline_program" in IMPORTS["meshpar.runtime.program_interpreter"]
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) == "meshpar.passes"))
@@ -90,7 +92,7 @@ def _imported_names(path: pathlib.Path) -> list[tuple[str, str]]:
             for a in node.names]
 
 
-DRIVER = "meshpar.passes.pipeline.pipeline_passes"
+DRIVER = "meshpar.passes.pipeline_driver"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) == "meshpar.runtime"))
@@ -109,9 +111,9 @@ def test_runtime_imports_no_compiler_pass_and_not_the_driver(module):
 def test_the_passes_are_marked():
     # The rule above is vacuous if passes are not marked: the driver and the lowering are.
     from meshpar.passes.compiler_pass import is_compiler_pass
-    from meshpar.passes.pipeline.pipeline_passes import compile_pipeline
-    from meshpar.passes.pipeline.pipeline_program import lower_to_program
-    from meshpar.passes.pipeline.step_program import StepProgram, lower_step
+    from meshpar.passes.pipeline_driver import compile_pipeline
+    from meshpar.passes.pipeline.lowering.pipeline_program import lower_to_program
+    from meshpar.passes.pipeline.lowering.step_program import StepProgram, lower_step
 
     assert is_compiler_pass(compile_pipeline) and is_compiler_pass(lower_to_program) and is_compiler_pass(lower_step)
     assert not is_compiler_pass(StepProgram)
@@ -150,3 +152,43 @@ def test_jax_internals_only_in_jax_ir(folder):
 def test_jax_internals_scan_sees_them():
     # The rule above is vacuous if the scan misses imports: the one module that has them must show them.
     assert "jax._src.interpreters" in _imports_jax_internals(JAX_INTERNALS_MODULE)
+
+
+# The compiler's floors, lowest first: a module imports its own floor or lower ones, and the
+# shared base modules; the driver sits above them all. Inside the pipeline floor, its groups
+# follow the data flow the same way, above its shared primitives and options.
+FLOORS = ("model", "resharding", "pipeline", "simulation", "planning")
+BASE = {"meshpar.passes.jax_ir", "meshpar.passes.compiler_pass", "meshpar.passes.verification"}
+PIPELINE_GROUPS = ("cutting", "scheduling", "placing", "lowering")
+PIPELINE_BASE = {"meshpar.passes.pipeline.step_primitives", "meshpar.passes.pipeline.pipeline_options"}
+
+
+def _rank(module: str, names: tuple[str, ...], depth: int) -> int | None:
+    parts = module.split(".")
+    return names.index(parts[depth]) if len(parts) > depth + 1 and parts[depth] in names else None
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _rank(m, FLOORS, 2) is not None))
+def test_compiler_floors_import_only_downward(module):
+    floor = _rank(module, FLOORS, 2)
+    up = sorted(t for t in IMPORTS[module] if _layer(t) == "meshpar.passes" and t not in BASE
+                and (_rank(t, FLOORS, 2) is None or _rank(t, FLOORS, 2) > floor))
+    assert not up, (f"{module} (floor {FLOORS[floor]}) imports {up}: the floors read "
+                    f"{' -> '.join(FLOORS)}, and a module imports its own floor or lower ones")
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _rank(m, PIPELINE_GROUPS, 3) is not None
+                                          and m.startswith("meshpar.passes.pipeline.")))
+def test_pipeline_groups_follow_the_data_flow(module):
+    group = _rank(module, PIPELINE_GROUPS, 3)
+    up = sorted(t for t in IMPORTS[module] if t.startswith("meshpar.passes.pipeline") and t not in PIPELINE_BASE
+                and (_rank(t, PIPELINE_GROUPS, 3) is None or _rank(t, PIPELINE_GROUPS, 3) > group))
+    assert not up, (f"{module} ({PIPELINE_GROUPS[group]}) imports {up}: the pipeline's groups read "
+                    f"{' -> '.join(PIPELINE_GROUPS)}")
+
+
+def test_floor_scan_sees_every_floor_and_group():
+    # The two rules above are vacuous if the scan misses a floor or a group.
+    seen = {_rank(m, FLOORS, 2) for m in MODULES} | {None}
+    groups = {_rank(m, PIPELINE_GROUPS, 3) for m in MODULES if m.startswith("meshpar.passes.pipeline.")}
+    assert seen >= set(range(len(FLOORS))) and groups >= set(range(len(PIPELINE_GROUPS)))

@@ -9,7 +9,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.pipeline_program import BufferKind
+from meshpar.passes.pipeline.lowering.pipeline_program import BufferKind
 from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile, predict_live_bytes
 from meshpar.runtime.live_bytes_meter import device_bytes
 from pipeline_models import make_state, mse

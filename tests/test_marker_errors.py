@@ -11,7 +11,7 @@ from flax import linen as nn
 import meshpar
 from examples.train_step import supervised_step
 from meshpar.autodiff import tracing_pipeline
-from meshpar.passes.pipeline.stage_graph import StageMarkerError
+from meshpar.passes.pipeline.cutting.stage_graph import StageMarkerError
 from meshpar.passes.pipeline.step_primitives import stage_boundary_p
 from pipeline_models import assert_trees_close, make_state, mse
 

@@ -441,7 +441,7 @@ def test_simulated_memory_peaks_equal_the_runtime_counts(num_stages, num_micro_b
     """The schedule simulator counts held residuals and weight states over time, the runtime by
     launch order: for every schedule (and 1F1B with weight delaying) and any positive durations,
     the peaks agree."""
-    from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES
+    from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
     from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 
     model = MLP(features=(16,) * num_stages + (4,), num_stages=num_stages)

@@ -20,8 +20,8 @@ from benchmarks.pipeline_cases import (
     CASES, GRADIENT_METHODS, METHODS, PAPER_METHODS, SINGLE_PROCESS_METHODS, SPMD_COMPARISON, SPMD_METHODS, SpmdBaseline,
 )
 from benchmarks.pipeline_worker import schedule_spec
-from meshpar.passes.pipeline.pipeline_schedule import make_schedule
-from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import make_schedule
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 from meshpar.passes.simulation.timeline import Lane, LaneKind, TimelineEvent, timeline_of, write_chrome_trace
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from meshpar.passes.pipeline.dependency_graph import dependency_graph, verify_acyclic
-from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind
+from meshpar.passes.pipeline.scheduling.dependency_graph import dependency_graph, verify_acyclic
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
 from meshpar.passes.verification import PlanVerificationError
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
@@ -150,7 +150,7 @@ def test_interleaved_places_stage_k_on_mesh_k_mod_P_and_visits_chunks_in_rounds(
     (("nope", 4, 4, 2), r"schedule: unknown 'nope'"),
 ])
 def test_stage_placement_errors_name_the_argument(args, match):
-    from meshpar.passes.pipeline.pipeline_schedule import check_stage_placement
+    from meshpar.passes.pipeline.scheduling.pipeline_schedule import check_stage_placement
 
     name, S, M, P = args
     with pytest.raises(ValueError, match=match):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.pipeline.edge_transfer import TransferKind
-from meshpar.passes.pipeline.plan_moves import (
+from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
+from meshpar.passes.pipeline.placing.plan_moves import (
     MOVE_EXECUTORS, MoveKey, MoveOptions, PlannedMove, plan_move, plan_moves, verify_planned_move,
 )
 from meshpar.passes.resharding.hop_program import HopProgram

@@ -18,7 +18,7 @@ from meshpar.passes.planning.layer_profile import CrossingValue, LayerProfile, M
 from meshpar.passes.planning.planner_meshpar import (Hardware, NoPlanFits, StagePlan, _axis_bandwidth, _live, _memory,
                                             _partition, _Prefix, _shapes, _stage_seconds, _step_lower_bound, predict,
                                             search, stage_meshes, tensor_parallel_bandwidth)
-from meshpar.passes.pipeline.stage_graph import count_markers, split_stages
+from meshpar.passes.pipeline.cutting.stage_graph import count_markers, split_stages
 from meshpar.planning import plan_parallelism
 from pipeline_models import assert_trees_close, make_state, mse
 

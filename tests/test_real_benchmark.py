@@ -240,6 +240,6 @@ def test_real_benchmark_cli_on_a_tiny_configuration(tmp_path):
 
 def test_the_benchmark_spells_the_p2p_orders_as_the_compiler_does():
     from benchmarks.resharding import real
-    from meshpar.passes.pipeline.plan_moves import P2P_ORDERS
+    from meshpar.passes.pipeline.placing.plan_moves import P2P_ORDERS
 
     assert real.P2P_ORDERS == P2P_ORDERS

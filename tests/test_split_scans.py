@@ -1,4 +1,4 @@
-"""passes.pipeline.split_scans and the layer cuts that use it: a scan over layers split at chosen
+"""passes.pipeline.cutting.split_scans and the layer cuts that use it: a scan over layers split at chosen
 iterations computes what the scan did (numpy reference, and the verifier, which can fail), and
 automatic layers, the even rule and cut points cut inside scans. No devices needed."""
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.layer_clustering import even_layer_markers, insert_layer_markers, max_layers
-from meshpar.passes.pipeline.split_scans import layer_scans, split_layer_scans, verify_split_scans
-from meshpar.passes.pipeline.stage_graph import count_markers, split_stages
+from meshpar.passes.pipeline.cutting.layer_clustering import even_layer_markers, insert_layer_markers, max_layers
+from meshpar.passes.pipeline.cutting.split_scans import layer_scans, split_layer_scans, verify_split_scans
+from meshpar.passes.pipeline.cutting.stage_graph import count_markers, split_stages
 from meshpar.passes.verification import PlanVerificationError
 
 RNG = np.random.default_rng(0)

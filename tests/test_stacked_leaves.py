@@ -1,4 +1,4 @@
-"""passes.pipeline.stacked_leaves: a step rewritten over the per-stage pieces of its stacked
+"""passes.pipeline.placing.stacked_leaves: a step rewritten over the per-stage pieces of its stacked
 parameters computes what the step did (numpy comparison), runs an optimizer's update and a
 global norm per piece, splits an optimizer's moments with their parameter (not those of another
 parameter of the same shape), and says which leaves the user can get back without a copy."""
@@ -13,9 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import meshpar
 from meshpar.autodiff import tracing_pipeline
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.pipeline_passes import state_counterparts
-from meshpar.passes.pipeline.stacked_leaves import (LeafPieces, split_stacked_leaves, stacked_arrays, stacked_params,
-                                                    take_pieces, verify_leaf_pieces)
+from meshpar.passes.pipeline_driver import state_counterparts
+from meshpar.passes.pipeline.placing.stacked_leaves import (LeafPieces, split_stacked_leaves, stacked_arrays,
+                                                            stacked_params, take_pieces, verify_leaf_pieces)
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 from meshpar.passes.verification import PlanVerificationError
 

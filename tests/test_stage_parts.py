@@ -9,8 +9,8 @@ import pytest
 
 import meshpar
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.stage_graph import Ref, RefKind, Stage, split_stages
-from meshpar.passes.pipeline.stage_parts import StageParts, stage_parts, verify_stage_parts
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, Stage, split_stages
+from meshpar.passes.pipeline.cutting.stage_parts import StageParts, stage_parts, verify_stage_parts
 from meshpar.passes.verification import PlanVerificationError
 
 F32 = jnp.float32

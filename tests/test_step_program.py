@@ -1,4 +1,4 @@
-"""The whole step as one typed program (passes/pipeline/step_program): what lower_step decides
+"""The whole step as one typed program (passes/pipeline/lowering/step_program): what lower_step decides
 (reductions, gradient homes, output shardings) and what its verifier rejects."""
 
 import dataclasses
@@ -12,11 +12,11 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.micro_batching import AuxReduction
-from meshpar.passes.pipeline.step_program import (
+from meshpar.passes.pipeline.cutting.micro_batching import AuxReduction
+from meshpar.passes.pipeline.lowering.step_program import (
     AssembleOutputs, CombineMicroBatches, PlaceInputs, ReduceGradient, RunCompute, RunPipeline, verify_step_program,
 )
-from meshpar.passes.pipeline.step_split import OuterKind
+from meshpar.passes.pipeline.cutting.step_split import OuterKind
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import make_state, mse
 

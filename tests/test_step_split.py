@@ -11,9 +11,10 @@ import pytest
 
 import meshpar
 from meshpar.autodiff import tracing_pipeline
-from meshpar.passes.pipeline.micro_batching import AuxReduction, default_aux_reduction, key_operands
-from meshpar.passes.pipeline.stage_graph import RefKind, split_stages
-from meshpar.passes.pipeline.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, split_step, verify_step_split
+from meshpar.passes.pipeline.cutting.micro_batching import AuxReduction, default_aux_reduction, key_operands
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, split_stages
+from meshpar.passes.pipeline.cutting.step_split import (OuterCompute, OuterKind, OuterMove, OuterRef, split_step,
+                                                        verify_step_split)
 from meshpar.passes.verification import PlanVerificationError
 
 
@@ -32,7 +33,7 @@ def _split(step, *args):
         outer = jax.make_jaxpr(step)(*args)
     (grad,) = [e for e in outer.jaxpr.eqns if e.primitive.name == "meshpar_pipeline_grad"]
     graph = split_stages(grad.params["loss_jaxpr"], grad.params["num_diff"])
-    readers = [graph.consumers(meshpar.passes.pipeline.stage_graph.Ref(RefKind.INPUT, k)) for k in range(graph.num_inputs)]
+    readers = [graph.consumers(Ref(RefKind.INPUT, k)) for k in range(graph.num_inputs)]
     split = split_step(outer, graph.param_owner, graph.loss.index, [r.index for r in graph.aux],
                        graph.num_stages, readers, [None] * len(outer.jaxpr.outvars))
     return outer, graph, split

@@ -14,9 +14,9 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.edge_transfer import Direction
-from meshpar.passes.pipeline.pipeline_program import RunForward
-from meshpar.passes.pipeline.pipeline_tasks import TaskKind, task_dependencies
+from meshpar.passes.pipeline.placing.edge_transfer import Direction
+from meshpar.passes.pipeline.lowering.pipeline_program import RunForward
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind, task_dependencies
 from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, read_chrome_trace
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.step_trace import StepRecorder

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
 from meshpar.passes.simulation.timeline import (
     Lane, LaneKind, Timeline, TimelineEvent, chrome_trace, clip_to_dependencies, merge_timelines, read_chrome_trace, timeline_of,
     write_chrome_trace,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from meshpar.passes.pipeline.pipeline_schedule import (
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import (
     SCHEDULES, StagePlacement, check_stage_placement, make_schedule,
 )
-from meshpar.passes.pipeline.pipeline_tasks import Task, TaskKind
-from meshpar.passes.pipeline.v_schedules import dualpipev_overlapped_pairs
+from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
+from meshpar.passes.pipeline.scheduling.v_schedules import dualpipev_overlapped_pairs
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT

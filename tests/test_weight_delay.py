@@ -10,14 +10,14 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh
 
-from meshpar.passes.pipeline.jaxpr_flops import jaxpr_flops
+from meshpar.passes.pipeline.cutting.jaxpr_flops import jaxpr_flops
 from meshpar.passes.simulation.cost_model import DEVICE_FLOPS, estimate_durations
-from meshpar.passes.pipeline.edge_transfer import Direction, EdgeTransfer, TransferKind
-from meshpar.passes.pipeline.pipeline_schedule import SCHEDULES, make_schedule
+from meshpar.passes.pipeline.placing.edge_transfer import Direction, EdgeTransfer, TransferKind
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
-from meshpar.passes.pipeline.stage_graph import Ref, RefKind, Stage
-from meshpar.passes.pipeline.stage_parts import stage_parts
-from meshpar.passes.pipeline.weight_delay import check_weight_delay, max_delay, weight_delays
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, Stage
+from meshpar.passes.pipeline.cutting.stage_parts import stage_parts
+from meshpar.passes.simulation.weight_delay import check_weight_delay, max_delay, weight_delays
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

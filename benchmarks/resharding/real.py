@@ -101,7 +101,7 @@ __all__ = [
 ]
 
 STRATEGIES = ("broadcast", "send_recv", "local_allgather")
-# meshpar.passes.pipeline.plan_moves.P2P_ORDERS, spelled out: importing this module touches no JAX.
+# meshpar.passes.pipeline.placing.plan_moves.P2P_ORDERS, spelled out: importing this module touches no JAX.
 P2P_ORDERS = ("gated", "eager", "rounds")
 BALANCERS = ("naive", "load_balance", "ensemble")
 # The old grid: (strategy, balancer) pairs, run on one executor (--grid).

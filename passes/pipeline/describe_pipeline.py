@@ -14,9 +14,9 @@ from typing import Any
 
 from ..compiler_pass import compiler_pass
 from .. import jax_ir
-from .edge_transfer import Direction
-from .stage_graph import RefKind
-from .step_split import OuterCompute, OuterMove
+from .placing.edge_transfer import Direction
+from .cutting.stage_graph import RefKind
+from .cutting.step_split import OuterCompute, OuterMove
 
 __all__ = ["describe_pipeline"]
 

@@ -47,7 +47,7 @@ from ..model.sharding_spec import ShardingSpec
 
 from .layer_profile import ModelProfile
 from ..pipeline.pipeline_options import GRADIENT_REDUCTIONS
-from ..pipeline.pipeline_schedule import make_schedule, schedule_kind
+from ..pipeline.scheduling.pipeline_schedule import make_schedule, schedule_kind
 from ..resharding.plan_resharding import plan_resharding
 from .planner_atp import mesh_bandwidths
 from ..resharding.resharding_task import ReshardingTask

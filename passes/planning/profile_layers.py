@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from .. import jax_ir
-from ..pipeline.jaxpr_flops import jaxpr_flops, jaxpr_ops
+from ..pipeline.cutting.jaxpr_flops import jaxpr_flops, jaxpr_ops
 from .layer_profile import CrossingValue, LayerProfile, ModelProfile
-from ..pipeline.stage_graph import RefKind, StageGraph
-from ..pipeline.stage_parts import stage_parts
+from ..pipeline.cutting.stage_graph import RefKind, StageGraph
+from ..pipeline.cutting.stage_parts import stage_parts
 
 __all__ = ["profile_layers"]
 

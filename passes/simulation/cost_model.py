@@ -24,14 +24,14 @@ from jax.sharding import Mesh, NamedSharding
 
 from ..compiler_pass import compiler_pass
 from .. import jax_ir
-from ..pipeline.data_replicas import StageAccumulation
-from ..pipeline.jaxpr_flops import jaxpr_flops
-from ..pipeline.drop_mesh_axis import spec_without
-from ..pipeline.edge_transfer import Direction, EdgeTransfer
+from ..pipeline.placing.data_replicas import StageAccumulation
+from ..pipeline.cutting.jaxpr_flops import jaxpr_flops
+from ..pipeline.placing.drop_mesh_axis import spec_without
+from ..pipeline.placing.edge_transfer import Direction, EdgeTransfer
 from ..pipeline.pipeline_options import GRADIENT_REDUCTIONS
-from ..pipeline.plan_moves import MOVE_EXECUTORS
+from ..pipeline.placing.plan_moves import MOVE_EXECUTORS
 from .schedule_simulator import StageSeconds, TaskDurations
-from ..pipeline.stage_parts import StageParts
+from ..pipeline.cutting.stage_parts import StageParts
 
 __all__ = ["DEVICE_FLOPS", "compute_seconds", "transfer_seconds", "allreduce_seconds", "StageGradients",
            "stage_gradients", "estimate_durations"]

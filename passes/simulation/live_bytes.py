@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ..pipeline.pipeline_program import BufferId, BufferKind, Instruction, PipelineProgram, received_buffer
+from ..pipeline.lowering.pipeline_program import BufferId, BufferKind, Instruction, PipelineProgram, received_buffer
 
 __all__ = ["LiveBytes", "MemoryProfile", "ProgramKey", "predict_live_bytes", "program_key"]
 

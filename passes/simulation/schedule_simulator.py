@@ -44,8 +44,8 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-from ..pipeline.pipeline_schedule import PipelineSchedule
-from ..pipeline.pipeline_tasks import Task, TaskKind, task_dependencies
+from ..pipeline.scheduling.pipeline_schedule import PipelineSchedule
+from ..pipeline.scheduling.pipeline_tasks import Task, TaskKind, task_dependencies
 from .timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 
 __all__ = ["StageSeconds", "TaskDurations", "SimulatedStep", "simulate", "stage_seconds_from",

@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..pipeline.pipeline_tasks import Task
+from ..pipeline.scheduling.pipeline_tasks import Task
 
 __all__ = [
     "LaneKind", "Lane", "TimelineEvent", "Timeline", "timeline_of", "merge_timelines",
@@ -119,7 +119,7 @@ def write_chrome_trace(path: str, timeline: Timeline, process: int = 0) -> None:
 
 def read_chrome_trace(trace: dict[str, Any] | str) -> Timeline:
     """The ``Timeline`` back from ``chrome_trace``'s output (a dict or a path)."""
-    from ..pipeline.pipeline_tasks import TaskKind
+    from ..pipeline.scheduling.pipeline_tasks import TaskKind
 
     if isinstance(trace, str):
         with open(trace) as f:
@@ -166,7 +166,7 @@ def clip_to_dependencies(
     transfer received on one can be clipped to the end of the task that produced its value on
     another. Dependencies end before their dependents, so one walk by end time suffices.
     """
-    from ..pipeline.pipeline_tasks import task_dependencies
+    from ..pipeline.scheduling.pipeline_tasks import task_dependencies
 
     ends: dict[Task, float] = {}
     events = []

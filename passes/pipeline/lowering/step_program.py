@@ -33,16 +33,16 @@ from typing import Any, Union
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
-from ..verification import PlanVerificationError
-from .data_replicas import DataReplicas
-from .micro_batching import AuxReduction, MicroBatching
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
+from ...verification import PlanVerificationError
+from ..placing.data_replicas import DataReplicas
+from ..cutting.micro_batching import AuxReduction, MicroBatching
 from .pipeline_program import BufferId, BufferKind, PipelineProgram
-from .stacked_leaves import GatheredArray, LeafPieces, StackedArray
-from .stage_graph import RefKind, StageGraph
-from .step_layout import Placement, StageOperand, StepLayout, ValueMove, spans_platforms, union_sharding
-from .step_split import OuterCompute, OuterKind, OuterMove, OuterRef, StepSplit
+from ..placing.stacked_leaves import GatheredArray, LeafPieces, StackedArray
+from ..cutting.stage_graph import RefKind, StageGraph
+from ..placing.step_layout import Placement, StageOperand, StepLayout, ValueMove, spans_platforms, union_sharding
+from ..cutting.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, StepSplit
 
 __all__ = ["AssembleOutputs", "AwaitArrivals", "CombineMicroBatches", "FeedStages", "JoinStackedLeaves",
            "OutputSource", "PlaceInputs", "ReduceGradient", "RunCompute", "RunMove", "RunPipeline",

@@ -16,8 +16,8 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
 
 __all__ = ["drop_mesh_axis", "manual_mesh_axis", "spec_without"]
 

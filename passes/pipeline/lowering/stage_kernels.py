@@ -16,14 +16,14 @@ from collections.abc import Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..compiler_pass import compiler_pass
-from ..verification import PlanVerificationError
-from .data_replicas import DataReplicas, StageAccumulation
-from .edge_transfer import Direction
+from ...compiler_pass import compiler_pass
+from ...verification import PlanVerificationError
+from ..placing.data_replicas import DataReplicas, StageAccumulation
+from ..placing.edge_transfer import Direction
 from .pipeline_program import PipelineProgram, StageIO
-from .stage_graph import Stage, StageGraph
-from .stage_parts import StageParts
-from .step_layout import StageOperand, StepLayout
+from ..cutting.stage_graph import Stage, StageGraph
+from ..cutting.stage_parts import StageParts
+from ..placing.step_layout import StageOperand, StepLayout
 
 __all__ = ["StageKernel", "stage_kernels", "verify_stage_kernels"]
 

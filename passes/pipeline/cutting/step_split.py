@@ -32,12 +32,12 @@ from typing import Any, Union
 
 import numpy as np
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
 from .micro_batching import is_key
 from .split_conditionals import cut_cond, inline_fixed_calls, split_cond
 from .stage_graph import user_location
-from .step_primitives import pipeline_grad_p
+from ..step_primitives import pipeline_grad_p
 
 __all__ = ["OuterKind", "OuterRef", "OuterCompute", "OuterMove", "StepSplit", "split_step", "verify_step_split", "GradCallError"]
 
@@ -422,7 +422,7 @@ def verify_step_split(split: StepSplit, num_meshes: int) -> None:
     Raises:
       PlanVerificationError: naming the step and the value.
     """
-    from ..verification import PlanVerificationError
+    from ...verification import PlanVerificationError
 
     have: set[tuple[OuterRef, int]] = set()
 

@@ -36,8 +36,8 @@ from typing import TypeVar
 import numpy as np
 from jax.extend.core.primitives import cond_p
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
 
 __all__ = ["cut_cond", "inline_fixed_calls", "split_cond"]
 

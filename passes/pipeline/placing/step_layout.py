@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
 from .edge_transfer import MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
-from .micro_batching import is_key
-from .stage_graph import RefKind, StageGraph
-from .step_split import OuterKind, OuterMove, OuterRef, StepSplit
+from ..cutting.micro_batching import is_key
+from ..cutting.stage_graph import RefKind, StageGraph
+from ..cutting.step_split import OuterKind, OuterMove, OuterRef, StepSplit
 
 __all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step", "spans_platforms", "union_sharding", "value_move",
            "verify_step_layout"]
@@ -260,7 +260,7 @@ def verify_step_layout(layout: StepLayout, split: StepSplit, meshes: Sequence[Me
     Raises:
       PlanVerificationError: naming the value.
     """
-    from ..verification import PlanVerificationError
+    from ...verification import PlanVerificationError
 
     def on(sharding: NamedSharding, mesh: int, what: str) -> None:
         if sharding.mesh != meshes[mesh]:

@@ -42,7 +42,7 @@ def dependency_graph(
 
 def verify_acyclic(graph: nx.DiGraph, name: str) -> None:
     """Raises ``PlanVerificationError`` naming a cycle (a deadlock) of schedule ``name``."""
-    from ..verification import PlanVerificationError
+    from ...verification import PlanVerificationError
 
     if not nx.is_directed_acyclic_graph(graph):
         cycle = nx.find_cycle(graph)

@@ -40,14 +40,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
-from ..verification import PlanVerificationError
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
+from ...verification import PlanVerificationError
 from .drop_mesh_axis import manual_mesh_axis, spec_without
-from .micro_batching import AuxReduction, MicroBatching
-from .pipeline_options import GradientOptions
-from .stage_graph import RefKind, StageGraph
-from .stage_parts import StageParts, stage_parts, verify_stage_parts
+from ..cutting.micro_batching import AuxReduction, MicroBatching
+from ..pipeline_options import GradientOptions
+from ..cutting.stage_graph import RefKind, StageGraph
+from ..cutting.stage_parts import StageParts, stage_parts, verify_stage_parts
 from .step_layout import StepLayout
 
 __all__ = ["Accumulator", "StageReplicas", "StageAccumulation", "DataReplicas", "plan_data_replicas",

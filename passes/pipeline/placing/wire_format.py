@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import jax_ir
-from .micro_batching import is_key
+from ... import jax_ir
+from ..cutting.micro_batching import is_key
 
 __all__ = ["wire_aval", "to_wire", "from_wire"]
 

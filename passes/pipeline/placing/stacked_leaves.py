@@ -32,13 +32,13 @@ from jax.extend.core import primitives as prims
 from jax.extend.core.primitives import slice_p
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
-from ..verification import PlanVerificationError
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
+from ...verification import PlanVerificationError
 
 from .mesh_assignment import param_sharding
 from .step_layout import ValueMove, value_move
-from .step_primitives import pipeline_grad_p
+from ..step_primitives import pipeline_grad_p
 
 __all__ = ["STACK_AXIS", "GatheredArray", "LeafPieces", "StackedArray", "gathered_arrays", "split_stacked_leaves",
            "stacked_arrays", "stacked_params", "take_pieces", "verify_leaf_pieces"]

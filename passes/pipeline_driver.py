@@ -47,35 +47,36 @@ from typing import Any, TypeVar
 from jax.extend.core.primitives import scan_p
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
-from ..simulation.cost_model import estimate_durations, stage_gradients
-from .edge_transfer import EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
-from .mesh_assignment import place_stages
-from .pipeline_options import PipelineOptions
-from .plan_moves import MoveKey, MoveOptions, MoveTable, plan_moves, verify_move_table
-from .pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
-from .pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
-from ..simulation.schedule_simulator import TaskDurations
-from .layer_clustering import even_layer_markers, insert_layer_markers
-from .stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
-from .degenerate_stages import degenerate_stages
-from .data_replicas import DataReplicas, plan_data_replicas, verify_data_replicas
-from .drop_mesh_axis import drop_mesh_axis
-from .micro_batching import MicroBatching
-from .stage_kernels import StageKernel, stage_kernels, verify_stage_kernels
-from .stage_parts import StageParts, stage_parts, verify_stage_parts
-from .fused_runs import fuse_compute_runs
-from .step_layout import StepLayout, layout_step, verify_step_layout
-from .step_primitives import pipeline_grad_p, stage_boundary_p
-from .step_program import StepProgram, lower_step, verify_step_program
-from .split_scans import verify_split_scans
-from .stacked_leaves import (GatheredArray, LeafPieces, StackedArray, gathered_arrays, split_stacked_leaves,
-                             stacked_arrays, stacked_params, take_pieces, verify_leaf_pieces)
-from .step_split import StepSplit, split_step, verify_step_split
-from .wire_format import wire_aval
-from ..verification import PlanVerificationError
-from .weight_delay import weight_delays
+from .compiler_pass import compiler_pass
+from . import jax_ir
+from .simulation.cost_model import estimate_durations, stage_gradients
+from .pipeline.placing.edge_transfer import EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
+from .pipeline.placing.mesh_assignment import place_stages
+from .pipeline.pipeline_options import PipelineOptions
+from .pipeline.placing.plan_moves import MoveKey, MoveOptions, MoveTable, plan_moves, verify_move_table
+from .pipeline.lowering.pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
+from .pipeline.scheduling.pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
+from .simulation.schedule_simulator import TaskDurations
+from .pipeline.cutting.layer_clustering import even_layer_markers, insert_layer_markers
+from .pipeline.cutting.stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
+from .pipeline.cutting.degenerate_stages import degenerate_stages
+from .pipeline.placing.data_replicas import DataReplicas, plan_data_replicas, verify_data_replicas
+from .pipeline.placing.drop_mesh_axis import drop_mesh_axis
+from .pipeline.cutting.micro_batching import MicroBatching
+from .pipeline.lowering.stage_kernels import StageKernel, stage_kernels, verify_stage_kernels
+from .pipeline.cutting.stage_parts import StageParts, stage_parts, verify_stage_parts
+from .pipeline.lowering.fused_runs import fuse_compute_runs
+from .pipeline.placing.step_layout import StepLayout, layout_step, verify_step_layout
+from .pipeline.step_primitives import pipeline_grad_p, stage_boundary_p
+from .pipeline.lowering.step_program import StepProgram, lower_step, verify_step_program
+from .pipeline.cutting.split_scans import verify_split_scans
+from .pipeline.placing.stacked_leaves import (GatheredArray, LeafPieces, StackedArray, gathered_arrays,
+                                              split_stacked_leaves, stacked_arrays, stacked_params, take_pieces,
+                                              verify_leaf_pieces)
+from .pipeline.cutting.step_split import StepSplit, split_step, verify_step_split
+from .pipeline.placing.wire_format import wire_aval
+from .verification import PlanVerificationError
+from .simulation.weight_delay import weight_delays
 
 __all__ = ["PipelineOptions", "CompiledPipeline", "compile_pipeline", "state_counterparts"]
 

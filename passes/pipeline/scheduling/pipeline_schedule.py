@@ -50,7 +50,7 @@ import enum
 import functools
 from collections.abc import Callable, Sequence
 
-from ..compiler_pass import compiler_pass
+from ...compiler_pass import compiler_pass
 from .dependency_graph import dependency_graph, launch_order, verify_acyclic
 from .pipeline_tasks import Task, TaskKind, task_dependencies
 from .v_schedules import V_STAGES_PER_MESH, dualpipev_actions, min_micro_batches_v, zb_v_actions
@@ -370,7 +370,7 @@ def verify_schedule(schedule: PipelineSchedule) -> None:
     Raises:
       PlanVerificationError: naming the first broken invariant.
     """
-    from ..verification import PlanVerificationError
+    from ...verification import PlanVerificationError
 
     S, M, edges = schedule.num_stages, schedule.num_micro_batches, schedule.edges
     if len(schedule.stage_mesh) != S or not all(0 <= m < schedule.num_meshes for m in schedule.stage_mesh):

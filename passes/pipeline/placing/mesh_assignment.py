@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..compiler_pass import compiler_pass
-from .pipeline_schedule import check_stage_placement, schedule_kind
+from ...compiler_pass import compiler_pass
+from ..scheduling.pipeline_schedule import check_stage_placement, schedule_kind
 
 __all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "count_meshes", "device_sharding",
            "mesh_shapes", "param_sharding", "place_stages"]

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
 
 __all__ = ["REDUCTIONS", "AuxReduction", "MicroBatching", "default_aux_reduction", "is_key", "key_operands",
            "resolve_micro_batching"]

@@ -25,8 +25,8 @@ import functools
 from collections.abc import Sequence
 
 from ..compiler_pass import compiler_pass
-from .pipeline_schedule import SCHEDULES, make_schedule
-from ..simulation.schedule_simulator import TaskDurations, simulate
+from ..pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
+from .schedule_simulator import TaskDurations, simulate
 
 __all__ = ["WEIGHT_DELAYS", "MAX_ROUNDS", "check_weight_delay", "max_delay", "weight_delays"]
 

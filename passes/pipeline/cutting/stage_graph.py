@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core.primitives import cond_p, remat_p, scan_p, while_p
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
-from .step_primitives import stage_boundary_p
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
+from ..step_primitives import stage_boundary_p
 
 __all__ = ["Ref", "RefKind", "Stage", "StageGraph", "StageMarkerError", "count_markers", "first_user_frame",
            "is_differentiable", "split_stages", "user_location", "verify_stage_graph"]
@@ -277,7 +277,7 @@ def verify_stage_graph(graph: StageGraph) -> None:
     Raises:
       AssertionError subclass ``PlanVerificationError`` on a broken invariant.
     """
-    from ..verification import PlanVerificationError
+    from ...verification import PlanVerificationError
 
     for stage in graph.stages:
         try:

@@ -28,10 +28,10 @@ import jax
 import numpy as np
 from jax.extend.core.primitives import concatenate_p, scan_p, sharding_constraint_p, slice_p
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
-from ..verification import PlanVerificationError
-from .step_primitives import stage_boundary_p
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
+from ...verification import PlanVerificationError
+from ..step_primitives import stage_boundary_p
 
 __all__ = ["LayerScan", "Provenance", "layer_scans", "split_layer_scans", "verify_split_scans"]
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..compiler_pass import compiler_pass
-from .edge_transfer import TransferKind
+from ...compiler_pass import compiler_pass
+from ..placing.edge_transfer import TransferKind
 from .pipeline_program import BufferId, Instruction, PipelineProgram, Recv, Send
-from .pipeline_tasks import Task
+from ..scheduling.pipeline_tasks import Task
 
 __all__ = ["LocalMove", "RunFused", "fuse_compute_runs"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from jax.extend.core.primitives import scan_p
 
-from .. import jax_ir
+from ... import jax_ir
 
 __all__ = ["eqn_flops", "jaxpr_flops", "jaxpr_ops"]
 

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ..compiler_pass import compiler_pass
+from ...compiler_pass import compiler_pass
 from .mesh_assignment import batch_sharding
-from .stage_graph import is_differentiable
+from ..cutting.stage_graph import is_differentiable
 
 __all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "MoveKey", "TransferKind", "choose_transfer", "plan_edge_transfers",
            "verify_edge_transfers"]
@@ -173,7 +173,7 @@ def verify_edge_transfers(transfers: Sequence[EdgeTransfer], edges: Sequence[tup
     Raises:
       PlanVerificationError: naming the transfer.
     """
-    from ..verification import PlanVerificationError
+    from ...verification import PlanVerificationError
 
     seen: set[tuple[int, Direction]] = set()
     for t in transfers:

@@ -32,10 +32,10 @@ import dataclasses
 import enum
 from collections.abc import Sequence
 
-from ..compiler_pass import compiler_pass
-from .edge_transfer import Direction, EdgeTransfer
-from .pipeline_schedule import PipelineSchedule
-from .pipeline_tasks import Task, TaskKind
+from ...compiler_pass import compiler_pass
+from ..placing.edge_transfer import Direction, EdgeTransfer
+from ..scheduling.pipeline_schedule import PipelineSchedule
+from ..scheduling.pipeline_tasks import Task, TaskKind
 
 __all__ = [
     "BufferKind", "BufferId", "StageIO", "RunForward", "RunBackward", "RunBackwardInput", "RunBackwardWeight",
@@ -527,7 +527,7 @@ def verify_pipeline_program(program: PipelineProgram, reduced_stages: frozenset[
     Raises:
       PlanVerificationError: naming the mesh, instruction and buffer.
     """
-    from ..verification import PlanVerificationError
+    from ...verification import PlanVerificationError
 
     seen: list[int] = [-1] * len(program.instructions)
     if len(program.order) != sum(map(len, program.instructions)) or len(set(program.order)) != len(program.order):

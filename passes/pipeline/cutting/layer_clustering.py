@@ -22,11 +22,11 @@ import math
 import numpy as np
 from jax.extend.core.primitives import scan_p
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
 from .jaxpr_flops import eqn_flops
 from .split_scans import Provenance, layer_scans, split_layer_scans
-from .step_primitives import stage_boundary_p
+from ..step_primitives import stage_boundary_p
 
 __all__ = ["cut_positions", "even_layer_markers", "insert_layer_markers", "max_layers"]
 

@@ -33,18 +33,18 @@ from typing import Any, Callable, Union
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..compiler_pass import compiler_pass
-from ..model.cluster import Cluster
-from ..model.devices import DeviceKey, device_key, planner_ids
-from ..model.mesh import DeviceMesh
-from ..model.sharding_spec import ShardingSpec
-from ..resharding.hop_program import HopProgram, lower_to_hops, replicate_scalar, verify_hop_program
-from ..resharding.plan_resharding import plan_resharding
-from ..resharding.resharding_plan import ReshardingPlan
-from ..resharding.resharding_task import ReshardingTask
-from ..resharding.round_gates import Gate, round_gates, verify_round_gates
-from ..resharding.transfer_program import TransferProgram, lower_plan, verify_program
-from ..verification import PlanVerificationError
+from ...compiler_pass import compiler_pass
+from ...model.cluster import Cluster
+from ...model.devices import DeviceKey, device_key, planner_ids
+from ...model.mesh import DeviceMesh
+from ...model.sharding_spec import ShardingSpec
+from ...resharding.hop_program import HopProgram, lower_to_hops, replicate_scalar, verify_hop_program
+from ...resharding.plan_resharding import plan_resharding
+from ...resharding.resharding_plan import ReshardingPlan
+from ...resharding.resharding_task import ReshardingTask
+from ...resharding.round_gates import Gate, round_gates, verify_round_gates
+from ...resharding.transfer_program import TransferProgram, lower_plan, verify_program
+from ...verification import PlanVerificationError
 from .edge_transfer import MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import device_sharding
 

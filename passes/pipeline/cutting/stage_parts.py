@@ -28,10 +28,10 @@ from collections.abc import Sequence
 
 import jax
 
-from ..compiler_pass import compiler_pass
-from .. import jax_ir
+from ...compiler_pass import compiler_pass
+from ... import jax_ir
 from .stage_graph import RefKind, Stage, is_differentiable
-from ..verification import PlanVerificationError
+from ...verification import PlanVerificationError
 
 __all__ = ["StageParts", "stage_parts", "verify_stage_parts"]
 
