@@ -1,4 +1,6 @@
-"""One process of the two-process scanned-stack test: python mp_scanned_worker.py PID NUM_PROCESSES PORT.
+"""One process of the two-process scanned-stack test:
+python mp_scanned_worker.py PID NUM_PROCESSES PORT [--every-case] (without it, the 3 + 5 cut and
+the remat case are left to the slow run).
 
 A GPT whose 8 blocks are one nn.scan, cut inside the scan into 2 stages, one per process (each
 stage mesh (2, 2) on its process's four devices): evenly (4 + 4: each stack comes back as one
@@ -17,6 +19,7 @@ import meshpar.distributed
 
 jax.config.update("jax_num_cpu_devices", 4)
 pid, nproc, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+every_case = "--every-case" in sys.argv[4:]  # else the cases CI's default run covers
 meshpar.distributed.initialize(f"127.0.0.1:{port}", nproc, pid, initialization_timeout=60)
 
 import jax.numpy as jnp  # noqa: E402
@@ -43,7 +46,8 @@ with jax.default_device(jax.local_devices()[0]):
         ref_state, loss = jax.jit(step)(ref_state, batch)
         ref_losses.append(float(loss))
 
-for name, options in (("4 + 4", dict(num_stages=2)), ("3 + 5", dict(auto_layers=8, cut_points=(2,)))):
+cuts = [("4 + 4", dict(num_stages=2))] + ([("3 + 5", dict(auto_layers=8, cut_points=(2,)))] if every_case else [])
+for name, options in cuts:
     parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(
         num_micro_batches=2, stage_mesh_shape=(2, 2), **options))
     par_state = state
@@ -74,12 +78,13 @@ def check(name, step, state, batch, method, steps=2):
     print(f"process {pid}: {name} matches ({checked} shards)", flush=True)
 
 
-remat = GPT(scan_layers=True, num_layers=8, remat_blocks=True)
-with jax.default_device(jax.local_devices()[0]):
-    remat_state = train_state.TrainState.create(
-        apply_fn=remat.apply, params=remat.init(jax.random.PRNGKey(0), batch["x"][:1]), tx=optax.sgd(0.1))
-check("scanned GPT with remat cut into 4 stages (SGD)", step, remat_state, batch,
-      meshpar.PipeshardParallel(num_micro_batches=2, num_stages=4, stage_mesh_shape=(1, 2)))
+if every_case:
+    remat = GPT(scan_layers=True, num_layers=8, remat_blocks=True)
+    with jax.default_device(jax.local_devices()[0]):
+        remat_state = train_state.TrainState.create(
+            apply_fn=remat.apply, params=remat.init(jax.random.PRNGKey(0), batch["x"][:1]), tx=optax.sgd(0.1))
+    check("scanned GPT with remat cut into 4 stages (SGD)", step, remat_state, batch,
+          meshpar.PipeshardParallel(num_micro_batches=2, num_stages=4, stage_mesh_shape=(1, 2)))
 
 rng = np.random.default_rng(1)
 small = {"x": rng.standard_normal((16, 8)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}

@@ -86,8 +86,9 @@ def test_max_members_must_be_positive():
         fuse_compute_runs(program, 0)
 
 
-@pytest.mark.parametrize("schedule,meshes,per_mesh,fuse", [("interleaved_1f1b", 1, 2, None), ("zb_v", 1, 2, 3),
-                                                            ("1f1b", 2, 1, None)])
+@pytest.mark.parametrize("schedule,meshes,per_mesh,fuse", [
+    ("interleaved_1f1b", 1, 2, None), pytest.param("zb_v", 1, 2, 3, marks=pytest.mark.slow),
+    pytest.param("1f1b", 2, 1, None, marks=pytest.mark.slow)])
 def test_a_step_of_fused_programs_equals_jit(schedule, meshes, per_mesh, fuse, tmp_path):
     model = GPT(num_stages=meshes * per_mesh)
     batch = gpt_batch(0, 8, model.seq_len, model.vocab_size)

@@ -12,8 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("args,stages", [((), "2 stages on 2 meshes"),
-                                          (("--schedule", "interleaved_1f1b", "--stages-per-mesh", "2"),
-                                           "4 stages on 2 meshes")])
+                                          pytest.param(("--schedule", "interleaved_1f1b", "--stages-per-mesh", "2"),
+                                                       "4 stages on 2 meshes", marks=pytest.mark.slow)])
 def test_main_job_trains_as_jit_does(args, stages):
     out = subprocess.run([sys.executable, "-m", "examples.train_gpt", "--steps", "3", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)

@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pytest
 
@@ -16,13 +17,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(script: str, nproc: int, timeout_s: float) -> list[subprocess.CompletedProcess]:
-    """Runs ``script PID NPROC PORT`` in ``nproc`` processes; kills all on timeout."""
+def run_processes(script: str, nproc: int, timeout_s: float, args: Sequence[str] = ()) -> list[subprocess.CompletedProcess]:
+    """Runs ``script PID NPROC PORT *args`` in ``nproc`` processes; kills all on timeout."""
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
     env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), str(nproc), port],
+        subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), str(nproc), port, *args],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for i in range(nproc)
     ]
@@ -39,10 +40,10 @@ def run_processes(script: str, nproc: int, timeout_s: float) -> list[subprocess.
     return results
 
 
-def run_all_ok(script: str, timeout_s: float) -> tuple[list[subprocess.CompletedProcess], str]:
+def run_all_ok(script: str, timeout_s: float, args: Sequence[str] = ()) -> tuple[list[subprocess.CompletedProcess], str]:
     """Runs ``script`` in two processes; both must exit 0 having printed ``ALL OK``.
     Returns their results and their joined output (for assertion messages)."""
-    results = run_processes(script, 2, timeout_s=timeout_s)
+    results = run_processes(script, 2, timeout_s=timeout_s, args=args)
     output = "\n".join(f"--- process {i} ---\n{r.stdout[-4000:]}" for i, r in enumerate(results))
     for pid, r in enumerate(results):
         assert r.returncode == 0, output
@@ -90,26 +91,32 @@ def test_pipeline_across_two_processes():
     assert "skipped peer detected" in results[0].stdout, output
 
 
+SCANNED = ("scanned GPT cut 4 + 4", "hand-written lax.scan cut 3 + 2", "nnx.scan stack cut into 2 stages")
+SCANNED_SLOW = ("scanned GPT cut 3 + 5", "scanned GPT with remat cut into 4 stages (SGD)")
+
+
 @pytest.mark.multiprocess
-def test_a_scanned_stack_cut_into_one_stage_per_process():
-    """A GPT in one nn.scan cut 4 + 4 (stacks held across both processes), 3 + 5 (gathered) and
-    into 4 stages with remat; an nnx.scan stack; a hand-written lax.scan cut 3 + 2."""
-    results, output = run_all_ok("mp_scanned_worker.py", timeout_s=600)
-    for cut in ("4 + 4", "3 + 5"):
-        assert all(f"scanned GPT cut {cut} matches" in r.stdout for r in results), output
-    for case in ("scanned GPT with remat cut into 4 stages (SGD)", "hand-written lax.scan cut 3 + 2",
-                 "nnx.scan stack cut into 2 stages"):
+@pytest.mark.parametrize("every_case", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_scanned_stack_cut_into_one_stage_per_process(every_case):
+    """A GPT in one nn.scan cut 4 + 4 (stacks held across both processes), an nnx.scan stack, a
+    hand-written lax.scan cut 3 + 2; in the slow run also the GPT cut 3 + 5 (gathered) and into 4
+    stages with remat."""
+    results, output = run_all_ok("mp_scanned_worker.py", timeout_s=600, args=["--every-case"] if every_case else [])
+    for case in SCANNED + (SCANNED_SLOW if every_case else ()):
         assert all(f"{case} matches" in r.stdout for r in results), output
 
 
 @pytest.mark.multiprocess
-def test_virtual_stages_across_two_processes():
-    """Several stages per mesh with p2p moves between processes: interleaved 1F1B (GPT on 2
-    meshes, U-Transformer on 4), ZB-V and DualPipeV (GPT on 2 meshes in a V, one per process),
-    none moving a value between two stages of one mesh."""
-    results, output = run_all_ok("mp_interleaved_worker.py", timeout_s=600)
-    for schedule, name, meshes in (("interleaved_1f1b", "gpt", 2), ("interleaved_1f1b", "ut", 4), ("zb_v", "gpt", 2),
-                                   ("dualpipev", "gpt", 2)):
+@pytest.mark.parametrize("every_case", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_virtual_stages_across_two_processes(every_case):
+    """Several stages per mesh with p2p moves between processes: interleaved 1F1B and DualPipeV
+    (GPT on 2 meshes, in a V for DualPipeV, one mesh per process); in the slow run also
+    interleaved 1F1B of a U-Transformer on 4 meshes and ZB-V. None moves a value between two
+    stages of one mesh."""
+    results, output = run_all_ok("mp_interleaved_worker.py", timeout_s=600, args=["--every-case"] if every_case else [])
+    cases = [("interleaved_1f1b", "gpt", 2), ("dualpipev", "gpt", 2)]
+    cases += [("interleaved_1f1b", "ut", 4), ("zb_v", "gpt", 2)] if every_case else []
+    for schedule, name, meshes in cases:
         assert all(f"{schedule} {name} on {meshes} meshes matches" in r.stdout for r in results), output
 
 

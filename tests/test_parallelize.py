@@ -19,8 +19,7 @@ CONFIGS = [(2, 2, 2), (4, 1, 2), (1, 2, 4), (1, 1, 8), (2, 1, 4)]  # (data, mode
 # The large models compile 20-60 s per configuration on 2 cores: CI runs a
 # spread of them (every config and both schedules appear across the two
 # models), the full grid runs with -m slow.
-CI_GRID = {("gpt", (2, 2, 2), "1f1b"), ("gpt", (1, 1, 8), "gpipe"), ("gpt", (4, 1, 2), "gpipe"),
-           ("ut", (2, 1, 4), "1f1b"), ("ut", (1, 2, 4), "gpipe")}
+CI_GRID = {("gpt", (2, 2, 2), "1f1b"), ("gpt", (1, 1, 8), "gpipe"), ("ut", (1, 2, 4), "gpipe")}
 
 
 def _grid(model):
@@ -436,7 +435,7 @@ def test_split_backward_equals_whole_backward_bit_for_bit_and_compiles_once(sche
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("num_stages, num_micro_batches", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("num_stages, num_micro_batches", [(2, 4), pytest.param(4, 8, marks=pytest.mark.slow)])
 def test_simulated_memory_peaks_equal_the_runtime_counts(num_stages, num_micro_batches):
     """The schedule simulator counts held residuals and weight states over time, the runtime by
     launch order: for every schedule (and 1F1B with weight delaying) and any positive durations,

@@ -533,6 +533,7 @@ def test_stage_shapes_take_each_stages_most_common_strategy():
     assert plan.stage_shapes == ((1, 4), (2, 2))
 
 
+@pytest.mark.slow
 def test_search_gpt_96_layers_on_1024_gpus():
     profile = ModelProfile.uniform(96, _gpt_block(), 1536, "gpt-96")
     cluster, budget = Cluster.dgx_h100(128), 80e9

@@ -101,6 +101,7 @@ def test_a_gpt_scanned_in_one_nn_scan_cut_into_4_stages_equals_jit_and_each_stag
     assert worst <= 0.3 * uncut, (worst, uncut)
 
 
+@pytest.mark.slow
 def test_an_uneven_cut_3_plus_5_with_remat_in_the_scan_equals_jit_and_comes_back_on_the_first_mesh():
     _, batch, par, parallel = _check_run("3 + 5", "sgd", remat=True)
     executable = parallel.get_executable(par, batch)
