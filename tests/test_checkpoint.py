@@ -158,7 +158,7 @@ def test_state_shardings_of_a_scan_stacked_model_are_where_the_step_keeps_it(tmp
     as one array over both stages' devices, and state_shardings says so per leaf of the user's
     state (the layout's inputs are the per-stage pieces, more of them than leaves); a restored
     state lands there and steps on bit for bit."""
-    model = GPT(scan_layers=True, num_layers=4)
+    model = GPT(scan_layers=True, num_layers=2)
     batch = gpt_batch(0, 8, model.seq_len, model.vocab_size)
     params = model.init(jax.random.PRNGKey(0), batch["x"][:1])
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))

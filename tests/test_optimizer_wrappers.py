@@ -97,7 +97,8 @@ def _moved_shapes(describe):
             for d, s in re.findall(r"\b(\w+)\[([\d,]*)\]", ln.split(";", 1)[1] if ";" in ln else "")]
 
 
-@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+@pytest.mark.parametrize("wrapper", [pytest.param(w, marks=pytest.mark.slow) if w.endswith("_of_clipping") else w
+                                     for w in WRAPPERS])
 def test_wrapped_updates_match_jit_stay_on_stage_meshes_and_move_only_scalars(wrapper):
     make_tx, kinds = WRAPPERS[wrapper]
     state = _state(TwoStages(), make_tx())

@@ -48,7 +48,11 @@ def _mlp_batch(n=16, d=6, k=4):
 
 # Every transfer path: jax.device_put ("auto" in one process), the p2p
 # executor and the collective one, forced.
-EXECUTOR_GRID = [(c, s, "auto") for c in CONFIGS for s in ("gpipe", "1f1b", "eager_1f1b")] + [
+# Every schedule runs on every path in the slow run; CI's runs 1F1B on every config and path,
+# and GPipe and eager 1F1B on one (test_every_schedule_and_weight_delay covers the schedules).
+EXECUTOR_GRID = [
+    pytest.param(c, s, "auto", marks=() if s == "1f1b" or c == (2, 2, 2) else pytest.mark.slow)
+    for c in CONFIGS for s in ("gpipe", "1f1b", "eager_1f1b")] + [
     (c, "1f1b", "p2p") for c in CONFIGS] + [((2, 2, 2), "gpipe", "collective"), ((1, 1, 8), "1f1b", "collective")]
 
 
@@ -382,7 +386,8 @@ SCHEDULE_VARIANTS = [(s, False) for s in ("gpipe", "1f1b", "eager_1f1b", "zb_h1"
     (s, d) for s in ("gpipe", "1f1b", "eager_1f1b") for d in (True, "auto")]
 SCHEDULE_GRID = [
     pytest.param(config, M, schedule, delay, id=f"{'x'.join(map(str, config))}-M{M}-{schedule}-delay_{delay}",
-                 marks=() if (config, M) in {((2, 2, 2), 2), ((2, 2, 2), 8), ((1, 2, 4), 4)} else pytest.mark.slow)
+                 marks=() if (config, M) in {((2, 2, 2), 8), ((1, 2, 4), 4)} or (config, M, delay) == ((2, 2, 2), 2, False)
+                 else pytest.mark.slow)
     for config, Ms in (((2, 2, 2), (2, 4, 8)), ((1, 2, 4), (4, 8, 16)))
     for M in Ms for schedule, delay in SCHEDULE_VARIANTS
 ]
@@ -399,7 +404,8 @@ def test_every_schedule_and_weight_delay_matches_single_device_jit(config, M, sc
     assert executable.schedule.split_backward == (schedule == "zb_h1" or weight_delay is not False)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "eager_1f1b", "zb_h1"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b",
+                                      pytest.param("eager_1f1b", marks=pytest.mark.slow), "zb_h1"])
 def test_fewer_micro_batches_than_the_warm_up_wants_still_run(schedule):
     """M = 1 < S = 4: every warm-up is cut to the micro-batches there are."""
     model = MLP(features=(16, 16, 16, 16, 4), num_stages=4)
@@ -407,8 +413,10 @@ def test_fewer_micro_batches_than_the_warm_up_wants_still_run(schedule):
     assert_trees_close(par_state.params, ref_state.params)
 
 
-@pytest.mark.parametrize("schedule, weight_delay", [("1f1b", True), ("eager_1f1b", "auto"), ("zb_h1", False)])
-@pytest.mark.parametrize("gradient_reduction", ["per_micro_batch", "per_step"])
+@pytest.mark.parametrize("schedule, weight_delay, gradient_reduction", [
+    pytest.param(s, d, r, marks=() if (s, r) in {("1f1b", "per_micro_batch"), ("eager_1f1b", "per_step"),
+                                                 ("zb_h1", "per_step")} else pytest.mark.slow)
+    for s, d in (("1f1b", True), ("eager_1f1b", "auto"), ("zb_h1", False)) for r in ("per_micro_batch", "per_step")])
 def test_split_backward_equals_whole_backward_bit_for_bit_and_compiles_once(schedule, weight_delay, gradient_reduction):
     """The activation- and weight-gradient passes together compute exactly what the whole
     backward does, and add micro-batches' gradients in the same order: the trained state is

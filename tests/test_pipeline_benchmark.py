@@ -313,7 +313,7 @@ def test_cli_in_one_process_writes_records_and_timelines(tmp_path):
     path = tmp_path / "pipeline.json"
     r = subprocess.run(
         [sys.executable, "-m", "benchmarks.pipeline", "--no-emulated", "--cases", "gpt (4, 1, 2)",
-         "--methods", "overlap", "ours", "interleaved", "--repeat", "2", "--serialized-steps", "1",
+         "--methods", "overlap", "ours", "--repeat", "2", "--serialized-steps", "1",
          "--json", str(path),
          "--png", str(tmp_path), "--png-case", "gpt (4, 1, 2)"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -321,19 +321,19 @@ def test_cli_in_one_process_writes_records_and_timelines(tmp_path):
     assert r.returncode == 0, f"stdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
     records = json.loads(path.read_text())
     assert {(x["cluster"], x["method"]) for x in records} == {
-        ("single_process", m) for m in ("overlap", "ours", "interleaved")}
+        ("single_process", m) for m in ("overlap", "ours")}
     for x in records:
         assert {"model", "config", "method", "cluster", "measured_step_s", "predicted_step_s",
                 "samples_per_s"} <= x.keys()
         assert x["model"] == "gpt" and x["config"] == [4, 1, 2]
         assert x["measured_step_s"] > 0 and x["predicted_step_s"] > 0
         assert len(x["step_times_s"]) == 2
-        assert (x["num_stages"], x["num_meshes"]) == ((4, 2) if x["method"] == "interleaved" else (2, 2))
+        assert (x["num_stages"], x["num_meshes"]) == (2, 2)
     png = tmp_path / "timeline-single_process-gpt-4-1-2.png"
     assert png.stat().st_size > 10_000
     assert "process 0: gpt (4, 1, 2) ours" in r.stdout  # a progress line
     assert "Targets" in r.stdout
-    assert "| single_process | gpt (4, 1, 2) | interleaved |" in r.stdout
+    assert "| single_process | gpt (4, 1, 2) | ours |" in r.stdout
 
 
 def test_interleaved_builds_four_stages_on_two_meshes():

@@ -12,7 +12,8 @@ from meshpar.passes.pipeline.lowering.step_program import ReduceGradient
 from pipeline_models import assert_trees_close, make_state, run_both
 
 
-@pytest.mark.parametrize("schedule,num_stages,stages_per_mesh", [("1f1b", 2, None), ("interleaved_1f1b", 4, 2)])
+@pytest.mark.parametrize("schedule,num_stages,stages_per_mesh", [
+    ("1f1b", 2, None), pytest.param("interleaved_1f1b", 4, 2, marks=pytest.mark.slow)])
 def test_tied_embeddings_train_as_under_jit(schedule, num_stages, stages_per_mesh):
     model = GPT(num_stages=num_stages, num_layers=4, tie_embeddings=True)
     batch = gpt_batch(0, 16, 8, 64)

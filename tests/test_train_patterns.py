@@ -273,8 +273,9 @@ def _folded_reference(state, batch, key, fold):
     return run(state, batch, key)
 
 
-@pytest.mark.parametrize("key_kind", ["typed", "raw"])
-@pytest.mark.parametrize("fold_rng", [True, False])
+@pytest.mark.parametrize("key_kind, fold_rng", [
+    ("typed", True), ("raw", False), pytest.param("typed", False, marks=pytest.mark.slow),
+    pytest.param("raw", True, marks=pytest.mark.slow)])
 def test_int_bool_and_key_values_cross_stages_and_keys_fold_per_micro_batch(key_kind, fold_rng):
     batch = _token_batch()
     key = jax.random.key(3) if key_kind == "typed" else jax.random.PRNGKey(3)
