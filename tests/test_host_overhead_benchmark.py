@@ -3,6 +3,7 @@ launches are counted from the program, and the fitted line goes through its poin
 
 import jax
 import numpy as np
+import pytest
 
 from benchmarks import host_overhead
 from examples.gpt import gpt_loss
@@ -14,10 +15,14 @@ def test_jit_accum_equals_the_step_on_the_whole_batch():
     whole_state, whole_loss = jax.jit(supervised_step(gpt_loss))(state, batch)
     accum_state, accum_loss = host_overhead._jit_accum(4)(state, batch)
     np.testing.assert_allclose(float(accum_loss), float(whole_loss), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(accum_state.params), jax.tree.leaves(whole_state.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    # Adam's first moments, linear in the gradients: its first update is about lr * sign(g), so
+    # a gradient near zero flips it on rounding (seen on JAX 0.12) and the parameters say less.
+    mu, whole_mu = accum_state.opt_state[0].mu, whole_state.opt_state[0].mu
+    for a, b in zip(jax.tree.leaves(mu), jax.tree.leaves(whole_mu)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-8)
 
 
+@pytest.mark.slow
 def test_a_run_counts_launches_per_micro_batch_and_fits_each_layout():
     result = host_overhead.run(["tiny"], ["one_mesh_zb_v"], [2, 4], steps=2, rounds=2)
     rows = {(r["layout"], r["num_micro_batches"]): r for r in result["rows"]}

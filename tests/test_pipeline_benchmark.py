@@ -308,6 +308,7 @@ def test_methods_are_the_papers_and_the_gradient_reductions():
     assert len(set(names)) == len(names) and "gpt (2, 1, 2) 2x2 hosts M=4" in names and "gpt (4, 1, 2) M=8" in names
 
 
+@pytest.mark.slow
 def test_cli_in_one_process_writes_records_and_timelines(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "pipeline.json"
