@@ -182,7 +182,7 @@ def markdown(result: dict[str, Any]) -> str:
               "micro-batch | per launch µs |", "|---|---|---|---|---|---|---|"]
     for f in result["fits"]:
         ratio = f"{f['per_micro_batch_vs_jit_accum']:.2f}x" if "per_micro_batch_vs_jit_accum" in f else ""
-        launches = f"{f['launches_per_micro_batch']:.0f}" if "launches_per_micro_batch" in f else ""
+        launches = f"{f['launches_per_micro_batch']:.3g}" if "launches_per_micro_batch" in f else ""
         per_launch = f"{f['per_launch_us']:.0f}" if "per_launch_us" in f else ""
         lines.append(f"| {f['model']} | {f['layout']} | {f['per_micro_batch_ms']:.2f} | {ratio} | "
                      f"{f['fixed_ms']:.1f} | {launches} | {per_launch} |")

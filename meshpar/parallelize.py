@@ -48,6 +48,14 @@ def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = Pipe
     return ParallelizedStep(fun, method)
 
 
+def _signature(x: Any) -> tuple[tuple[int, ...], Any]:
+    """``x``'s shape and the dtype JAX gives it; a ``jax.Array``'s are its own (already
+    canonical), read without ``leaf_dtype``'s checks (a step has hundreds of leaves)."""
+    if isinstance(x, jax.Array):
+        return x.shape, x.dtype
+    return np.shape(x), leaf_dtype(x)
+
+
 class ParallelizedStep:
     """The decorated step: compiles on first call per input structure, then runs."""
 
@@ -138,7 +146,7 @@ class ParallelizedStep:
         """``args``' leaves, and the compiled step for their structure and shapes (compiled on
         the first call with them)."""
         leaves, in_tree = jax.tree.flatten(args)
-        key = (in_tree, tuple((np.shape(x), leaf_dtype(x)) for x in leaves))
+        key = (in_tree, tuple(_signature(x) for x in leaves))
         if key not in self._cache:
             if self.method.planned:
                 self._plan(args)

@@ -18,7 +18,7 @@ __all__ = ["put", "place", "join", "view"]
 def put(value: Any, sharding: NamedSharding) -> jax.Array:
     """``value`` (host data, or an array anywhere) placed with ``sharding``, in any process."""
     # Specs spelt differently (P("model") and P("model", None)) place a value alike: no copy.
-    if isinstance(value, jax.Array) and (value.sharding == sharding
+    if isinstance(value, jax.Array) and (value.sharding is sharding or value.sharding == sharding
                                          or value.sharding.is_equivalent_to(sharding, value.ndim)):
         return value
     if isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1:
