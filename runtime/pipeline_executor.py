@@ -36,6 +36,7 @@ from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterMove, Out
 from meshpar.passes.pipeline.placing.wire_format import from_wire
 from meshpar.runtime.coordination import (Arrival, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
                                          wait_ready)
+from meshpar.runtime.flat_values import flatten, unflatten
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.move_handlers import Move, prepare_move
 from meshpar.runtime.placement import join, place, put
@@ -197,7 +198,7 @@ class PipelineExecutable:
                 elif not self.local[feed.stage]:
                     continue
                 elif op.fold_key:
-                    prepared[key] = ("fold", jax.jit(_fold_all, static_argnums=1))
+                    prepared[key] = ("fold", _FOLD_ALL)
                 elif op.per_micro_batch:
                     # The whole value placed once, micro-batches leading, then cut by one program.
                     prepared[key] = ("slices", *_slicer(op.sharding, M))
@@ -523,14 +524,12 @@ def _piece_aval(aval: Any, bounds: tuple[int, ...], p: int) -> jax.ShapeDtypeStr
 
 def _packer(sharding: NamedSharding) -> Callable:
     """Values of one dtype, flattened into one vector with ``sharding`` (on their mesh)."""
-    return jax.jit(lambda *xs: jnp.concatenate([jnp.ravel(x) for x in xs]), out_shardings=sharding)
+    return jax.jit(lambda *xs: flatten(xs), out_shardings=sharding)
 
 
 def _unpacker(avals: Sequence[Any], shardings: Sequence[NamedSharding]) -> Callable:
     """A packed vector back into values shaped ``avals``, each with its sharding."""
-    sizes = np.cumsum([int(np.prod(a.shape, dtype=np.int64)) for a in avals])[:-1]
-    return jax.jit(lambda v: [part.reshape(a.shape) for part, a in zip(jnp.split(v, sizes), avals)],
-                   out_shardings=list(shardings))
+    return jax.jit(lambda v: unflatten(v, avals), out_shardings=list(shardings))
 
 
 def _accumulator_maker(plans: Sequence[Sequence[Any]]) -> Callable[[], list[list[jax.Array]]]:
@@ -554,3 +553,6 @@ def _slicer(sharding: NamedSharding, num_micro_batches: int) -> tuple[NamedShard
 def _fold_all(key: jax.Array, num_micro_batches: int) -> list[jax.Array]:
     """``key`` folded with each micro-batch index: micro-batch ``m`` draws from ``fold_in(key, m)``."""
     return [jax.random.fold_in(key, m) for m in range(num_micro_batches)]
+
+
+_FOLD_ALL = jax.jit(_fold_all, static_argnums=1)

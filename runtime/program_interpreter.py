@@ -134,6 +134,9 @@ class ProgramInterpreter:
             raise TypeError(f"program: instructions of kinds {unknown} have no handler in the program interpreter")
         self._senders = tuple(senders(t.src) for t in program.transfers)
         self._fused_programs: dict[RunFused, _FusedProgram] = {}
+        # Per program (``id`` of its stable callable), its measured temporaries: measuring
+        # compiles the program once more, so each is measured once, not at every metered step.
+        self._temp_bytes: dict[int, int] = {}
 
     def run(self, inputs: Sequence[StageInputs | None], grads: list[list[jax.Array] | None],
             recorder: StepRecorder | None = None, meter: LiveBytesMeter | None = None) -> ProgramRun:
@@ -141,7 +144,7 @@ class ProgramInterpreter:
         not local. ``recorder`` is told of every launch; ``meter`` samples what is held after each."""
         n = len(self.program.stages)
         # Metered, every program an instruction launches is measured too (its temporaries).
-        temps = _ProgramTemps() if meter is not None else None
+        temps = _ProgramTemps(self._temp_bytes) if meter is not None else None
         executables = self.executables if temps is None else [temps.watched(e) for e in self.executables]
         state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [], executables, temps)
         if recorder is not None:
@@ -344,11 +347,12 @@ class _State:
 
 class _ProgramTemps:
     """While a step is metered: the temporary bytes (per device) of the programs launched since
-    the last ``take``, each program measured once (``on_mesh``'s ``temp_bytes``)."""
+    the last ``take``, each program measured once (``on_mesh``'s ``temp_bytes``) into ``known``
+    (the interpreter's, kept across steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: dict[int, int]) -> None:
         self._launched: int | None = None
-        self._known: dict[int, int] = {}
+        self._known = known
 
     def watch(self, fn: Callable) -> Callable:
         def call(*args: Any) -> Any:

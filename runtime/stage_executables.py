@@ -44,6 +44,7 @@ from meshpar.passes.pipeline.placing.data_replicas import StageReplicas
 from meshpar.passes.pipeline.cutting.stage_graph import RefKind
 from meshpar.passes.pipeline.lowering.stage_kernels import StageKernel
 from meshpar.passes.pipeline.placing.wire_format import from_wire, to_wire
+from meshpar.runtime.flat_values import flatten, unflatten
 
 __all__ = ["StageExecutables", "compile_stage", "on_mesh"]
 
@@ -239,17 +240,14 @@ class _Packing:
         self.loose = [k for k in range(len(self.avals)) if k not in plain]
 
     def pack(self, values: Sequence[jax.Array]) -> list[jax.Array]:
-        flat = [jnp.concatenate([jnp.ravel(values[k]) for k in group]) for group in self.groups.values()]
+        flat = [flatten([values[k] for k in group]) for group in self.groups.values()]
         return [*flat, *(values[k] for k in self.loose)]
 
     def unpack(self, packed: Sequence[jax.Array]) -> list[jax.Array]:
         values: list[Any] = [None] * len(self.avals)
         for flat, group in zip(packed, self.groups.values()):
-            start = 0
-            for k in group:
-                size = math.prod(self.avals[k].shape)
-                values[k] = flat[start:start + size].reshape(self.avals[k].shape)
-                start += size
+            for k, value in zip(group, unflatten(flat, [self.avals[k] for k in group])):
+                values[k] = value
         for value, k in zip(packed[len(self.groups):], self.loose):
             values[k] = value
         return values
