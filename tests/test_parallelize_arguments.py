@@ -65,6 +65,9 @@ CONSTRUCTION_ERRORS = [
     (dict(devices=[]), ["devices: expected a non-empty list of jax devices", "jax.devices()[:4]"]),
     (dict(devices="cpu"), ["devices: expected a non-empty list of jax devices"]),
     (dict(devices=[0, 1]), ["devices: expected a non-empty list of jax devices"]),
+    (dict(fuse_compute=0), ["fuse_compute: expected a positive number of stage passes per program or None"]),
+    (dict(fuse_compute=True), ["fuse_compute:", "got True"]),
+    (dict(fuse_compute="2"), ["fuse_compute:", "got '2'"]),
 ]
 
 
