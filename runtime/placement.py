@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,14 +19,22 @@ __all__ = ["put", "place", "join", "view"]
 def put(value: Any, sharding: NamedSharding) -> jax.Array:
     """``value`` (host data, or an array anywhere) placed with ``sharding``, in any process."""
     # Specs spelt differently (P("model") and P("model", None)) place a value alike: no copy.
-    if isinstance(value, jax.Array) and (value.sharding is sharding or value.sharding == sharding
-                                         or value.sharding.is_equivalent_to(sharding, value.ndim)):
+    if isinstance(value, jax.Array) and (value.sharding is sharding
+                                         or _places_alike(value.sharding, sharding, value.ndim)):
         return value
     if isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1:
         return jax.device_put(value, sharding)
     host = np.asarray(value)
     host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _places_alike(a: jax.sharding.Sharding, b: NamedSharding, ndim: int) -> bool:
+    """Whether ``a`` and ``b`` lay out an array of ``ndim`` dimensions alike. Cached: a step
+    checks each of its leaves, and the shardings of a step's outputs recur every step (their
+    hashes are cached; comparing specs is not)."""
+    return a == b or a.is_equivalent_to(b, ndim)
 
 
 def view(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...] | None = None) -> jax.Array:

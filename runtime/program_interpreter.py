@@ -134,6 +134,8 @@ class ProgramInterpreter:
             raise TypeError(f"program: instructions of kinds {unknown} have no handler in the program interpreter")
         self._senders = tuple(senders(t.src) for t in program.transfers)
         self._fused_programs: dict[RunFused, _FusedProgram] = {}
+        # The program's own instructions (held by it, so their ids are stable) to theirs.
+        self._fused_by_instruction: dict[int, _FusedProgram] = {}
         # Per program (``id`` of its stable callable), its measured temporaries: measuring
         # compiles the program once more, so each is measured once, not at every metered step.
         self._temp_bytes: dict[int, int] = {}
@@ -268,11 +270,15 @@ class ProgramInterpreter:
 
     def _fused_program(self, ins: RunFused) -> _FusedProgram:
         """The compiled program of ``ins``: one per shape of group (the same members a number of
-        micro-batches later compute the same), built on first use."""
-        key = _shifted(ins, min(m.micro_batch for m in ins.members))
-        if key not in self._fused_programs:
-            self._fused_programs[key] = _FusedProgram(key, self)
-        return self._fused_programs[key]
+        micro-batches later compute the same), built on first use; found by the instruction's
+        identity after that (its shape's key costs the host more than the launch)."""
+        program = self._fused_by_instruction.get(id(ins))
+        if program is None:
+            key = _shifted(ins, min(m.micro_batch for m in ins.members))
+            if key not in self._fused_programs:
+                self._fused_programs[key] = _FusedProgram(key, self)
+            program = self._fused_by_instruction[id(ins)] = self._fused_programs[key]
+        return program
 
     def _send(self, mesh: int, ins: Send, state: _State) -> Launched:
         transfer = self.program.transfers[ins.transfer]

@@ -58,6 +58,10 @@ class OuterKind(enum.Enum):
     GRAD = "grad"
     VALUE = "value"
 
+    # Members are singletons: hashing by identity is exact and costs the runtime no Python call
+    # (a step looks values up by ``OuterRef`` hundreds of times).
+    __hash__ = object.__hash__
+
     def __lt__(self, other: OuterKind) -> bool:
         return self.value < other.value
 
