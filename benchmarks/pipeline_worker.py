@@ -260,7 +260,7 @@ def _run_spmd(args: argparse.Namespace, out: RecordWriter, case, method: SpmdBas
     out.write({
         "kind": "method", "spmd": True, "model": case.model, "config": list(case.config), "case": case.name,
         "method": method.name, "batch": case.batch, "step_times_s": times, "compile_s": compile_s,
-        "loss": float(loss) if loss.is_fully_addressable else None, "num_micro_batches": case.micro_batches,
+        "loss": float(loss), "num_micro_batches": case.micro_batches,
         "repeats": method.repeats, "num_stages": config.stages, "bubble": bubble(case.micro_batches, method.repeats,
                                                                                   config.stages),
         "memory": memory,
@@ -333,11 +333,10 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
                 barrier(f"{tag}/trace")
                 step.trace(os.path.join(args.trace_dir, f"{tag}.json"), state, batch)
             schedule = executable.schedule
-            loss_here = loss.is_fully_addressable
             out.write({
                 "kind": "method", "model": case.model, "config": list(case.config), "case": case.name,
                 "method": method.name, "batch": case.batch, "step_times_s": times, "compile_s": compile_s,
-                "loss": float(loss) if loss_here else None,
+                "loss": float(loss),
                 "overlap": not all(t.kind is TransferKind.COLLECTIVE for t in executable.program.transfers
                                    if t.kind is not TransferKind.LOCAL),
                 "schedule": schedule_spec(schedule),

@@ -8,13 +8,14 @@ argument it points at holds, and which other arguments could be the batch.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["batch_size", "describe_arguments"]
+__all__ = ["batch_size", "check_same_host_batch", "describe_arguments", "host_batch_fingerprint"]
 
 
 def _is_key(x: Any) -> bool:
@@ -87,3 +88,45 @@ def batch_size(args: Sequence[Any], batch_argnums: Sequence[int]) -> int:
         raise ValueError(f"batch_argnums: {where}: the batch arguments have leading dimensions {sorted(sizes)}; "
                          f"expected one shared batch dimension ({describe_arguments(args)})")
     return int(sizes.pop())
+
+
+def host_batch_fingerprint(args: Sequence[Any], batch_argnums: Sequence[int]) -> list[str]:
+    """Per batch leaf held as host data (numpy, lists: not a ``jax.Array``), in order, a hash of
+    its shape, dtype and bytes (``""`` for a ``jax.Array`` leaf: JAX checks those itself)."""
+    out = []
+    for i in batch_argnums:
+        for leaf in jax.tree.leaves(args[i]):
+            if isinstance(leaf, jax.Array):
+                out.append("")
+                continue
+            host = np.ascontiguousarray(leaf)
+            digest = hashlib.blake2b(host.view(np.uint8).reshape(-1) if host.size else b"", digest_size=16)
+            out.append(f"{host.shape} {host.dtype} {digest.hexdigest()}")
+    return out
+
+
+def check_same_host_batch(args: Sequence[Any], batch_argnums: Sequence[int], timeout_s: float) -> None:
+    """With several processes: raises naming ``batch_argnums`` when processes passed different
+    host (numpy) batches. JAX's rule is one global value on every process; rows each process
+    loaded for itself belong in a global ``jax.Array`` (``jax.make_array_from_process_local_data``).
+
+    Raises:
+      ValueError: processes passed different host batches (naming which leaves).
+      CoordinationError: a process did not reach the same call within ``timeout_s``.
+    """
+    from meshpar.runtime.coordination import CoordinationError, agree
+
+    if jax.process_count() == 1:
+        return
+    mine = host_batch_fingerprint(args, batch_argnums)
+    try:
+        agree("batch/host", {"leaves": mine}, list(range(jax.process_count())), timeout_s=timeout_s,
+              what="the host batch")
+    except CoordinationError as e:
+        if "disagree" not in str(e):
+            raise
+        raise ValueError(
+            f"batch_argnums={tuple(batch_argnums)}: the processes passed different numpy batches. A numpy batch "
+            f"must be the same global batch on every process (as under jax.jit); to feed each process its own "
+            f"rows, build the global batch with jax.make_array_from_process_local_data(sharding, local_rows, "
+            f"global_shape) and pass that jax.Array. ({e})") from None

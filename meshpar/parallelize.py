@@ -48,11 +48,13 @@ def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = Pipe
     return ParallelizedStep(fun, method)
 
 
-def _signature(x: Any) -> tuple[tuple[int, ...], Any]:
+def _signature(x: Any) -> tuple[Any, ...]:
     """``x``'s shape and the dtype JAX gives it; a ``jax.Array``'s are its own (already
-    canonical), read without ``leaf_dtype``'s checks (a step has hundreds of leaves)."""
+    canonical), read without ``leaf_dtype``'s checks (a step has hundreds of leaves). An
+    array spanning processes (a global batch) adds its sharding: the step moves each
+    micro-batch from where its rows lie."""
     if isinstance(x, jax.Array):
-        return x.shape, x.dtype
+        return (x.shape, x.dtype) if x.is_fully_addressable else (x.shape, x.dtype, x.sharding)
     return np.shape(x), leaf_dtype(x)
 
 

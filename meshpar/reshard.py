@@ -1,4 +1,4 @@
-"""``meshpar.reshard``: move a sharded array onto a disjoint mesh, by plan."""
+"""``meshpar.reshard``: move a sharded array onto another mesh, by plan."""
 
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def reshard(
     order: str = "gated",
     timeout_s: float = 120.0,
 ) -> jax.Array:
-    """``x`` moved onto ``dst``, a sharding on a mesh disjoint from ``x``'s.
+    """``x`` moved onto ``dst``, a sharding on another mesh (disjoint from ``x``'s, or, with
+    p2p, sharing devices with it: a piece already on its destination device stays there).
 
     Plans the move (``meshpar.plan_resharding``) and lowers it to
     device-to-device moves; works within a process and across processes
@@ -112,8 +113,8 @@ def reshard(
 
     Args:
       x: a ``jax.Array`` sharded by a ``NamedSharding`` (or on one device).
-      dst: the destination ``NamedSharding``; its mesh shares no device with
-        ``x``'s and its tiling divides ``x.shape``.
+      dst: the destination ``NamedSharding``; its tiling divides ``x.shape``;
+        its mesh shares no device with ``x``'s for the collective executor.
       strategy: ``broadcast`` (default), ``send_recv``, ``local_allgather``
         (Alpa's) or ``global_allgather``.
       balancer: ``ensemble`` (default), ``dfs``, ``greedy_random``,

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.autodiff import tracing_pipeline
-from meshpar.batch_arguments import batch_size as check_batch, describe_arguments
+from meshpar.batch_arguments import batch_size as check_batch, check_same_host_batch, describe_arguments
 from meshpar.grad_call import find_grad_call
 from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_variables, has_variables,
                                partition_specs, returning_updates)
@@ -102,6 +102,7 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     arg_of_leaf = [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
     batch_leaves = {i for i, a in enumerate(arg_of_leaf) if a in method.batch_argnums}
     batch_size = check_batch(args, method.batch_argnums)
+    check_same_host_batch(args, method.batch_argnums, method.timeout_s)
     M = method.num_micro_batches
     if batch_size % M:
         raise ValueError(f"num_micro_batches: {M} does not divide the batch size {batch_size}")

@@ -50,6 +50,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .compiler_pass import compiler_pass
 from . import jax_ir
 from .simulation.cost_model import estimate_durations, stage_gradients
+from .pipeline.placing.batch_rows import global_batch_feeds, verify_global_batch_feeds
 from .pipeline.placing.edge_transfer import EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
 from .pipeline.placing.mesh_assignment import place_stages
 from .pipeline.pipeline_options import PipelineOptions
@@ -237,7 +238,11 @@ def compile_pipeline(
         triples, [wire_aval(graph.stages[p].jaxpr.out_avals[ref.slot]) for p, _, ref in edges],
         placed.stage_meshes, options.micro_batch_size, options.transfers.executor, options.transfers.resharding,
         options.placement.data_axis), lambda ts: verify_edge_transfers(ts, triples, placed.stage_meshes))
-    keys = step_moves(transfers, layout) + [mv.move_key for g in gathered.values() for mv in g.moves()]
+    M = options.schedule.num_micro_batches
+    feeds = _run("global_batch_feeds", lambda: global_batch_feeds(layout, leaves, M),
+                 lambda fs: verify_global_batch_feeds(fs, layout, M))
+    keys = (step_moves(transfers, layout) + [mv.move_key for g in gathered.values() for mv in g.moves()]
+            + [key for feed in feeds for key in feed.moves])
     transfer_options = options.transfers
     moves = _run("plan_moves", lambda: plan_moves(keys, MoveOptions(
         transfer_options.resharding, transfer_options.balancer, transfer_options.cluster)),
@@ -273,7 +278,7 @@ def compile_pipeline(
         program = _run("fuse_compute_runs", lambda: fuse_compute_runs(unfused, options.schedule.fuse_compute),
                        lambda p: verify_pipeline_program(p, reduced))
     step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes, gradients,
-                                                 options.micro_batch_size, pieces, held, gathered),
+                                                 options.micro_batch_size, pieces, held, gathered, feeds),
                 lambda sp: verify_step_program(sp, split, graph, program))
     kernels = _run("stage_kernels", lambda: stage_kernels(graph, parts, program, layout, meshes,
                                                           micro_batching.loss_seed, gradients),

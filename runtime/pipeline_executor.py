@@ -30,7 +30,7 @@ from meshpar.passes.pipeline.placing.plan_moves import MoveTable
 from meshpar.passes.pipeline.lowering.stage_kernels import StageKernel
 from meshpar.passes.pipeline.lowering.step_program import (
     AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, JoinStackedLeaves, PlaceInputs, ReduceGradient,
-    RunCompute, RunMove, RunPipeline, SplitStackedLeaves, StepProgram,
+    RunCompute, RunMove, RunPipeline, ShareOutputs, SplitStackedLeaves, StepProgram,
 )
 from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterMove, OuterRef
 from meshpar.passes.pipeline.placing.wire_format import from_wire
@@ -39,9 +39,10 @@ from meshpar.runtime.coordination import (Arrival, owns_a_device_of, raise_lost_
 from meshpar.runtime.flat_values import flatten, unflatten
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.move_handlers import Move, prepare_move
-from meshpar.runtime.placement import join, place, put
+from meshpar.runtime.placement import micro_batch_view, join, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, StageInputs
 from meshpar.runtime.remote import absent
+from meshpar.runtime.shared_outputs import OutputSharer
 from meshpar.runtime.stacked_leaves import StackedLeaves
 from meshpar.runtime.stage_executables import compile_stage, on_mesh
 from meshpar.runtime.step_trace import StepRecorder
@@ -135,6 +136,7 @@ class PipelineExecutable:
             RunMove: self._prepare_move,
             FeedStages: self._prepare_feed,
             ReduceGradient: self._prepare_gradient,
+            ShareOutputs: self._prepare_sharing,
         }
         for ins in step:
             if type(ins) in preparers:
@@ -150,6 +152,7 @@ class PipelineExecutable:
             ReduceGradient: self._reduce_gradient,
             AwaitArrivals: self._await_arrivals,
             AssembleOutputs: self._assemble_outputs,
+            ShareOutputs: self._share_outputs,
             JoinStackedLeaves: self._join_stacked,
         }
         unknown = sorted({type(ins).__name__ for ins in step} - {k.__name__ for k in self._handlers})
@@ -189,10 +192,14 @@ class PipelineExecutable:
 
     def _prepare_feed(self, ins: FeedStages) -> None:
         M = ins.num_micro_batches
-        prepared = {}
+        # Every process joins each move of a global batch, whichever stage reads it.
+        prepared = {(f.stage, f.position): ("global", f, [self._move(k) for k in f.moves])
+                    for f in ins.global_batches}
         for feed in ins.stages:
             for op, owner in zip(feed.operands, feed.fetched_from):
                 key = (feed.stage, op.position)
+                if key in prepared:
+                    continue
                 if op.fetch is not None:
                     prepared[key] = ("fetch", self._move(op.fetch.move_key), owner)
                 elif not self.local[feed.stage]:
@@ -211,6 +218,9 @@ class PipelineExecutable:
     def _prepare_gradient(self, ins: ReduceGradient) -> None:
         if ins.move is not None:
             self._ready[id(ins)] = self._move(ins.move.move_key)
+
+    def _prepare_sharing(self, ins: ShareOutputs) -> None:
+        self._ready[id(ins)] = OutputSharer(ins)
 
     def _connect_meshes(self) -> None:
         """Every collective group of each mesh spanning processes, connected once, mesh by mesh.
@@ -357,6 +367,14 @@ class PipelineExecutable:
                     fixed.append(self._value(op.source, mesh, state))
                 elif how[0] == "fold":
                     columns.append(how[1](self._value(op.source, mesh, state), M))
+                elif how[0] == "global":
+                    _, global_feed, moves = how
+                    leaf = leaves[global_feed.leaf]
+                    if leaf.sharding != global_feed.source:
+                        raise ValueError(f"batch leaf {global_feed.leaf}: laid out as {leaf.sharding}, but the step "
+                                         f"was compiled for {global_feed.source}")
+                    columns.append([move(micro_batch_view(leaf, rows, size))
+                                    for rows, move in zip(global_feed.rows, moves)])
                 else:
                     _, stacked, unstack = how
                     if op.source.kind is OuterKind.IN and not state.placements[op.source.index].meshes:
@@ -426,6 +444,9 @@ class PipelineExecutable:
                 results.append(join([state.values[(ref, m)] for m in source.meshes if (ref, m) in state.values],
                                     source.shardings, aval.shape, aval.dtype))
         state.outputs = results
+
+    def _share_outputs(self, ins: ShareOutputs, state: _StepState) -> None:
+        state.outputs = self._ready[id(ins)](state.outputs)
 
     # -- values ---------------------------------------------------------------
 

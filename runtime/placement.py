@@ -1,4 +1,5 @@
-"""Putting step inputs where the layout says, and joining per-mesh copies of outputs."""
+"""Putting step inputs where the layout says, viewing micro-batches of a global batch where they
+lie, and joining per-mesh copies of outputs."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshpar.passes.model.devices import device_key
+from meshpar.passes.pipeline.placing.batch_rows import MicroBatchRows
 from meshpar.passes.pipeline.placing.step_layout import Placement, spans_platforms, union_sharding
 
-__all__ = ["put", "place", "join", "view"]
+__all__ = ["put", "place", "join", "view", "micro_batch_view"]
 
 
 def put(value: Any, sharding: NamedSharding) -> jax.Array:
@@ -65,3 +67,16 @@ def join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding], shape: 
     union = union_sharding(shardings)
     shards = [s.data for x in parts for s in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(shape, union, shards, dtype=dtype)
+
+
+def micro_batch_view(leaf: jax.Array, rows: MicroBatchRows, size: int) -> jax.Array:
+    """One micro-batch of a global batch ``leaf`` where its rows already lie (``rows``), as an
+    array of ``size`` rows laid out by ``rows.sharding``: this process's shards of it (each a
+    whole shard of ``leaf``, or rows of one), or none."""
+    wanted = rows.sharding.addressable_devices
+    pieces: dict[Any, jax.Array] = {}
+    for shard in leaf.addressable_shards:
+        if shard.device in wanted and shard.device not in pieces:
+            pieces[shard.device] = shard.data if rows.whole else shard.data[rows.start: rows.start + size]
+    shape = (size, *leaf.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, rows.sharding, list(pieces.values()), dtype=leaf.dtype)

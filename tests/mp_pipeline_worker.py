@@ -53,9 +53,8 @@ parallel = meshpar.parallelize(
 par_state = state
 for i in range(3):
     par_state, loss = parallel(par_state, batch)
-    if loss.is_fully_addressable:
-        np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
-        print(f"process {pid}: step {i} loss {float(loss):.6f} matches", flush=True)
+    np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
+    print(f"process {pid}: step {i} loss {float(loss):.6f} matches", flush=True)
 
 checked = assert_local_shards_close(par_state.params, ref_state.params)
 assert checked > 0, "this process holds no parameters"
@@ -76,8 +75,7 @@ collective = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
 def check_mlp_step(run):
     """One step of ``run`` against jax.jit's: the loss where it lives, every shard held here."""
     got_state, got_loss = run(mlp_state, mlp_batch)
-    if got_loss.is_fully_addressable:
-        np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
         for shard in got.addressable_shards:
             np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-6)
@@ -85,6 +83,36 @@ def check_mlp_step(run):
 
 check_mlp_step(collective)
 print(f"process {pid}: collective transfers match", flush=True)
+
+# Each process feeding only its own rows, the JAX way: a global batch built with
+# jax.make_array_from_process_local_data, over all 8 devices (micro-batches of whole shards)
+# or over one device per process (micro-batches within a shard); equal to jax.jit on the
+# full batch, the loss readable on both processes.
+everywhere = jax.sharding.Mesh(np.array(jax.devices()), ("rows",))
+one_each = jax.sharding.Mesh(np.array([jax.devices()[0], jax.devices()[4]]), ("rows",))
+for mesh, M in ((everywhere, 4), (everywhere, 8), (one_each, 4)):
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    mine = slice(8 * pid, 8 * (pid + 1))
+    global_batch = {k: jax.make_array_from_process_local_data(sharding, v[mine], v.shape) for k, v in mlp_batch.items()}
+    fed = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
+        num_micro_batches=M, num_stages=2, stage_mesh_shape=(2, 2)))
+    got_state, got_loss = fed(mlp_state, global_batch)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
+        for shard in got.addressable_shards:
+            np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-6)
+    print(f"process {pid}: global batch over {mesh.devices.size} devices, M={M}, matches", flush=True)
+
+# Each process passing only its own rows as numpy: a clear error on every process, never
+# training on a mix of processes' rows.
+own_rows = {k: v[8 * pid: 8 * (pid + 1)] for k, v in mlp_batch.items()}
+try:
+    meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
+        num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2)))(mlp_state, own_rows)
+    raise AssertionError("different numpy batches per process were not refused")
+except ValueError as e:
+    assert "batch_argnums" in str(e) and "make_array_from_process_local_data" in str(e), e
+print(f"process {pid}: per-process numpy rows refused", flush=True)
 
 # The overlap-friendly schedules, backward weight delaying included, across processes.
 for schedule, weight_delay in (("eager_1f1b", True), ("zb_h1", False), ("1f1b", "auto")):
@@ -179,8 +207,7 @@ print(f"process {pid}: aux, integer values, whole-batch count and global-norm cl
 signal = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
     num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), resharding="signal"))
 _, signal_loss = signal(mlp_state, mlp_batch)
-if signal_loss.is_fully_addressable:
-    assert np.isfinite(float(signal_loss))
+assert np.isfinite(float(signal_loss))
 print(f"process {pid}: signal transfers ran", flush=True)
 
 # A peer that stops joining: process 1 runs one step, then skips the next.

@@ -77,6 +77,9 @@ def test_pipeline_across_two_processes():
     results, output = run_all_ok("mp_pipeline_worker.py", timeout_s=600)
     assert "step 2 loss" in results[1].stdout, output
     assert "collective transfers match" in results[1].stdout, output
+    for fed in ("over 8 devices, M=4", "over 8 devices, M=8", "over 2 devices, M=4"):
+        assert all(f"global batch {fed}, matches" in r.stdout for r in results), output
+    assert all("per-process numpy rows refused" in r.stdout for r in results), output
     for schedule in ("eager_1f1b with weight_delay=True", "zb_h1 with weight_delay=False", "1f1b with weight_delay=auto"):
         assert all(f"{schedule} matches" in r.stdout for r in results), output
     assert all("global-norm clipping match" in r.stdout for r in results), output

@@ -24,10 +24,13 @@ class ReshardingTask:
       dst_mesh, dst_spec: where and how it must live afterwards.
       pad: allow dimensions a mesh does not divide (tiles at the end are cut
         short, as XLA pads them).
+      shared_devices: allow the meshes to share devices (a point-to-point move's
+        piece already on its destination device stays there; a global batch
+        laid out over every device feeds a stage on some of them).
 
     Invariants (checked on construction): both specs fit the tensor and their
     meshes; both layouts tile the tensor (divisibly unless ``pad``); the two
-    meshes share no device.
+    meshes share no device unless ``shared_devices``.
     """
 
     shape: tuple[int, ...]
@@ -37,6 +40,7 @@ class ReshardingTask:
     dst_mesh: DeviceMesh
     dst_spec: ShardingSpec
     pad: bool = False
+    shared_devices: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -52,7 +56,7 @@ class ReshardingTask:
         if int(self.itemsize) < 1:
             raise ValueError(f"itemsize: expected a positive number of bytes per element, got {self.itemsize}")
         shared = self.src_mesh.shares_devices_with(self.dst_mesh)
-        if shared:
+        if shared and not self.shared_devices:
             raise ValueError(
                 f"dst_mesh: shares devices {list(shared)} with src_mesh; cross-mesh resharding needs "
                 f"disjoint meshes (for resharding within one mesh use jax.device_put)"

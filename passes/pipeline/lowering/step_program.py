@@ -22,7 +22,9 @@ instruction carrying what it needs (the runtime reads no layout), so the runtime
 - ``ReduceGradient``: one stage's accumulated gradient of one parameter, moved to
   its owner's mesh and added to what other stages contributed;
 - ``AwaitArrivals``: the bounded wait for values other processes send here;
-- ``AssembleOutputs``: the step's outputs, each with its per-mesh shardings.
+- ``AssembleOutputs``: the step's outputs, each with its per-mesh shardings;
+- ``ShareOutputs`` (several processes): small outputs held on some processes only (the loss,
+  aux metrics, a gradient norm) copied onto every process, as ``jax.jit`` leaves them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ...compiler_pass import compiler_pass
@@ -39,12 +42,13 @@ from ...verification import PlanVerificationError
 from ..placing.data_replicas import DataReplicas
 from ..cutting.micro_batching import AuxReduction, MicroBatching
 from .pipeline_program import BufferId, BufferKind, PipelineProgram
+from ..placing.batch_rows import GlobalBatchFeed
 from ..placing.stacked_leaves import GatheredArray, LeafPieces, StackedArray
 from ..cutting.stage_graph import RefKind, StageGraph
 from ..placing.step_layout import Placement, StageOperand, StepLayout, ValueMove, spans_platforms, union_sharding
 from ..cutting.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, StepSplit
 
-__all__ = ["AssembleOutputs", "AwaitArrivals", "CombineMicroBatches", "FeedStages", "JoinStackedLeaves",
+__all__ = ["SHARE_MAX_BYTES", "SharedOutput", "ShareOutputs", "AssembleOutputs", "AwaitArrivals", "CombineMicroBatches", "FeedStages", "JoinStackedLeaves",
            "OutputSource", "PlaceInputs", "ReduceGradient", "RunCompute", "RunMove", "RunPipeline",
            "SplitStackedLeaves", "StageFeed", "StepInstruction", "StepProgram", "lower_step", "verify_step_program"]
 
@@ -119,6 +123,9 @@ class FeedStages:
     stages: tuple[StageFeed, ...]
     micro_batch_size: int
     num_micro_batches: int
+    # Operands read per micro-batch from a global batch array: moved from where each
+    # micro-batch's rows lie (every process joins each move), not cut on the host.
+    global_batches: tuple[GlobalBatchFeed, ...] = ()
 
     def __str__(self) -> str:
         return "feed the stages"
@@ -197,6 +204,36 @@ class AssembleOutputs:
         return "assemble the outputs"
 
 
+# Outputs at most this large (per copy), replicated on their mesh, that some process holds no
+# copy of are copied onto every process: a loss, an aux metric, a gradient norm. Larger outputs
+# (parameters, optimizer state) stay where their stage keeps them.
+SHARE_MAX_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedOutput:
+    """Output ``output`` (of ``AssembleOutputs``), shaped ``shape`` of ``dtype``, shared from its
+    copy on ``ShareOutputs.devices[source]``."""
+
+    output: int
+    source: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ShareOutputs:
+    """``outputs`` replicated onto ``devices`` (every device of the step, in process order, at
+    least one on each process), so that every process reads them, as under ``jax.jit``. All
+    processes take part (one small program over ``devices``)."""
+
+    devices: tuple[Any, ...]
+    outputs: tuple[SharedOutput, ...]
+
+    def __str__(self) -> str:
+        return f"share {len(self.outputs)} small outputs with every process"
+
+
 @dataclasses.dataclass(frozen=True)
 class JoinStackedLeaves:
     """The rewritten step's outputs in pieces joined as the user sees the leaves they replace:
@@ -212,7 +249,8 @@ class JoinStackedLeaves:
 
 
 StepInstruction = Union[SplitStackedLeaves, PlaceInputs, RunCompute, RunMove, FeedStages, RunPipeline,
-                        CombineMicroBatches, ReduceGradient, AwaitArrivals, AssembleOutputs, JoinStackedLeaves]
+                        CombineMicroBatches, ReduceGradient, AwaitArrivals, AssembleOutputs, ShareOutputs,
+                        JoinStackedLeaves]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +309,8 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
                micro_batching: MicroBatching, meshes: Sequence[Mesh], gradients: DataReplicas,
                micro_batch_size: int, pieces: LeafPieces | None = None,
                held: Mapping[int, StackedArray] | None = None,
-               gathered: Mapping[int, GatheredArray] | None = None) -> StepProgram:
+               gathered: Mapping[int, GatheredArray] | None = None,
+               global_batches: Sequence[GlobalBatchFeed] = ()) -> StepProgram:
     """The step around ``program``: its reductions are ``micro_batching``'s (the loss by its
     ``reduction``, each aux value by its own, over micro-batches and the replicas of
     ``gradients``), every sharding is ``layout``'s (a value it leaves free replicated on its
@@ -294,7 +333,7 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
     if pieces is not None:
         ins.append(SplitStackedLeaves(*stacked))
     ins += [PlaceInputs(layout.in_placements), *(_outer(st, layout, split) for st in split.before),
-            FeedStages(feeds, micro_batch_size, M), RunPipeline()]
+            FeedStages(feeds, micro_batch_size, M, tuple(global_batches)), RunPipeline()]
     loss = graph.loss
     ins.append(CombineMicroBatches(
         OuterRef(OuterKind.LOSS), tuple(BufferId(BufferKind.RESULT, loss.index, m, loss.slot) for m in range(M)),
@@ -318,10 +357,37 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
         outputs.append(OutputSource(ref, tuple(on), shardings, split.literals.get(j),
                                     layout.in_placements[ref.index] if ref.kind is OuterKind.IN else None))
     ins.append(AssembleOutputs(tuple(outputs)))
+    shared = share_outputs(outputs, split.avals, meshes)
+    if shared is not None:
+        ins.append(shared)
     if pieces is not None:
         ins.append(JoinStackedLeaves(*stacked))
     return StepProgram(tuple(ins), tuple(split.consts), dict(split.avals),
                        _leaf_shardings(layout, pieces, held, gathered))
+
+
+def share_outputs(outputs: Sequence[OutputSource], avals: Mapping[OuterRef, jax_ir.AbstractValue],
+                  meshes: Sequence[Mesh]) -> ShareOutputs | None:
+    """What ``ShareOutputs`` copies onto every process: each computed output held on one mesh,
+    replicated there, of at most ``SHARE_MAX_BYTES``, whose mesh leaves out a process of the
+    step; ``None`` when there is none (always, in one process)."""
+    devices = sorted({d for mesh in meshes for d in mesh.devices.flat}, key=lambda d: (d.process_index, d.id))
+    processes = {d.process_index for d in devices}
+    if len(processes) < 2 or len({d.platform for d in devices}) > 1:
+        return None
+    index = {d: k for k, d in enumerate(devices)}
+    shared = []
+    for j, source in enumerate(outputs):
+        if source.ref.kind in (OuterKind.IN, OuterKind.CONST, OuterKind.LITERAL) or len(source.meshes) != 1:
+            continue
+        aval, sharding = avals[source.ref], source.shardings[0]
+        mesh_devices = list(sharding.mesh.devices.flat)
+        if (jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) or any(axis is not None for axis in sharding.spec)
+                or aval.size * aval.dtype.itemsize > SHARE_MAX_BYTES
+                or {d.process_index for d in mesh_devices} == processes):
+            continue
+        shared.append(SharedOutput(j, min(index[d] for d in mesh_devices), tuple(aval.shape), aval.dtype))
+    return ShareOutputs(tuple(devices), tuple(shared)) if shared else None
 
 
 def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, program: PipelineProgram) -> None:
@@ -340,6 +406,10 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
             kinds[0] is not SplitStackedLeaves or kinds[-1] is not JoinStackedLeaves)):
         raise PlanVerificationError("the step does not split its stacked leaves first and join them last, once each")
     body = kinds[1:-1] if stacked else kinds
+    if ShareOutputs in body:
+        if body.count(ShareOutputs) > 1 or body[-1] is not ShareOutputs:
+            raise PlanVerificationError("the step shares its outputs more than once, or not right after assembling them")
+        body = body[:-1]
     order = [PlaceInputs, FeedStages, RunPipeline, AwaitArrivals, AssembleOutputs]
     positions = [body.index(k) if body.count(k) == 1 else -1 for k in order]
     if -1 in positions or positions != sorted(positions) or positions[-1] != len(body) - 1:

@@ -141,8 +141,9 @@ def move_device_ids(src: NamedSharding, dst: NamedSharding) -> Mapping[DeviceKey
 
 
 def resharding_task(shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst: NamedSharding,
-                    cluster: Cluster) -> ReshardingTask:
-    """The planner's input for moving a ``shape``/``dtype`` value from ``src`` to ``dst``."""
+                    cluster: Cluster, shared_devices: bool = False) -> ReshardingTask:
+    """The planner's input for moving a ``shape``/``dtype`` value from ``src`` to ``dst``
+    (meshes that may share devices with ``shared_devices``)."""
 
     ids = move_device_ids(src, dst)
 
@@ -152,12 +153,17 @@ def resharding_task(shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst:
     def spec(s: NamedSharding) -> ShardingSpec:
         return ShardingSpec.from_partition_spec(s.spec, s.mesh.axis_names, len(shape))
 
-    return ReshardingTask(tuple(shape), np.dtype(dtype).itemsize, mesh(src), spec(src), mesh(dst), spec(dst))
+    return ReshardingTask(tuple(shape), np.dtype(dtype).itemsize, mesh(src), spec(src), mesh(dst), spec(dst),
+                          shared_devices=shared_devices)
 
 
 def _plan(key: MoveKey, options: MoveOptions) -> ReshardingPlan:
     cluster = options.cluster if options.cluster is not None else default_cluster(key.src, key.dst)
-    return plan_resharding(resharding_task(key.shape, key.dtype, key.src, key.dst, cluster), cluster,
+    # Point-to-point moves run piece by piece, so their meshes may share devices (a piece already
+    # where it goes stays); a collective program needs two disjoint meshes.
+    task = resharding_task(key.shape, key.dtype, key.src, key.dst, cluster,
+                           shared_devices=key.kind is TransferKind.P2P)
+    return plan_resharding(task, cluster,
                            strategy=options.strategy, balancer=options.balancer, chunks=options.chunks)
 
 
