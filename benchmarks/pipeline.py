@@ -757,6 +757,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1500.0, help="bound on each run of the workers, s")
     parser.add_argument("--step-timeout", type=float, default=300.0, help="bound on each wait inside the workers, s")
     args = parser.parse_args(argv)
+    if args.serialized_steps < 1:
+        # The simulator's prediction and the memory rows are made from the serialized steps.
+        parser.error(f"--serialized-steps: expected at least 1, got {args.serialized_steps}")
     start = time.perf_counter()
     records: list[dict] = []
     errors: list[str] = []

@@ -17,14 +17,19 @@ checkpoints: this process its part's primary, each of its shards written once. W
 processes an array one process holds whole goes as a numpy array, the only form in which orbax
 writes it, written by its holder (orbax's numpy handler writes from process 0 only).
 
-So a checkpoint restores with as many processes as saved it, every leaf on the processes that
-held it then (the step's layout, which ``state_shardings`` gives); in one process, into any
-sharding.
+Beside its part each process writes ``process_<i>.regions.json``: per leaf, the boxes of it
+its part holds. A leaf restores from this process's own part when that holds every shard the
+target layout puts here (the same layout: each process reads only what it wrote). Otherwise
+(another number of processes, other stage meshes or stage count, or a plain ``jax.jit`` state
+on one device) it is read from every part holding a box of it and assembled on the host, bit
+for bit; that needs every part readable from this process (a file system all hosts share)
+and host memory for the whole leaf.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -121,6 +126,8 @@ def save(directory: str | os.PathLike, state: Any, *, timeout_s: float = 120.0) 
     if held:  # orbax refuses an empty tree: a process holding nothing writes no part
         with _checkpointer() as checkpointer:
             checkpointer.save(_part(directory, jax.process_index()), args=ocp.args.PyTreeSave(held))
+    with open(_regions_path(directory, jax.process_index()), "w") as f:
+        json.dump({name: _regions(value) for name, value in held.items()}, f)
     agree("checkpoint/saved", {"directory": directory}, everyone, timeout_s=timeout_s,
           what=f"meshpar.checkpoint.save({directory!r}) finishing")
 
@@ -165,14 +172,24 @@ def restore(directory: str | os.PathLike, abstract_state: Any, *, timeout_s: flo
             wanted[name] = leaf
     restored = {}
     if wanted:
-        part = _part(directory, jax.process_index())
+        me = jax.process_index()
+        part = _part(directory, me)
+        regions = _saved_regions(directory)
         with _checkpointer() as checkpointer:
             saved = checkpointer.metadata(part).item_metadata.tree if os.path.isdir(part) else {}
-            _check_saved(wanted, saved, part)
-            restored = checkpointer.restore(part, args=ocp.args.PyTreeRestore(
-                item=wanted, partial_restore=True,
-                restore_args={name: ocp.ArrayRestoreArgs(sharding=leaf.sharding, global_shape=leaf.shape, dtype=leaf.dtype)
-                              for name, leaf in wanted.items()}))
+            if regions is None:  # written before regions were recorded: this process's own part only
+                own, elsewhere = wanted, {}
+            else:
+                own = {n: leaf for n, leaf in wanted.items() if _covers(regions.get(me, {}).get(n), leaf)}
+                elsewhere = {n: leaf for n, leaf in wanted.items() if n not in own}
+            _check_saved(own, saved, part)
+            if own:
+                restored = checkpointer.restore(part, args=ocp.args.PyTreeRestore(
+                    item=own, partial_restore=True,
+                    restore_args={name: ocp.ArrayRestoreArgs(sharding=leaf.sharding, global_shape=leaf.shape,
+                                                             dtype=leaf.dtype) for name, leaf in own.items()}))
+            for name, leaf in elsewhere.items():
+                restored[name] = _assembled(checkpointer, directory, regions, name, leaf)
     agree("checkpoint/restored", {"directory": directory, "leaves": len(flat)}, list(range(jax.process_count())),
           timeout_s=timeout_s, what=f"meshpar.checkpoint.restore({directory!r})")
     return jax.tree_util.tree_unflatten(treedef, [
@@ -188,6 +205,74 @@ def _path(directory: Any) -> str:
 
 def _part(directory: str, process: int) -> str:
     return os.path.join(directory, f"process_{process}")
+
+
+def _regions_path(directory: str, process: int) -> str:
+    return os.path.join(directory, f"process_{process}.regions.json")
+
+
+def _regions(value: Any) -> list[list[list[int]]]:
+    """The boxes of a leaf a part holds (per dimension ``[start, stop)``): a host value whole,
+    an array the distinct boxes of its shards here."""
+    shape = np.shape(value)
+    if not isinstance(value, jax.Array):
+        return [[[0, int(n)] for n in shape]]
+    boxes = {tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(shard.index, shape))
+             for shard in value.addressable_shards}
+    return [[[int(a), int(b)] for a, b in box] for box in sorted(boxes)]
+
+
+def _saved_regions(directory: str) -> dict[int, dict[str, list]] | None:
+    """Per process that saved, per leaf, the boxes its part holds; ``None`` for a checkpoint
+    written without them."""
+    found = {}
+    for entry in os.listdir(directory):
+        if entry.startswith("process_") and entry.endswith(".regions.json"):
+            with open(os.path.join(directory, entry)) as f:
+                found[int(entry[len("process_"):-len(".regions.json")])] = json.load(f)
+    return found or None
+
+
+def _boxes_here(leaf: jax.ShapeDtypeStruct) -> list[tuple[tuple[int, int], ...]]:
+    """The boxes of ``leaf`` its sharding puts on this process's devices."""
+    return [tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, leaf.shape))
+            for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values()]
+
+
+def _covers(regions: list | None, leaf: jax.ShapeDtypeStruct) -> bool:
+    """Whether a part holding ``regions`` of a leaf holds each box ``leaf`` needs here whole."""
+    if regions is None:
+        return False
+    return all(any(all(r[0] <= a and b <= r[1] for (a, b), r in zip(box, region)) for region in regions)
+               for box in _boxes_here(leaf))
+
+
+def _assembled(checkpointer: ocp.Checkpointer, directory: str, regions: dict[int, dict[str, list]], name: str,
+               leaf: jax.ShapeDtypeStruct) -> jax.Array:
+    """Leaf ``name`` read from every part holding a box of it, assembled on the host, laid out as ``leaf``.
+
+    Raises:
+      ValueError: naming the leaf, when no part holds it, or the parts leave part of it unsaved.
+    """
+    value = np.zeros(leaf.shape, leaf.dtype)
+    filled = np.zeros(leaf.shape, bool)
+    holders = sorted(p for p, leaves in regions.items() if name in leaves)
+    if not holders:
+        raise ValueError(f"abstract_state{name}: in no part of the checkpoint at {directory}")
+    for p in holders:
+        part = _part(directory, p)
+        saved = checkpointer.metadata(part).item_metadata.tree
+        _check_saved({name: leaf}, saved, part)
+        data = checkpointer.restore(part, args=ocp.args.PyTreeRestore(
+            item={name: leaf}, partial_restore=True, restore_args={name: ocp.RestoreArgs(restore_type=np.ndarray)}))[name]
+        for region in regions[p][name]:
+            box = tuple(slice(a, b) for a, b in region)
+            value[box] = np.asarray(data)[box]
+            filled[box] = True
+    if not filled.all():
+        raise ValueError(f"abstract_state{name}: the checkpoint's parts hold only part of it "
+                         f"({int(filled.sum())} of {filled.size} elements)")
+    return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: value[index], dtype=leaf.dtype)
 
 
 def _writable(name: str, leaf: jax.Array) -> jax.Array | np.ndarray | None:

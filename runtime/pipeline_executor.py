@@ -301,8 +301,8 @@ class PipelineExecutable:
             self._handlers[type(ins)](ins, state)
             if timed and not isinstance(ins, RunPipeline):
                 # Serialized: the work around the pipeline, each instruction alone.
-                jax.block_until_ready([a for a in jax.tree.leaves(state.held())
-                                       if isinstance(a, jax.Array) and not a.is_deleted()])
+                wait_ready([a for a in jax.tree.leaves(state.held()) if isinstance(a, jax.Array) and not a.is_deleted()],
+                           self.timeout_s, f"the serialized step (after: {ins})")
                 recorder.outside_pipeline(time.perf_counter() - start)
             if meter is not None:
                 meter.sample()

@@ -1,11 +1,13 @@
 """Running a ``ShareOutputs``: small outputs copied from the process holding them onto every process.
 
 Under ``jax.jit`` a loss is readable on every process; in a pipeline it is computed on the last
-stage's mesh, whose devices may all belong to other processes. Every process builds, per shared
-output, an array over all the step's devices shaped ``(devices, *shape)``: the block on the
-output's source device is its copy there, every other block zeros made once. One program over
-those devices picks each output's source block, replicated: a cross-process gather that every
-process joins, in the step's order, and that returns the value bit for bit.
+stage's mesh, whose devices may all belong to other processes. Each shared output's copy on its
+source device is copied point to point (a cross-process ``jax.device_put``, as the moves'
+hops) onto one device of every other process; each process then holds one array, replicated
+over one device per process, whose local copy it reads. Every process joins every copy in the
+same order (JAX numbers cross-process transfers by a per-process counter). No collective: a
+collective launched while a peer still waits for this process's sends can block the device
+those sends need (measured on the emulated cluster: a gather here hung the step).
 """
 
 from __future__ import annotations
@@ -18,43 +20,42 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.pipeline.lowering.step_program import ShareOutputs
+from meshpar.passes.pipeline.placing.mesh_assignment import device_sharding
+from meshpar.runtime.remote import absent
 
 __all__ = ["OutputSharer"]
 
 
 class OutputSharer:
     """``sharer(outputs) -> outputs`` with each of ``ins.outputs`` replaced by its copy replicated
-    on ``ins.devices`` (a ``jax.Array`` every process can read, as ``float(loss)``)."""
+    over one device per process (a ``jax.Array`` every process can read, as ``float(loss)``)."""
 
     def __init__(self, ins: ShareOutputs) -> None:
-        mesh = Mesh(np.array(ins.devices), ("devices",))
-        self._blocks = NamedSharding(mesh, P("devices"))
-        replicated = NamedSharding(mesh, P())
-        self._outputs = ins.outputs
-        self._count = len(ins.devices)
         me = jax.process_index()
-        self._local = [(k, d) for k, d in enumerate(ins.devices) if d.process_index == me]
-        # The blocks other than the source's: zeros, made once (nothing in a step writes them).
-        self._zeros = [{d: jax.device_put(np.zeros((1, *o.shape), o.dtype), d) for k, d in self._local
-                        if k != o.source} for o in ins.outputs]
-        sources = [o.source for o in ins.outputs]
-        self._pick = jax.jit(lambda *stacked: [x[k] for x, k in zip(stacked, sources)],
-                             out_shardings=[replicated] * len(sources))
+        self._outputs = ins.outputs
+        self._replicated = [NamedSharding(Mesh(np.array(o.devices), ("processes",)), P()) for o in ins.outputs]
+        self._targets = [[(d, device_sharding(d), d.process_index == me) for d in o.devices if d != o.source]
+                         for o in ins.outputs]
+        self._sources = [device_sharding(o.source) for o in ins.outputs]
+        self._owner = [o.source.process_index == me for o in ins.outputs]
 
     def __call__(self, outputs: Sequence[Any]) -> list[Any]:
-        stacked = []
-        for shared, zeros in zip(self._outputs, self._zeros):
-            value = outputs[shared.output]
-            blocks = [zeros[d] if k != shared.source else _shard_on(value, d)[None] for k, d in self._local]
-            stacked.append(jax.make_array_from_single_device_arrays(
-                (self._count, *shared.shape), self._blocks, blocks, dtype=shared.dtype))
         result = list(outputs)
-        for shared, value in zip(self._outputs, self._pick(*stacked)):
-            result[shared.output] = value
+        for k, shared in enumerate(self._outputs):
+            value = outputs[shared.output]
+            source = _copy_on(value, shared.source) if self._owner[k] else absent(
+                shared.shape, shared.dtype, self._sources[k])
+            mine = source if self._owner[k] else None
+            for _, sharding, here in self._targets[k]:
+                moved = jax.device_put(source, sharding)
+                if here:
+                    mine = moved
+            result[shared.output] = jax.make_array_from_single_device_arrays(
+                shared.shape, self._replicated[k], [mine], dtype=shared.dtype)
         return result
 
 
-def _shard_on(value: jax.Array, device: Any) -> jax.Array:
+def _copy_on(value: jax.Array, device: Any) -> jax.Array:
     """``value``'s copy on ``device`` (a replicated value has one on each of its devices)."""
     for shard in value.addressable_shards:
         if shard.device == device:

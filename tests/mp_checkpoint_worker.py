@@ -60,7 +60,8 @@ for i, b in enumerate(batches):
     if i == 1:
         meshpar.checkpoint.save(directory, state)
         saved = state
-assert sorted(os.listdir(directory)) == ["process_0", "process_1"], os.listdir(directory)
+assert sorted(os.listdir(directory)) == ["process_0", "process_0.regions.json", "process_1",
+                                         "process_1.regions.json"], os.listdir(directory)
 # Each process wrote its own stage's parameters and the values both stages read.
 part = set(ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).metadata(
     os.path.join(directory, f"process_{pid}")).item_metadata.tree)
@@ -75,7 +76,7 @@ resumed = meshpar.checkpoint.restore(directory, abstract)
 for (path, want), got, struct in zip(jax.tree_util.tree_leaves_with_path(saved), jax.tree.leaves(resumed),
                                      jax.tree.leaves(abstract)):
     assert got.sharding == struct.sharding and got.sharding.is_equivalent_to(want.sharding, want.ndim), \
-        jax.tree_util.keystr(path)
+        f"{jax.tree_util.keystr(path)}: restored {got.sharding}, kept {struct.sharding}, saved {want.sharding}"
 print(f"process {pid}: restored {assert_shards_equal(resumed, saved)} shards as saved", flush=True)
 
 for b, loss in zip(batches[2:], losses[2:]):
@@ -83,5 +84,8 @@ for b, loss in zip(batches[2:], losses[2:]):
     np.testing.assert_array_equal(np.asarray(resumed_loss), np.asarray(loss), strict=True)
 compared = assert_shards_equal(resumed, state)
 print(f"process {pid}: resumed training matches the uninterrupted run bit for bit ({compared} shards)", flush=True)
+if pid == 0:
+    # For the restore under another layout (test_multiprocess_checkpoint): the run's losses.
+    np.save(directory + ".losses.npy", np.array([float(loss) for loss in losses]))
 print(f"process {pid}: ALL OK", flush=True)
 jax.distributed.shutdown()

@@ -80,6 +80,7 @@ def test_pipeline_across_two_processes():
     for fed in ("over 8 devices, M=4", "over 8 devices, M=8", "over 2 devices, M=4"):
         assert all(f"global batch {fed}, matches" in r.stdout for r in results), output
     assert all("per-process numpy rows refused" in r.stdout for r in results), output
+    assert all("every parameter read whole on every process" in r.stdout for r in results), output
     for schedule in ("eager_1f1b with weight_delay=True", "zb_h1 with weight_delay=False", "1f1b with weight_delay=auto"):
         assert all(f"{schedule} matches" in r.stdout for r in results), output
     assert all("global-norm clipping match" in r.stdout for r in results), output
@@ -130,3 +131,17 @@ def test_p2p_moves_overlap_with_the_senders_compute_and_collective_ones_do_not()
     assert "collective: sender compute waited for the receiver" in results[0].stdout, output
     assert "p2p: the move delivered every shard" in results[1].stdout, output
     assert "collective: the move delivered every shard" in results[1].stdout, output
+
+
+@pytest.mark.multiprocess
+def test_four_processes_with_the_data_axis_across_them():
+    """4 processes x 2 devices, each stage mesh spanning two processes along its data axis, a
+    tied-embedding GPT with both gradient reductions and a global batch fed by all four, against jax.jit."""
+    results = run_processes("mp_four_worker.py", 4, timeout_s=600)
+    output = "\n".join(f"--- process {i} ---\n{r.stdout[-3000:]}" for i, r in enumerate(results))
+    for pid, r in enumerate(results):
+        assert r.returncode == 0, output
+        for name in ("gradient_reduction=per_step", "gradient_reduction=per_micro_batch",
+                     "a global batch fed by its four processes"):
+            assert f"process {pid}: {name} matches" in r.stdout, output
+        assert f"process {pid}: ALL OK" in r.stdout, output

@@ -212,22 +212,24 @@ SHARE_MAX_BYTES = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class SharedOutput:
-    """Output ``output`` (of ``AssembleOutputs``), shaped ``shape`` of ``dtype``, shared from its
-    copy on ``ShareOutputs.devices[source]``."""
+    """Output ``output`` (of ``AssembleOutputs``), shaped ``shape`` of ``dtype``: its copy on
+    ``source`` (a device of its mesh) copied onto ``devices``, one per process (``source`` for
+    its own), where each process reads it."""
 
     output: int
-    source: int
+    source: Any
+    devices: tuple[Any, ...]
     shape: tuple[int, ...]
     dtype: Any
 
 
 @dataclasses.dataclass(frozen=True)
 class ShareOutputs:
-    """``outputs`` replicated onto ``devices`` (every device of the step, in process order, at
-    least one on each process), so that every process reads them, as under ``jax.jit``. All
-    processes take part (one small program over ``devices``)."""
+    """``outputs`` copied onto every process, so that every process reads them as under
+    ``jax.jit``: point-to-point copies from their source device (no collective: a collective
+    launched while a peer still waits for this process's sends can block the device those
+    sends need), every process joining each copy in this order."""
 
-    devices: tuple[Any, ...]
     outputs: tuple[SharedOutput, ...]
 
     def __str__(self) -> str:
@@ -357,7 +359,7 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
         outputs.append(OutputSource(ref, tuple(on), shardings, split.literals.get(j),
                                     layout.in_placements[ref.index] if ref.kind is OuterKind.IN else None))
     ins.append(AssembleOutputs(tuple(outputs)))
-    shared = share_outputs(outputs, split.avals, meshes)
+    shared = share_outputs(outputs, split.avals, meshes, [p is not None for p in layout.out_placements])
     if shared is not None:
         ins.append(shared)
     if pieces is not None:
@@ -367,27 +369,33 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
 
 
 def share_outputs(outputs: Sequence[OutputSource], avals: Mapping[OuterRef, jax_ir.AbstractValue],
-                  meshes: Sequence[Mesh]) -> ShareOutputs | None:
+                  meshes: Sequence[Mesh], kept: Sequence[bool]) -> ShareOutputs | None:
     """What ``ShareOutputs`` copies onto every process: each computed output held on one mesh,
     replicated there, of at most ``SHARE_MAX_BYTES``, whose mesh leaves out a process of the
-    step; ``None`` when there is none (always, in one process)."""
+    step, and that is not state the step keeps where it lives (``kept``: the new step counter
+    stays with the state, where the next step reads it); ``None`` when there is none (always,
+    in one process)."""
     devices = sorted({d for mesh in meshes for d in mesh.devices.flat}, key=lambda d: (d.process_index, d.id))
-    processes = {d.process_index for d in devices}
-    if len(processes) < 2 or len({d.platform for d in devices}) > 1:
+    first = {}
+    for d in devices:
+        first.setdefault(d.process_index, d)
+    if len(first) < 2 or len({d.platform for d in devices}) > 1:
         return None
-    index = {d: k for k, d in enumerate(devices)}
     shared = []
     for j, source in enumerate(outputs):
-        if source.ref.kind in (OuterKind.IN, OuterKind.CONST, OuterKind.LITERAL) or len(source.meshes) != 1:
+        if (kept[j] or source.ref.kind in (OuterKind.IN, OuterKind.CONST, OuterKind.LITERAL)
+                or len(source.meshes) != 1):
             continue
         aval, sharding = avals[source.ref], source.shardings[0]
         mesh_devices = list(sharding.mesh.devices.flat)
         if (jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) or any(axis is not None for axis in sharding.spec)
                 or aval.size * aval.dtype.itemsize > SHARE_MAX_BYTES
-                or {d.process_index for d in mesh_devices} == processes):
+                or {d.process_index for d in mesh_devices} == set(first)):
             continue
-        shared.append(SharedOutput(j, min(index[d] for d in mesh_devices), tuple(aval.shape), aval.dtype))
-    return ShareOutputs(tuple(devices), tuple(shared)) if shared else None
+        src = mesh_devices[0]
+        targets = tuple(src if p == src.process_index else d for p, d in sorted(first.items()))
+        shared.append(SharedOutput(j, src, targets, tuple(aval.shape), aval.dtype))
+    return ShareOutputs(tuple(shared)) if shared else None
 
 
 def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, program: PipelineProgram) -> None:
