@@ -131,6 +131,17 @@ class ParallelizedStep:
         return self._outputs(args, compiled, outputs), StepTrace(timeline, meter.live_bytes(), meter.profile(),
                                                                  recorder.outside_pipeline_s)
 
+    def compile(self, *args: Any) -> PipelineExecutable | SpmdStep:
+        """Compiles the step for these arguments without running it, as
+        ``jax.jit(step).lower(*args).compile()`` does: traces and cuts it, plans and prepares
+        every move, and compiles every program its pipeline launches (``compile_ahead``); with
+        several processes every process calls it, and they meet once when all have compiled.
+        A first call then starts training at once. Returns the executable."""
+        executable = self.get_executable(*args)
+        if isinstance(executable, PipelineExecutable):
+            executable.compile_ahead()
+        return executable
+
     def get_executable(self, *args: Any) -> PipelineExecutable | SpmdStep:
         """The compiled pipeline for these arguments (compiling it if needed).
 

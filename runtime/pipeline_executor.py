@@ -34,7 +34,7 @@ from meshpar.passes.pipeline.lowering.step_program import (
 )
 from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterMove, OuterRef
 from meshpar.passes.pipeline.placing.wire_format import from_wire
-from meshpar.runtime.coordination import (Arrival, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
+from meshpar.runtime.coordination import (Arrival, agree, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
                                          wait_ready)
 from meshpar.runtime.flat_values import flatten, unflatten
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
@@ -106,6 +106,9 @@ class PipelineExecutable:
         self.local = [self.mesh_local[m] for m in self.home]
         self._prepared: dict[MoveKey, Move] = {}
         self.executables = [compile_stage(k) for k in kernels]
+        self._kernels = tuple(kernels)
+        # How many programs ``compile_ahead`` compiled; ``None`` until it has run.
+        self.compiled_ahead: int | None = None
         # Per program.transfers entry, its prepared move.
         self.transfer_moves = tuple(self._move(t.move_key) for t in program.transfers)
         several = jax.process_count() > 1
@@ -266,6 +269,38 @@ class PipelineExecutable:
         return (sum(e.compiled_count() for e in self.executables)
                 + sum(jax_ir.compiled_count(f.jitted) for f in self._compute_fns))
 
+    def compile_ahead(self) -> int:
+        """Compiles every program the pipeline launches on this process (each stage's passes,
+        fused runs, gradient reductions) before anything runs, from the shapes and shardings
+        the compiler gave its operands; then, with several processes, every process meets the
+        others once (bounded by ``timeout_s``). So no process compiles while values are on
+        their way to or from it (a process compiling a program while its peers' transfers wait
+        on it was a known cause of hangs; marin-community/marin#7655). The first call does this
+        itself; afterwards it returns at once. Returns how many programs it compiled."""
+        if self.compiled_ahead is not None:
+            return self.compiled_ahead
+        inputs: list[StageInputs | None] = []
+        grads: list[list[Any] | None] = []
+        for kernel, local in zip(self._kernels, self.local):
+            if not local:
+                inputs.append(None)
+                grads.append(None)
+                continue
+            avals = kernel.stage.jaxpr.in_avals
+            shaped = {o.position: jax.ShapeDtypeStruct(avals[o.position].shape, avals[o.position].dtype,
+                                                       sharding=o.sharding) for o in kernel.operands}
+            fixed = tuple(shaped[o.position] for o in kernel.operands if not o.per_micro_batch)
+            batch = tuple(shaped[o.position] for o in kernel.operands if o.per_micro_batch)
+            inputs.append(StageInputs(fixed, tuple(batch for _ in range(self.num_micro_batches)) if batch else ()))
+            grads.append([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                          for a in kernel.accumulation.accumulators])
+        count = self._interpreter.compile_ahead(inputs, grads)
+        if jax.process_count() > 1:
+            agree("pipeline/compiled_ahead", {"stages": len(self._kernels)}, list(range(jax.process_count())),
+                  timeout_s=self.timeout_s, what="compiling the pipeline's programs before its first step")
+        self.compiled_ahead = count
+        return count
+
     # -- the step -------------------------------------------------------------
 
     def __call__(self, leaves: Sequence[Any], recorder: StepRecorder | None = None,
@@ -281,6 +316,7 @@ class PipelineExecutable:
             ``timeout_s``, naming the first and the processes that did not deliver.
         """
         arrivals: list[Arrival] = []
+        self.compile_ahead()
         try:
             return self._step(leaves, recorder, meter, arrivals)
         except jax.errors.JaxRuntimeError as e:
@@ -323,6 +359,7 @@ class PipelineExecutable:
     def _run_compute(self, ins: RunCompute, state: _StepState) -> None:
         compute = ins.compute
         if self.mesh_local[compute.mesh]:
+            self._await_remote([(r, compute.mesh) for r in compute.inputs], state, f"launching {ins.compute}")
             outs = self._ready[id(ins)](*[self._value(r, compute.mesh, state) for r in compute.inputs])
             state.values.update({(ref, compute.mesh): o for ref, o in zip(compute.outputs, outs)})
 
@@ -333,15 +370,19 @@ class PipelineExecutable:
         if pack is None:
             moved = state.values[(step.values[0], step.dst)] = move(
                 self._value(step.values[0], step.src, state, via.src))
-            self._note_arrival(step, via, moved, state.arrivals)
+            arrival = self._note_arrival(step, via, moved, state.arrivals)
+            if arrival is not None:
+                state.remote[(step.values[0], step.dst)] = arrival
             return
         if self.mesh_local[step.src]:
             vector = pack(*[self._value(r, step.src, state) for r in step.values])
         else:
             vector = absent(via.shape, via.dtype, via.src)
         moved = move(vector)
-        self._note_arrival(step, via, moved, state.arrivals)
+        arrival = self._note_arrival(step, via, moved, state.arrivals)
         if self.mesh_local[step.dst]:
+            if arrival is not None:  # unpacking launches a program reading it
+                wait_arrivals([arrival], self.timeout_s, "moves around the pipeline", f"unpacking {arrival.what}")
             state.values.update({(r, step.dst): v for r, v in zip(step.values, unpack(moved))})
 
     def _feed_stages(self, ins: FeedStages, state: _StepState) -> None:
@@ -361,11 +402,15 @@ class PipelineExecutable:
                 if how[0] == "fetch":
                     # Every process joins the move, whether or not it owns stage s.
                     fixed.append(how[1](placed[op.source.index][how[2]]))
+                    self._feeding(fixed[-1], op.fetch.move_key.src, s, f"parameter {op.source} fetched", state)
                 elif how[0] == "const":
                     fixed.append(how[1])
                 elif how[0] == "value":
                     fixed.append(self._value(op.source, mesh, state))
+                    if (op.source, mesh) in state.remote:
+                        state.feeding.append(state.remote.pop((op.source, mesh)))
                 elif how[0] == "fold":
+                    self._await_remote([(op.source, mesh)], state, f"folding key {op.source}")
                     columns.append(how[1](self._value(op.source, mesh, state), M))
                 elif how[0] == "global":
                     _, global_feed, moves = how
@@ -375,6 +420,8 @@ class PipelineExecutable:
                                          f"was compiled for {global_feed.source}")
                     columns.append([move(micro_batch_view(leaf, rows, size))
                                     for rows, move in zip(global_feed.rows, moves)])
+                    for m, (rows, moved) in enumerate(zip(global_feed.rows, columns[-1])):
+                        self._feeding(moved, rows.sharding, s, f"micro-batch {m} of batch leaf {global_feed.leaf}", state)
                 else:
                     _, stacked, unstack = how
                     if op.source.kind is OuterKind.IN and not state.placements[op.source.index].meshes:
@@ -393,6 +440,10 @@ class PipelineExecutable:
         state.inputs = out
 
     def _run_pipeline(self, ins: RunPipeline, state: _StepState) -> None:
+        # The stages' fetched parameters and micro-batches other processes send here, arrived
+        # before any stage program reading them is launched (``ProgramInterpreter._await_remote``).
+        if state.feeding:
+            wait_arrivals(state.feeding, self.timeout_s, "stage operands", "starting the pipeline")
         state.run = self._interpreter.run(state.inputs, self._zero_grads(), state.recorder, state.meter)
         state.arrivals += state.run.arriving
         self.peak_live_activations = state.run.peak_live_activations
@@ -409,9 +460,17 @@ class PipelineExecutable:
     def _reduce_gradient(self, ins: ReduceGradient, state: _StepState) -> None:
         grads = state.run.grads[ins.stage]
         g = grads[ins.position] if grads is not None else absent(ins.aval.shape, ins.aval.dtype, ins.sharding)
+        key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
         if ins.move is not None:
             g = self._ready[id(ins)](g)
-        key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
+            sending = senders(ins.sharding)
+            if sending and self.mesh_local[ins.mesh]:
+                arrival = Arrival(g, f"{ins}", sending)
+                state.arrivals.append(arrival)
+                if key in state.values:  # the sum launches a program reading it
+                    wait_arrivals([arrival], self.timeout_s, "gradients moved home", f"adding {ins}")
+                else:
+                    state.remote[key] = arrival
         state.values[key] = g if key not in state.values or not self.mesh_local[ins.mesh] else state.values[key] + g
 
     def _await_arrivals(self, ins: AwaitArrivals, state: _StepState) -> None:
@@ -464,12 +523,29 @@ class PipelineExecutable:
         return absent(aval.shape, aval.dtype, stand_in)
 
     @staticmethod
-    def _note_arrival(step: OuterMove, via: Any, moved: jax.Array, arrivals: list[Arrival]) -> None:
-        """Adds ``moved`` to ``arrivals`` when other processes send it here."""
+    def _note_arrival(step: OuterMove, via: Any, moved: jax.Array, arrivals: list[Arrival]) -> Arrival | None:
+        """Adds ``moved`` to ``arrivals`` when other processes send it here, and returns it."""
         sending = senders(via.src)
         if owns_a_device_of(via.dst.mesh) and sending:
             names = ", ".join(map(str, step.values))
             arrivals.append(Arrival(moved, f"{names} moved from mesh {step.src} to mesh {step.dst}", sending))
+            return arrivals[-1]
+        return None
+
+    def _feeding(self, value: jax.Array, source: NamedSharding, stage: int, what: str, state: _StepState) -> None:
+        """Notes ``value``, an operand of ``stage`` moved from ``source``, when it is this process's
+        and other processes send it: the pipeline starts once it has arrived."""
+        sending = senders(source)
+        if sending and self.local[stage]:
+            state.feeding.append(Arrival(value, f"{what} for stage {stage}", sending))
+
+    def _await_remote(self, keys: Sequence[tuple[OuterRef, int]], state: _StepState, doing: str) -> None:
+        """Waits (bounded) for the values at ``keys`` that other processes send here, before a
+        program reading them is launched (``ProgramInterpreter._await_remote`` says why)."""
+        pending = [state.remote.pop(k) for k in keys if k in state.remote]
+        pending = [a for a in pending if not a.value.is_ready()]
+        if pending:
+            wait_arrivals(pending, self.timeout_s, "moves around the pipeline", doing)
 
     def _zero_grads(self) -> list[list[jax.Array] | None]:
         """Per stage here, its gradient accumulators (``data_replicas.Accumulator``), zero: made
@@ -496,6 +572,10 @@ class _StepState:
     run: ProgramRun | None = None
     outputs: list[Any] = dataclasses.field(default_factory=list)
     placements: Sequence[Any] = ()
+    # Values other processes send here, by (ref, mesh), until a program reading them waited.
+    remote: dict[tuple[OuterRef, int], Arrival] = dataclasses.field(default_factory=dict)
+    # Stage operands other processes send here (fetches, micro-batches), awaited before the pipeline.
+    feeding: list[Arrival] = dataclasses.field(default_factory=list)
 
     def held(self) -> list[Any]:
         """Every array (or nested list of arrays) this step holds outside the pipeline program."""

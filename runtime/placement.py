@@ -21,8 +21,10 @@ __all__ = ["put", "place", "join", "view", "micro_batch_view"]
 def put(value: Any, sharding: NamedSharding) -> jax.Array:
     """``value`` (host data, or an array anywhere) placed with ``sharding``, in any process."""
     # Specs spelt differently (P("model") and P("model", None)) place a value alike: no copy.
-    if isinstance(value, jax.Array) and (value.sharding is sharding
-                                         or _places_alike(value.sharding, sharding, value.ndim)):
+    # An uncommitted array (made without naming its device) is committed by a copy: JAX
+    # compiles a program again for operands it may move (the first step's would not be the next's).
+    if isinstance(value, jax.Array) and value.committed and (
+            value.sharding is sharding or _places_alike(value.sharding, sharding, value.ndim)):
         return value
     if isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1:
         return jax.device_put(value, sharding)

@@ -26,7 +26,8 @@ from meshpar.passes.pipeline.lowering.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, ReduceGradients, RunBackward,
     RunBackwardInput, RunBackwardWeight, RunForward, Send, received_buffer,
 )
-from meshpar.runtime.coordination import Arrival, CoordinationError, not_delivered, raise_lost_peer, senders, wait_ready
+from meshpar.runtime.coordination import (Arrival, CoordinationError, not_delivered, raise_lost_peer, senders,
+                                         wait_arrivals, wait_ready)
 from meshpar.passes.simulation.live_bytes import program_key
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.remote import absent
@@ -149,6 +150,24 @@ class ProgramInterpreter:
         temps = _ProgramTemps(self._temp_bytes) if meter is not None else None
         executables = self.executables if temps is None else [temps.watched(e) for e in self.executables]
         state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [], executables, temps)
+        return self._walk(state, recorder, meter)
+
+    def compile_ahead(self, inputs: Sequence[StageInputs | None], grads: list[list[Any] | None]) -> int:
+        """Compiles every program the run launches here (stage passes, fused runs, gradient
+        reductions), launching nothing: ``inputs`` and ``grads`` are ``jax.ShapeDtypeStruct``s
+        with shardings, each launch compiles its program for its operands' and passes on its
+        results' (the compiled program's), each move passes on its destination's. The real run
+        then finds every program compiled (JAX's cache is keyed by the same shapes and
+        shardings). Returns how many programs were compiled."""
+        n = len(self.program.stages)
+        compiler = _AheadOfTime()
+        state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [],
+                       [compiler.watched(e) for e in self.executables], compiler, compile_only=True)
+        self._walk(state, None, None)
+        return compiler.compiled
+
+    def _walk(self, state: _State, recorder: StepRecorder | None, meter: LiveBytesMeter | None) -> ProgramRun:
+        inputs, grads = state.inputs, state.grads
         if recorder is not None:
             operands = [v for i in inputs if i is not None for v in (*i.fixed, *(x for mb in i.batch for x in mb))]
             recorder.begin(operands, grads)
@@ -169,7 +188,7 @@ class ProgramInterpreter:
                 recorder.launched(mesh, ins, launched, launch_time)
             if meter is not None:
                 self._sample(meter, state, mesh, ins)
-            if self.launch_window is not None and launched:
+            if self.launch_window is not None and launched and not state.compile_only:
                 # An execution's outputs are ready together: one array stands for the launch.
                 unfinished.append((launched[0], ins))
                 if len(unfinished) > self.launch_window:
@@ -249,11 +268,24 @@ class ProgramInterpreter:
             return ()
         for b in ins.reads:
             state.read(b)  # a KeyError naming the buffer when it is not live
+        self._await_remote(ins.reads, ins, state)
         return self._kernels[type(ins)](ins, state.executables, state.buffers, state.inputs, state.grads)
+
+    def _await_remote(self, reads: Sequence[BufferId], ins: Instruction, state: _State) -> None:
+        """Waits (bounded) until the values ``ins`` reads that other processes send here have
+        arrived. XLA:CPU runs a launched program whose operand has not arrived in the launching
+        thread, holding the device: a program waiting there on a peer that waits on a send this
+        device has still to run never returns, and no timeout reaches into it (seen with four
+        processes). Waiting here instead, on the host, leaves the device free and is bounded."""
+        pending = [state.remote.pop(b) for b in reads if b in state.remote]
+        pending = [a for a in pending if not a.value.is_ready()]
+        if pending:
+            wait_arrivals(pending, self.timeout_s, "pipeline transfers", f"waiting to launch {ins}")
 
     def _fused(self, mesh: int, ins: RunFused, state: _State) -> Launched:
         if not self.local[mesh]:
             return ()
+        self._await_remote(ins.inputs, ins, state)
         program = self._fused_program(ins)
         stages = program.stages
         batches = [state.inputs[m.stage].batch[m.micro_batch] if state.inputs[m.stage].batch else ()
@@ -285,6 +317,10 @@ class ProgramInterpreter:
         value = state.buffers.get(ins.buffer)
         if value is None:  # computed on a mesh of another process
             value = absent(transfer.shape, transfer.dtype, transfer.src)
+        if state.compile_only:
+            state.in_flight[(ins.transfer, ins.micro_batch)] = jax.ShapeDtypeStruct(
+                transfer.shape, transfer.dtype, sharding=transfer.dst)
+            return ()
         moved = state.in_flight[(ins.transfer, ins.micro_batch)] = self.moves[ins.transfer](value)
         return (moved,)
 
@@ -294,18 +330,22 @@ class ProgramInterpreter:
             return ()
         state.buffers[ins.buffer] = value
         transfer = self.program.transfers[ins.transfer]
-        if self.watch:
+        if self.watch and not state.compile_only:
             producer = self.program.schedule.edges[transfer.edge][0]
             what = "activation" if transfer.direction is Direction.ACTIVATION else "gradient"
-            state.arriving.append(Arrival(
+            arrival = Arrival(
                 value, f"{what} of act{producer}.{transfer.slot} stage {transfer.src_stage} -> {transfer.dst_stage}, "
-                       f"micro-batch {ins.micro_batch}", self._senders[ins.transfer]))
+                       f"micro-batch {ins.micro_batch}", self._senders[ins.transfer])
+            state.arriving.append(arrival)
+            if arrival.senders:
+                state.remote[ins.buffer] = arrival
         return ()
 
     def _reduce_gradients(self, mesh: int, ins: ReduceGradients, state: _State) -> Launched:
         if not self.local[mesh]:
             return ()
-        reduced = self.reducers[mesh]([state.grads[s] for s in ins.stages])
+        reducer = self.reducers[mesh] if not state.compile_only else state.temps.watch(self.reducers[mesh])
+        reduced = reducer([state.grads[s] for s in ins.stages])
         for s, grads in zip(ins.stages, reduced):
             state.grads[s] = grads
         return tuple(g for grads in reduced for g in grads)
@@ -327,7 +367,11 @@ class _State:
     peak_weight: list[int]
     arriving: list[Arrival]
     executables: Sequence[StageExecutables]
-    temps: _ProgramTemps | None
+    temps: _ProgramTemps | _AheadOfTime | None
+    # Compiling ahead (``ProgramInterpreter.compile_ahead``): values are shapes, nothing runs.
+    compile_only: bool = False
+    # Received buffers other processes send here, until a launch reading them waited for them.
+    remote: dict[BufferId, Arrival] = dataclasses.field(default_factory=dict)
 
     def read(self, buffer: BufferId) -> Any:
         """The live buffer ``buffer``; a ``KeyError`` naming it when it is not live."""
@@ -379,6 +423,41 @@ class _ProgramTemps:
         """The bytes launched since the last call; ``None`` when nothing was."""
         launched, self._launched = self._launched, None
         return launched
+
+
+class _AheadOfTime:
+    """Stands in for the programs a run launches: each call compiles the program for its
+    operands (``jax.ShapeDtypeStruct``s with shardings, inside the program's mesh) and returns
+    the shapes and shardings of its results; one compilation per program and operand types."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self._done: dict[tuple, Any] = {}
+
+    def watch(self, fn: Callable) -> Callable:
+        def call(*args: Any) -> Any:
+            key = (id(fn), tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(args)))
+            if key not in self._done:
+                with jax.set_mesh(fn.mesh):
+                    results = fn.jitted.lower(*args).compile().out_info
+                    # The compiled results' types drop weak typing, which JAX's cache keys on.
+                    weak = jax.eval_shape(fn.jitted, *args)
+                self._done[key] = jax.tree.map(
+                    lambda r, w: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=r.sharding, weak_type=w.weak_type),
+                    results, weak)
+                self.compiled += 1
+            return self._done[key]
+
+        return call
+
+    def watched(self, executables: StageExecutables) -> StageExecutables:
+        return dataclasses.replace(executables, forward=self.watch(executables.forward),
+                                   backward=self.watch(executables.backward),
+                                   backward_input=self.watch(executables.backward_input),
+                                   backward_weight=self.watch(executables.backward_weight))
+
+    def take(self) -> None:
+        return None
 
 
 def _shifted(x: Any, base: int) -> Any:
