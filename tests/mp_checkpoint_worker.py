@@ -5,7 +5,8 @@ saving to $MESHPAR_CHECKPOINT_DIR (a directory both processes see, not yet exist
 1's, each stage's kernels sharded over its mesh's model axis. Trains 4 steps, saving after 2; each
 process's part holds what it held. A fresh step restores the checkpoint where it keeps the state
 and trains 2 steps; each process checks every shard it holds, after the restore and after the 2
-steps, against the uninterrupted run's, bit for bit.
+steps, against the uninterrupted run's, bit for bit. The same for a GPT whose blocks are one
+nn.scan cut into one stage per process (its stacked leaves split between the two parts).
 """
 
 import os
@@ -24,6 +25,7 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 import meshpar  # noqa: E402
+from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
 from pipeline_models import TensorParallel, make_state, mse  # noqa: E402
 
@@ -84,6 +86,30 @@ for b, loss in zip(batches[2:], losses[2:]):
     np.testing.assert_array_equal(np.asarray(resumed_loss), np.asarray(loss), strict=True)
 compared = assert_shards_equal(resumed, state)
 print(f"process {pid}: resumed training matches the uninterrupted run bit for bit ({compared} shards)", flush=True)
+# A GPT whose 4 blocks are one nn.scan, cut into one stage per process (its stacked leaves
+# split between the processes' parts): saved, restored where a fresh step keeps it, resumed
+# bit for bit.
+scanned = GPT(scan_layers=True, num_layers=4)
+gpt_batches = [gpt_batch(seed, 8, scanned.seq_len, scanned.vocab_size) for seed in range(3)]
+with jax.default_device(jax.local_devices()[0]):
+    gpt_state = make_state(scanned, gpt_batches[0]["x"][:1])
+gpt_method = meshpar.PipeshardParallel(num_micro_batches=2, num_stages=2, stage_mesh_shape=(2, 2))
+gpt_step = meshpar.parallelize(supervised_step(gpt_loss), method=gpt_method)
+gpt_state, _ = gpt_step(gpt_state, gpt_batches[0])
+meshpar.checkpoint.save(directory + "-scanned", gpt_state)
+fresh = meshpar.parallelize(supervised_step(gpt_loss), method=gpt_method)
+gpt_abstract = meshpar.checkpoint.state_shardings(fresh, gpt_state, gpt_batches[0])
+gpt_resumed = meshpar.checkpoint.restore(directory + "-scanned", gpt_abstract)
+for (path, got), struct in zip(jax.tree_util.tree_leaves_with_path(gpt_resumed), jax.tree.leaves(gpt_abstract)):
+    assert got.sharding == struct.sharding, jax.tree_util.keystr(path)
+assert_shards_equal(gpt_resumed, gpt_state)
+for b in gpt_batches[1:]:
+    gpt_state, gpt_loss_value = gpt_step(gpt_state, b)
+    gpt_resumed, resumed_value = fresh(gpt_resumed, b)
+    np.testing.assert_array_equal(np.asarray(resumed_value), np.asarray(gpt_loss_value), strict=True)
+print(f"process {pid}: the scanned GPT resumed bit for bit ({assert_shards_equal(gpt_resumed, gpt_state)} shards)",
+      flush=True)
+
 if pid == 0:
     # For the restore under another layout (test_multiprocess_checkpoint): the run's losses.
     np.save(directory + ".losses.npy", np.array([float(loss) for loss in losses]))

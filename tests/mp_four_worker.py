@@ -4,8 +4,8 @@
 processes, its data axis across them and its model axis inside one. A GPT with tied
 embeddings (the embedding read by both stages, its gradient sent home) trains two steps
 with each gradient reduction against the same steps under jax.jit on one local device: the
-loss read on every process, every parameter shard held here. Then each process feeds only
-its own quarter of the batch as a global array.
+loss read on every process, every parameter shard held here; once with the same numpy batch
+on every process, once with each process feeding only its own quarter as a global array.
 """
 
 import sys
@@ -47,20 +47,17 @@ def check(name, feed):
     print(f"process {pid}: {name} matches ({checked} shards)", flush=True)
 
 
-for reduction in ("per_step", "per_micro_batch"):
-    parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(
-        num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), gradient_reduction=reduction))
-    mesh = parallel.get_executable(state, batch).stage_meshes[0]
-    assert len({d.process_index for d in mesh.devices[:, 0]}) == 2, mesh.devices
-    check(f"gradient_reduction={reduction}", batch)
-
 # Each process its own quarter of the rows, as a global batch over every device.
 rows = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("rows",)),
                                   jax.sharding.PartitionSpec("rows"))
 mine = slice(4 * pid, 4 * (pid + 1))
 global_batch = {k: jax.make_array_from_process_local_data(rows, v[mine], v.shape) for k, v in batch.items()}
-parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(
-    num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2)))
-check("a global batch fed by its four processes", global_batch)
+for reduction, feed, fed in (("per_step", batch, "the same numpy batch"),
+                             ("per_micro_batch", global_batch, "a global batch fed by its four processes")):
+    parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(
+        num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2), gradient_reduction=reduction))
+    mesh = parallel.get_executable(state, feed).stage_meshes[0]
+    assert len({d.process_index for d in mesh.devices[:, 0]}) == 2, mesh.devices
+    check(f"gradient_reduction={reduction}, {fed},", feed)
 print(f"process {pid}: ALL OK", flush=True)
 jax.distributed.shutdown()

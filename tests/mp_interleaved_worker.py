@@ -1,6 +1,6 @@
 """One process of the two-process virtual-stages test:
-python mp_interleaved_worker.py PID NUM_PROCESSES PORT [--every-case] (without it, the
-U-Transformer and ZB-V cases are left to the slow run).
+python mp_interleaved_worker.py PID NUM_PROCESSES PORT [--every-case] (without it, DualPipeV
+only: interleaved 1F1B and ZB-V are left to the slow run).
 
 Each process owns four devices. Interleaved 1F1B runs GPT in 4 stages on 2 meshes (one per
 process: every move between consecutive stages crosses processes, p2p), and U-Transformer in 8
@@ -31,10 +31,10 @@ from meshpar.passes.pipeline.placing.edge_transfer import TransferKind  # noqa: 
 from pipeline_models import assert_local_shards_close, make_state  # noqa: E402
 
 local = jax.local_devices()[0]
-cases = [("interleaved_1f1b", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2)),
-         ("dualpipev", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2))]
+cases = [("dualpipev", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2))]
 if every_case:
-    cases += [("interleaved_1f1b", "ut", UTransformer(num_stages=8), ut_batch(0, 16), ut_loss, 4, (2, 1)),
+    cases += [("interleaved_1f1b", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2)),
+              ("interleaved_1f1b", "ut", UTransformer(num_stages=8), ut_batch(0, 16), ut_loss, 4, (2, 1)),
               ("zb_v", "gpt", GPT(num_stages=4), gpt_batch(0, 16, 8, 64), gpt_loss, 2, (2, 2))]
 for schedule, name, model, batch, loss, num_meshes, shape in cases:
     step = supervised_step(loss)

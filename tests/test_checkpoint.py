@@ -183,7 +183,7 @@ def test_state_shardings_of_a_scan_stacked_model_are_where_the_step_keeps_it(tmp
 def _trained_gpt(num_stages, method, steps):
     """A GPT (its parameters the same whatever ``num_stages``: only its stage markers move) and
     ``steps`` batches, its initial state, and the parallelized step under ``method``."""
-    model = GPT(num_stages=num_stages, num_layers=4)
+    model = GPT(num_stages=num_stages, num_layers=4, d_model=16)
     batches = [gpt_batch(seed, 8, model.seq_len, model.vocab_size) for seed in range(steps)]
     params = model.init(jax.random.PRNGKey(0), batches[0]["x"][:1])
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))

@@ -84,7 +84,7 @@ def test_pipeline_across_two_processes():
     for schedule in ("eager_1f1b with weight_delay=True", "zb_h1 with weight_delay=False", "1f1b with weight_delay=auto"):
         assert all(f"{schedule} matches" in r.stdout for r in results), output
     assert all("global-norm clipping match" in r.stdout for r in results), output
-    for M in (1, 2, 8):
+    for M in (1, 8):
         for reduction in ("per_step", "per_micro_batch"):
             assert all(f"gradient_reduction={reduction} M={M} matches" in r.stdout for r in results), output
     for reduction in ("per_step", "per_micro_batch"):
@@ -113,13 +113,13 @@ def test_a_scanned_stack_cut_into_one_stage_per_process(every_case):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("every_case", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_virtual_stages_across_two_processes(every_case):
-    """Several stages per mesh with p2p moves between processes: interleaved 1F1B and DualPipeV
-    (GPT on 2 meshes, in a V for DualPipeV, one mesh per process); in the slow run also
-    interleaved 1F1B of a U-Transformer on 4 meshes and ZB-V. None moves a value between two
+    """Several stages per mesh with p2p moves between processes: DualPipeV (GPT on 2 meshes in a
+    V, one mesh per process); in the slow run also interleaved 1F1B of the GPT and of a
+    U-Transformer on 4 meshes, and ZB-V. None moves a value between two
     stages of one mesh."""
     results, output = run_all_ok("mp_interleaved_worker.py", timeout_s=600, args=["--every-case"] if every_case else [])
-    cases = [("interleaved_1f1b", "gpt", 2), ("dualpipev", "gpt", 2)]
-    cases += [("interleaved_1f1b", "ut", 4), ("zb_v", "gpt", 2)] if every_case else []
+    cases = [("dualpipev", "gpt", 2)]
+    cases += [("interleaved_1f1b", "gpt", 2), ("interleaved_1f1b", "ut", 4), ("zb_v", "gpt", 2)] if every_case else []
     for schedule, name, meshes in cases:
         assert all(f"{schedule} {name} on {meshes} meshes matches" in r.stdout for r in results), output
 
@@ -141,7 +141,7 @@ def test_four_processes_with_the_data_axis_across_them():
     output = "\n".join(f"--- process {i} ---\n{r.stdout[-3000:]}" for i, r in enumerate(results))
     for pid, r in enumerate(results):
         assert r.returncode == 0, output
-        for name in ("gradient_reduction=per_step", "gradient_reduction=per_micro_batch",
-                     "a global batch fed by its four processes"):
+        for name in ("gradient_reduction=per_step, the same numpy batch,",
+                     "gradient_reduction=per_micro_batch, a global batch fed by its four processes,"):
             assert f"process {pid}: {name} matches" in r.stdout, output
         assert f"process {pid}: ALL OK" in r.stdout, output

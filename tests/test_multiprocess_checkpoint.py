@@ -18,6 +18,7 @@ def test_checkpoint_and_resume_across_two_processes(tmp_path, monkeypatch):
     for r in results:
         assert "its part holds its stage's" in r.stdout, output
         assert "resumed training matches the uninterrupted run bit for bit" in r.stdout, output
+        assert "the scanned GPT resumed bit for bit" in r.stdout, output
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["process_0", "process_1"]
 
     # The same checkpoint in one process, under another layout and as a plain jax.jit state.

@@ -39,7 +39,9 @@ def test_a_one_device_stage_passes_packed_residuals_and_equals_jit(monkeypatch):
 
     def counting(self, ins, executables, buffers, inputs, grads):
         launched = forward(self, ins, executables, buffers, inputs, grads)
-        residual_arrays.append(len(jax.tree.leaves(buffers[ins.residuals])))
+        residuals = jax.tree.leaves(buffers[ins.residuals])
+        if all(isinstance(r, jax.Array) for r in residuals):  # a launch, not compiling ahead (shapes)
+            residual_arrays.append(len(residuals))
         return launched
 
     monkeypatch.setattr(ProgramInterpreter, "_forward_kernel", counting)
