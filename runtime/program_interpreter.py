@@ -395,7 +395,22 @@ class _State:
                 counters[b.kind][0][b.index] -= 1
 
 
-class _ProgramTemps:
+class _LaunchHook:
+    """Stands between a run and the programs it launches: ``watch(fn)`` is what the run calls
+    instead of ``fn`` (a program made by ``on_mesh``)."""
+
+    def watch(self, fn: Callable) -> Callable:
+        raise NotImplementedError
+
+    def watched(self, executables: StageExecutables) -> StageExecutables:
+        """A stage's four passes, each watched."""
+        return dataclasses.replace(executables, forward=self.watch(executables.forward),
+                                   backward=self.watch(executables.backward),
+                                   backward_input=self.watch(executables.backward_input),
+                                   backward_weight=self.watch(executables.backward_weight))
+
+
+class _ProgramTemps(_LaunchHook):
     """While a step is metered: the temporary bytes (per device) of the programs launched since
     the last ``take``, each program measured once (``on_mesh``'s ``temp_bytes``) into ``known``
     (the interpreter's, kept across steps)."""
@@ -413,19 +428,13 @@ class _ProgramTemps:
 
         return call
 
-    def watched(self, executables: StageExecutables) -> StageExecutables:
-        return dataclasses.replace(executables, forward=self.watch(executables.forward),
-                                   backward=self.watch(executables.backward),
-                                   backward_input=self.watch(executables.backward_input),
-                                   backward_weight=self.watch(executables.backward_weight))
-
     def take(self) -> int | None:
         """The bytes launched since the last call; ``None`` when nothing was."""
         launched, self._launched = self._launched, None
         return launched
 
 
-class _AheadOfTime:
+class _AheadOfTime(_LaunchHook):
     """Stands in for the programs a run launches: each call compiles the program for its
     operands (``jax.ShapeDtypeStruct``s with shardings, inside the program's mesh) and returns
     the shapes and shardings of its results; one compilation per program and operand types."""
@@ -449,12 +458,6 @@ class _AheadOfTime:
             return self._done[key]
 
         return call
-
-    def watched(self, executables: StageExecutables) -> StageExecutables:
-        return dataclasses.replace(executables, forward=self.watch(executables.forward),
-                                   backward=self.watch(executables.backward),
-                                   backward_input=self.watch(executables.backward_input),
-                                   backward_weight=self.watch(executables.backward_weight))
 
     def take(self) -> None:
         return None
