@@ -505,7 +505,9 @@ class PipelineExecutable:
         state.outputs = results
 
     def _share_outputs(self, ins: ShareOutputs, state: _StepState) -> None:
-        state.outputs = self._ready[id(ins)](state.outputs)
+        state.outputs, arriving = self._ready[id(ins)](state.outputs)
+        if arriving:
+            wait_arrivals(arriving, self.timeout_s, "shared outputs", "receiving this step's shared outputs")
 
     # -- values ---------------------------------------------------------------
 

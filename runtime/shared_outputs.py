@@ -21,14 +21,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.pipeline.lowering.step_program import ShareOutputs
 from meshpar.passes.pipeline.placing.mesh_assignment import device_sharding
+from meshpar.runtime.coordination import Arrival
 from meshpar.runtime.remote import absent
 
 __all__ = ["OutputSharer"]
 
 
 class OutputSharer:
-    """``sharer(outputs) -> outputs`` with each of ``ins.outputs`` replaced by its copy replicated
-    over one device per process (a ``jax.Array`` every process can read, as ``float(loss)``)."""
+    """``sharer(outputs) -> (outputs, arriving)``: each of ``ins.outputs`` replaced by its copy
+    replicated over one device per process (a ``jax.Array`` every process can read, as
+    ``float(loss)``), and this process's copies on their way from another process. The step
+    waits for those before it returns: a sender may leave (its last step done) before a
+    reader here pulled its copy."""
 
     def __init__(self, ins: ShareOutputs) -> None:
         me = jax.process_index()
@@ -39,8 +43,8 @@ class OutputSharer:
         self._sources = [device_sharding(o.source) for o in ins.outputs]
         self._owner = [o.source.process_index == me for o in ins.outputs]
 
-    def __call__(self, outputs: Sequence[Any]) -> list[Any]:
-        result = list(outputs)
+    def __call__(self, outputs: Sequence[Any]) -> tuple[list[Any], list[Arrival]]:
+        result, arriving = list(outputs), []
         for k, shared in enumerate(self._outputs):
             value = outputs[shared.output]
             source = _copy_on(value, shared.source) if self._owner[k] else absent(
@@ -50,9 +54,11 @@ class OutputSharer:
                 moved = jax.device_put(source, sharding)
                 if here:
                     mine = moved
+                    arriving.append(Arrival(moved, f"output {shared.output} shared from {shared.source}",
+                                            (shared.source.process_index,)))
             result[shared.output] = jax.make_array_from_single_device_arrays(
                 shared.shape, self._replicated[k], [mine], dtype=shared.dtype)
-        return result
+        return result, arriving
 
 
 def _copy_on(value: jax.Array, device: Any) -> jax.Array:

@@ -28,6 +28,7 @@ from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
 from examples.u_transformer import UTransformer, ut_batch, ut_loss  # noqa: E402
 from meshpar.passes.pipeline.placing.edge_transfer import TransferKind  # noqa: E402
+from meshpar.runtime.coordination import kv_client  # noqa: E402
 from pipeline_models import assert_local_shards_close, make_state  # noqa: E402
 
 local = jax.local_devices()[0]
@@ -58,4 +59,6 @@ for schedule, name, model, batch, loss, num_meshes, shape in cases:
     print(f"process {pid}: {schedule} {name} on {num_meshes} meshes matches ({checked} shards, moves "
           f"{sorted(k.value for k in kinds)})", flush=True)
 print(f"process {pid}: ALL OK", flush=True)
+# No process leaves while a peer may still read from it.
+kv_client().wait_at_barrier("mp_interleaved_worker/done", 120_000)
 os._exit(0)
