@@ -100,7 +100,8 @@ SCANNED_SLOW = ("scanned GPT cut 3 + 5", "scanned GPT with remat cut into 4 stag
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("every_case", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # CI's 15 minutes: a scanned GPT across two processes runs in the checkpoint test
+@pytest.mark.parametrize("every_case", [False, True])
 def test_a_scanned_stack_cut_into_one_stage_per_process(every_case):
     """A GPT in one nn.scan cut 4 + 4 (stacks held across both processes), an nnx.scan stack, a
     hand-written lax.scan cut 3 + 2; in the slow run also the GPT cut 3 + 5 (gathered) and into 4
