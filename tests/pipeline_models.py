@@ -71,6 +71,18 @@ def run_both(step, state, batch, method, steps):
     return ref_state, par_state, parallel
 
 
+def assert_steps_match(parallel, state, batch, ref_state, ref_losses):
+    """Runs ``parallel`` from ``state`` for as many steps as ``ref_losses``: each loss, read on this
+    process, equal to the reference's, then every parameter shard this process holds equal to
+    ``ref_state``'s. Returns the last state and how many shards it checked (at least one)."""
+    for want in ref_losses:
+        state, loss = parallel(state, batch)
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    checked = assert_local_shards_close(state.params, ref_state.params)
+    assert checked > 0, "this process holds no parameters"
+    return state, checked
+
+
 def assert_local_shards_close(actual, expected, rtol=1e-5, atol=1e-5) -> int:
     """Every shard of ``actual``'s leaves this process holds equals that part of ``expected``'s
     (whole arrays); returns how many shards it checked."""
