@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Iterable, Sequence
+from typing import Any, NoReturn
 
 import jax
 
@@ -178,6 +178,23 @@ def wait_arrivals(arrivals: Sequence[Arrival], timeout_s: float, what: str, doin
         raise_lost_peer(e, arrivals, what, doing)
     if not finished:
         raise not_delivered(arrivals, timeout_s, what, doing)
+
+
+def wait_pending(pending: dict[Any, Arrival], keys: Iterable[Any], timeout_s: float, what: str, doing: str) -> None:
+    """Waits (bounded, as ``wait_arrivals``) for the values at ``keys`` of ``pending`` (values
+    other processes send here that nothing has waited for yet), and forgets them.
+
+    Called before launching a program that reads them: XLA:CPU runs a launched program whose
+    operand has not arrived in the launching thread, holding the device, so a program waiting
+    there on a peer that waits on a send this device has still to run never returns, and no
+    timeout reaches into it (seen with four processes). Waiting on the host leaves the device
+    free and is bounded."""
+    if not pending:  # one process, or nothing in flight: the common case costs nothing
+        return
+    arrivals = [pending.pop(k) for k in keys if k in pending]
+    arrivals = [a for a in arrivals if not a.value.is_ready()]
+    if arrivals:
+        wait_arrivals(arrivals, timeout_s, what, doing)
 
 
 def raise_lost_peer(error: Exception, arrivals: Sequence[Arrival], what: str, doing: str) -> NoReturn:

@@ -35,7 +35,7 @@ from meshpar.passes.pipeline.lowering.step_program import (
 from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterMove, OuterRef
 from meshpar.passes.pipeline.placing.wire_format import from_wire
 from meshpar.runtime.coordination import (Arrival, agree, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
-                                         wait_ready)
+                                         wait_pending, wait_ready)
 from meshpar.runtime.flat_values import flatten, unflatten
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.move_handlers import Move, prepare_move
@@ -359,7 +359,8 @@ class PipelineExecutable:
     def _run_compute(self, ins: RunCompute, state: _StepState) -> None:
         compute = ins.compute
         if self.mesh_local[compute.mesh]:
-            self._await_remote([(r, compute.mesh) for r in compute.inputs], state, f"launching {ins.compute}")
+            wait_pending(state.remote, [(r, compute.mesh) for r in compute.inputs], self.timeout_s,
+                         "moves around the pipeline", f"launching {ins.compute}")
             outs = self._ready[id(ins)](*[self._value(r, compute.mesh, state) for r in compute.inputs])
             state.values.update({(ref, compute.mesh): o for ref, o in zip(compute.outputs, outs)})
 
@@ -410,7 +411,8 @@ class PipelineExecutable:
                     if (op.source, mesh) in state.remote:
                         state.feeding.append(state.remote.pop((op.source, mesh)))
                 elif how[0] == "fold":
-                    self._await_remote([(op.source, mesh)], state, f"folding key {op.source}")
+                    wait_pending(state.remote, [(op.source, mesh)], self.timeout_s, "moves around the pipeline",
+                                 f"folding key {op.source}")
                     columns.append(how[1](self._value(op.source, mesh, state), M))
                 elif how[0] == "global":
                     _, global_feed, moves = how
@@ -441,7 +443,7 @@ class PipelineExecutable:
 
     def _run_pipeline(self, ins: RunPipeline, state: _StepState) -> None:
         # The stages' fetched parameters and micro-batches other processes send here, arrived
-        # before any stage program reading them is launched (``ProgramInterpreter._await_remote``).
+        # before any stage program reading them is launched (``coordination.wait_pending`` says why).
         if state.feeding:
             wait_arrivals(state.feeding, self.timeout_s, "stage operands", "starting the pipeline")
         state.run = self._interpreter.run(state.inputs, self._zero_grads(), state.recorder, state.meter)
@@ -541,13 +543,6 @@ class PipelineExecutable:
         if sending and self.local[stage]:
             state.feeding.append(Arrival(value, f"{what} for stage {stage}", sending))
 
-    def _await_remote(self, keys: Sequence[tuple[OuterRef, int]], state: _StepState, doing: str) -> None:
-        """Waits (bounded) for the values at ``keys`` that other processes send here, before a
-        program reading them is launched (``ProgramInterpreter._await_remote`` says why)."""
-        pending = [state.remote.pop(k) for k in keys if k in state.remote]
-        pending = [a for a in pending if not a.value.is_ready()]
-        if pending:
-            wait_arrivals(pending, self.timeout_s, "moves around the pipeline", doing)
 
     def _zero_grads(self) -> list[list[jax.Array] | None]:
         """Per stage here, its gradient accumulators (``data_replicas.Accumulator``), zero: made

@@ -27,7 +27,7 @@ from meshpar.passes.pipeline.lowering.pipeline_program import (
     RunBackwardInput, RunBackwardWeight, RunForward, Send, received_buffer,
 )
 from meshpar.runtime.coordination import (Arrival, CoordinationError, not_delivered, raise_lost_peer, senders,
-                                         wait_arrivals, wait_ready)
+                                         wait_pending, wait_ready)
 from meshpar.passes.simulation.live_bytes import program_key
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.remote import absent
@@ -268,24 +268,13 @@ class ProgramInterpreter:
             return ()
         for b in ins.reads:
             state.read(b)  # a KeyError naming the buffer when it is not live
-        self._await_remote(ins.reads, ins, state)
+        wait_pending(state.remote, ins.reads, self.timeout_s, "pipeline transfers", f"waiting to launch {ins}")
         return self._kernels[type(ins)](ins, state.executables, state.buffers, state.inputs, state.grads)
-
-    def _await_remote(self, reads: Sequence[BufferId], ins: Instruction, state: _State) -> None:
-        """Waits (bounded) until the values ``ins`` reads that other processes send here have
-        arrived. XLA:CPU runs a launched program whose operand has not arrived in the launching
-        thread, holding the device: a program waiting there on a peer that waits on a send this
-        device has still to run never returns, and no timeout reaches into it (seen with four
-        processes). Waiting here instead, on the host, leaves the device free and is bounded."""
-        pending = [state.remote.pop(b) for b in reads if b in state.remote]
-        pending = [a for a in pending if not a.value.is_ready()]
-        if pending:
-            wait_arrivals(pending, self.timeout_s, "pipeline transfers", f"waiting to launch {ins}")
 
     def _fused(self, mesh: int, ins: RunFused, state: _State) -> Launched:
         if not self.local[mesh]:
             return ()
-        self._await_remote(ins.inputs, ins, state)
+        wait_pending(state.remote, ins.inputs, self.timeout_s, "pipeline transfers", f"waiting to launch {ins}")
         program = self._fused_program(ins)
         stages = program.stages
         batches = [state.inputs[m.stage].batch[m.micro_batch] if state.inputs[m.stage].batch else ()
