@@ -155,7 +155,8 @@ def test_describe_shows_stages_plans_and_schedule():
         num_micro_batches=2, stage_mesh_shape=(2, 2), executor="p2p"))
     text = forced.get_executable(state, batch).describe()
     assert "activation act0.0 float32[8,16] stage 0 -> 1: p2p: " in text and "broadcast/ensemble" in text
-    assert "launch order: F0.0" in text
+    assert "launch order (KIND STAGE.MICRO_BATCH; F forward," in text and "A and G: an activation" in text
+    assert "its gradient sent back): F0.0" in text
 
 
 # -- bad input ----------------------------------------------------------------------------

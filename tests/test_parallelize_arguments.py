@@ -167,7 +167,8 @@ def test_stage_count_errors_from_markers_name_the_argument_and_fix():
     two = make_state(MLP(features=(16, 4), num_stages=2), batch["x"][:1])
     step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(stage_mesh_shape=(1, 2)))
     with _raises("stage_mesh_shape: (1, 2) does not hold the 4 devices of each stage (8 devices / 2 stages",
-                 "pass stage_mesh_shape=(4, 1), (2, 2) or (1, 4)"):
+                 "pass stage_mesh_shape=(4, 1), (2, 2) or (1, 4), or devices=jax.devices()[:4] to run on 4 of "
+                 "the 8 devices"):
         step(two, batch)
     step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(num_stages=4))
     with _raises("num_stages: 4 stages asked for", "make 2 stages; pass num_stages=2 (or None)"):
@@ -217,3 +218,16 @@ def test_describe_does_not_count_size_one_axes_as_sharding():
         texts[shape] = parallel.get_executable(state, batch).describe()
     assert "sharded over" not in texts[(4, 1)] and texts[(4, 1)].count("(all replicated)") == 2
     assert texts[(2, 2)].count("(1 sharded over 'model', the rest replicated)") == 2
+
+
+def test_more_stages_than_scanned_layers_names_the_most_it_can_make():
+    from examples.gpt import GPT, gpt_batch, gpt_loss
+
+    model = GPT(scan_layers=True, num_layers=4)
+    batch = gpt_batch(0, 8, model.seq_len, model.vocab_size)
+    state = make_state(model, batch["x"][:1])
+    step = meshpar.parallelize(supervised_step(gpt_loss), method=meshpar.PipeshardParallel(
+        num_micro_batches=2, num_stages=8, stage_mesh_shape=(1, 1)))
+    with _raises("num_stages: 8 stages asked for, but the loss's layer scans have 4 iterations in all",
+                 "pass num_stages=4 or fewer"):
+        step(state, batch)

@@ -58,7 +58,9 @@ def describe_pipeline(compiled: Any) -> str:
         what = "activation" if t.direction is Direction.ACTIVATION else "gradient"
         value = jax_ir.ShapedArray(t.shape, t.dtype).str_short()
         lines.append(f"  {what} {edges[t.edge][2]} {value} stage {t.src_stage} -> {t.dst_stage}: {how}")
-    lines.append("  launch order: " + " ".join(map(str, schedule.order)))
+    lines.append("  launch order (KIND STAGE.MICRO_BATCH; F forward, B backward, I and W its input and weight "
+                 "halves; A and G: an activation sent down edge STAGE, its gradient sent back): "
+                 + " ".join(map(str, schedule.order)))
     mb = compiled.micro_batching
     aux = ", ".join(f"aux{k} {r.value}" for k, r in enumerate(mb.aux))
     lines.append(f"  micro-batches combine: loss and gradients by {mb.reduction}" + (f"; {aux}" if aux else "")

@@ -190,7 +190,8 @@ def even_layer_markers(loss_jaxpr: jax_ir.ClosedJaxpr, num_stages: int, num_para
     total = sum(s.length for s in scans)
     if num_stages > total:
         raise ValueError(f"num_stages: {num_stages} stages asked for, but the loss's layer scans have "
-                         f"{total} iterations in all; a stage needs at least one")
+                         f"{total} iterations in all; a stage needs at least one: pass num_stages={total} or "
+                         f"fewer (or scan over more, smaller layers)")
     base, extra = divmod(total, num_stages)
     ends = np.cumsum([base + (1 if s < extra else 0) for s in range(num_stages - 1)])
     starts = np.cumsum([0, *[s.length for s in scans]])

@@ -52,10 +52,13 @@ def check_stage_split(
         )
     per_stage = num_devices // num_stages
     if stage_mesh_shape is not None and stage_mesh_shape[0] * stage_mesh_shape[1] != per_stage:
+        wanted = stage_mesh_shape[0] * stage_mesh_shape[1]
+        fewer = (f", or devices=jax.devices()[:{wanted * num_stages}] to run on {wanted * num_stages} of the "
+                 f"{num_devices} devices" if wanted < per_stage else "")
         raise ValueError(
             f"stage_mesh_shape: {tuple(stage_mesh_shape)} does not hold the {per_stage} devices of each stage "
             f"({num_devices} devices / {num_stages} stages, {counted}); pass stage_mesh_shape="
-            f"{mesh_shapes(per_stage)}"
+            f"{mesh_shapes(per_stage)}{fewer}"
         )
 
 
