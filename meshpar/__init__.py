@@ -12,7 +12,8 @@ from meshpar.planning import plan_parallelism
 from meshpar.reshard import plan_between, plan_for, reshard
 from meshpar.stage_boundary import mark_stage_boundary
 from meshpar.runtime.coordination import CoordinationError, PeerLostError
-from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, ScheduleKind
+from meshpar.passes.pipeline.scheduling.schedule_csv import load_schedule_csv, save_schedule_csv
 from meshpar.passes import (
     ALPA_BASELINE,
     BALANCERS,
@@ -40,6 +41,7 @@ __all__ = [
     "ReshardingTask",
     "SCHEDULES",
     "STRATEGIES",
+    "ScheduleKind",
     "ShardingSpec",
     "Tile",
     "checkpoint",
@@ -47,12 +49,14 @@ __all__ = [
     "planning",
     "plan_parallelism",
     "grad",
+    "load_schedule_csv",
     "mark_stage_boundary",
     "parallelize",
     "plan_between",
     "plan_for",
     "plan_resharding",
     "reshard",
+    "save_schedule_csv",
     "tiles",
     "value_and_grad",
 ]

@@ -22,7 +22,7 @@ from meshpar.passes.pipeline.placing.edge_transfer import EXECUTORS, SIGNAL
 from meshpar.passes.pipeline.placing.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
 from meshpar.passes.pipeline.pipeline_options import (GRADIENT_REDUCTIONS, GradientOptions, PipelineOptions,
                                                       PlacementOptions, ScheduleOptions, TransferOptions)
-from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, check_stage_placement
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import ScheduleKind, check_stage_placement, schedule_kind
 from meshpar.passes.simulation.weight_delay import check_weight_delay
 from meshpar.passes.resharding.balancers import get_balancer
 from meshpar.passes.resharding.strategies import get_strategy
@@ -60,10 +60,13 @@ class PipeshardParallel:
         micro-batches fit it (``passes.pipeline.scheduling.pipeline_schedule.check_stage_placement``).
         The devices are cut into ``num_stages / stages_per_mesh`` meshes. Not with ``"auto"``
         (the planner places one stage per mesh).
-      schedule: ``gpipe``, ``1f1b``, ``eager_1f1b``, ``zb_h1``, ``interleaved_1f1b`` (virtual
-        stages, stage k on mesh k mod P), or ``zb_v`` and ``dualpipev`` (exactly
+      schedule: ``gpipe``, ``1f1b``, ``eager_1f1b``, ``zb_h1``, ``interleaved_1f1b`` and
+        ``interleaved_zb`` (virtual stages, stage k on mesh k mod P; the latter is torch's
+        ``ScheduleInterleavedZeroBubble``), or ``zb_v`` and ``dualpipev`` (exactly
         ``stages_per_mesh=2`` in a V: stages r and 2P-1-r on mesh r, at least 2P micro-batches;
-        ``passes.pipeline.scheduling.pipeline_schedule.SCHEDULES``).
+        ``passes.pipeline.scheduling.pipeline_schedule.SCHEDULES``); or a user's own order,
+        ``meshpar.load_schedule_csv(path)`` (torch's CSV action format), which fixes the
+        meshes, stages and micro-batches it runs (not with ``"auto"``).
       weight_delay: split each backward into an activation-gradient and a
         weight-gradient pass and run the latter later: ``False`` (whole
         backwards), ``True`` (after the stage's next compute task) or
@@ -120,7 +123,7 @@ class PipeshardParallel:
     stage_meshes: Sequence[Mesh] | None = None
     num_stages: int | None = None
     stage_mesh_shape: tuple[int, int] | None = None
-    schedule: str = "1f1b"
+    schedule: str | ScheduleKind = "1f1b"
     resharding: str = "broadcast"
     balancer: str = "ensemble"
     cluster: Cluster | None = None
@@ -158,6 +161,11 @@ class PipeshardParallel:
                                  f"got {self.stages_per_mesh!r}")
             object.__setattr__(self, "stages_per_mesh", int(self.stages_per_mesh))
         if self.planned:
+            if schedule_kind(self.schedule).size is not None:
+                raise ValueError(f"schedule: {self.schedule.name!r} is an order of one size (loaded from CSV), but "
+                                 f"'auto' plans the stages and micro-batches; pass num_stages, num_micro_batches "
+                                 f"and stage_mesh_shape for its size {self.schedule.size} (stages, meshes, "
+                                 f"micro-batches), or a schedule name")
             if self.stages_per_mesh is not None:
                 raise ValueError("stages_per_mesh: 'auto' (num_stages, stage_mesh_shape or num_micro_batches) plans "
                                  "one stage per mesh; do not pass stages_per_mesh with it")
@@ -188,8 +196,7 @@ class PipeshardParallel:
         if self.num_stages is not None and not self._is_count(self.num_stages):
             raise ValueError(f"num_stages: expected a positive integer (stage markers + 1) or None, "
                              f"got {self.num_stages!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule: unknown {self.schedule!r}; expected one of {sorted(SCHEDULES)}")
+        schedule_kind(self.schedule)
         check_weight_delay(self.weight_delay, self.schedule)
         if self.resharding != SIGNAL:
             get_strategy(self.resharding)

@@ -45,9 +45,11 @@ def test_warm_up_depth_and_in_flight_bound(name, S, M, edges_of):
     for s in range(S):
         seq = _per_stage(schedule, s)
         # Interleaved 1F1B with one stage per mesh is Megatron's order for v = 1: eager-1F1B's
-        # warm-up, or every forward first when the micro-batches make one round.
+        # warm-up, or every forward first when the micro-batches make one round. Interleaved
+        # zero bubble with one stage per mesh is ZB-H1.
         ahead = {"gpipe": M, "1f1b": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1), "zb_h1": min(M, S - s),
-                 "interleaved_1f1b": M if M == S else min(M, 2 * (S - s) - 1)}[name]
+                 "interleaved_1f1b": M if M == S else min(M, 2 * (S - s) - 1),
+                 "interleaved_zb": min(M, S - s)}[name]
         assert _forwards_before_first_backward(seq) == ahead
         assert _peak_in_flight(seq) == ahead
         # Paper Table 1: eager-1F1B keeps at most S more micro-batches alive than 1F1B.

@@ -15,6 +15,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from ..model.cluster import Cluster
+from .scheduling.pipeline_schedule import ScheduleKind
 
 __all__ = ["GRADIENT_REDUCTIONS", "GradientOptions", "PipelineOptions", "PlacementOptions", "ScheduleOptions",
            "TransferOptions"]
@@ -30,14 +31,15 @@ class ScheduleOptions:
     """The order tasks run in.
 
     Attributes:
-      name: a key of ``pipeline_schedule.SCHEDULES``.
+      name: a key of ``pipeline_schedule.SCHEDULES``, or a ``ScheduleKind`` given as data
+        (``schedule_csv.load_schedule_csv``).
       num_micro_batches: micro-batches per step, at least 1.
       weight_delay: ``False``, ``True`` or ``"auto"`` (``weight_delay.check_weight_delay``).
       fuse_compute: the most stage passes a mesh runs as one program (``fused_runs``); 1: each
         its own; ``None``: no limit.
     """
 
-    name: str
+    name: str | ScheduleKind
     num_micro_batches: int
     weight_delay: bool | str
     fuse_compute: int | None = 1

@@ -25,7 +25,7 @@ import functools
 from collections.abc import Sequence
 
 from ..compiler_pass import compiler_pass
-from ..pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
+from ..pipeline.scheduling.pipeline_schedule import SCHEDULES, ScheduleKind, make_schedule
 from .schedule_simulator import TaskDurations, simulate
 
 __all__ = ["WEIGHT_DELAYS", "MAX_ROUNDS", "check_weight_delay", "max_delay", "weight_delays"]
@@ -40,14 +40,15 @@ simulates up to ``S * (max_delay + 1)`` schedules."""
 _SAME_STEP = 1e-9
 
 
-def check_weight_delay(weight_delay: object, schedule: str) -> None:
-    """Raises ``ValueError`` naming ``weight_delay`` when it is unknown or does not fit ``schedule``."""
+def check_weight_delay(weight_delay: object, schedule: str | ScheduleKind) -> None:
+    """Raises ``ValueError`` naming ``weight_delay`` when it is unknown or does not fit ``schedule``
+    (a registered name or a ``ScheduleKind``, e.g. an order loaded from CSV)."""
     if not any(weight_delay is v or (isinstance(v, str) and weight_delay == v) for v in WEIGHT_DELAYS):
         raise ValueError(f"weight_delay: expected False, True or 'auto', got {weight_delay!r}")
-    kind = SCHEDULES.get(schedule)
+    kind = schedule if isinstance(schedule, ScheduleKind) else SCHEDULES.get(schedule)
     if kind is not None and kind.places_weight_passes and weight_delay is not False:
         raise ValueError(
-            f"weight_delay: {schedule} always splits backwards and places the weight passes itself; "
+            f"weight_delay: {kind.name} always splits backwards and places the weight passes itself; "
             f"leave weight_delay=False, got {weight_delay!r}"
         )
 

@@ -40,15 +40,18 @@ def dependency_graph(
     return graph
 
 
-def verify_acyclic(graph: nx.DiGraph, name: str) -> None:
-    """Raises ``PlanVerificationError`` naming a cycle (a deadlock) of schedule ``name``."""
+def verify_acyclic(graph: nx.DiGraph, name: str, given: bool = False) -> None:
+    """Raises naming a cycle (a deadlock) of schedule ``name``: ``ValueError`` naming ``schedule``
+    when its order was ``given`` as data (a user's input), else ``PlanVerificationError`` (a
+    built-in schedule's bug)."""
     from ...verification import PlanVerificationError
 
     if not nx.is_directed_acyclic_graph(graph):
-        cycle = nx.find_cycle(graph)
-        raise PlanVerificationError(
-            f"schedule {name!r} deadlocks: " + " -> ".join(f"{a} ({graph.edges[a, b]['kind']})" for a, b in cycle)
-        )
+        cycle = " -> ".join(f"{a} ({graph.edges[a, b]['kind']})" for a, b in nx.find_cycle(graph))
+        if given:
+            raise ValueError(f"schedule: the order of {name!r} deadlocks on the cycle {cycle}, each task waiting "
+                             f"for the one before it (in its mesh's sequence, or for its data)")
+        raise PlanVerificationError(f"schedule {name!r} deadlocks: {cycle}")
 
 
 def launch_order(graph: nx.DiGraph, sequences: Sequence[Sequence[Task]]) -> tuple[Task, ...]:

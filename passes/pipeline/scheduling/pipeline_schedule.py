@@ -29,12 +29,18 @@ cannot deadlock.
   ``k`` on mesh ``k mod P``; 1F1B over chunks of ``P`` micro-batches, which
   shrinks the bubble to ``(P - 1) / (v·M)`` of the ideal step. ``M`` must be
   a multiple of ``P``, as in Megatron-LM.
+- ``interleaved_zb`` (``interleaved_zero_bubble``; PyTorch's ``ScheduleInterleavedZeroBubble``,
+  the zero-bubble paper's ZB1P): ``interleaved_1f1b``'s looped placement with split
+  backwards, mesh ``r`` holding back its first ``r`` weight passes to fill the bubbles. With
+  virtual stages ``M`` must be a multiple of torch's ``max(1, M // P)`` rounds.
 - ``zb_v`` and ``dualpipev`` (``v_schedules``): exactly two stages per mesh on the
   V placement (stages ``r`` and ``2P - 1 - r`` on mesh ``r``), split backwards
   with the weight passes placed by the schedule, at least ``2P`` micro-batches.
 
 A new schedule is one function ``(num_meshes, stages_per_mesh, M) -> per-mesh
-compute tasks`` and one ``ScheduleKind`` in ``SCHEDULES``.
+compute tasks`` and one ``ScheduleKind`` in ``SCHEDULES``. A user's own order, loaded from
+torch's CSV action format (``schedule_csv``), is a ``ScheduleKind`` of one fixed ``size``,
+accepted wherever a schedule name is.
 
 Weight delaying (the paper's backward weight delaying) applies to the first
 schedules with whole backwards: each ``BACKWARD`` becomes ``BACKWARD_INPUT``
@@ -52,6 +58,7 @@ from collections.abc import Callable, Sequence
 
 from ...compiler_pass import compiler_pass
 from .dependency_graph import dependency_graph, launch_order, verify_acyclic
+from .interleaved_zero_bubble import interleaved_zb_actions, interleaved_zb_rounds
 from .pipeline_tasks import Task, TaskKind, task_dependencies
 from .v_schedules import V_STAGES_PER_MESH, dualpipev_actions, min_micro_batches_v, zb_v_actions
 
@@ -99,12 +106,14 @@ class ScheduleKind:
       virtual_stages: whether ``actions`` takes ``stages_per_mesh > 1``.
       places_weight_passes: whether ``actions`` splits backwards and places the weight passes
         itself (then weight delaying does not apply).
-      micro_batches_per_round: ``num_meshes -> `` what ``num_micro_batches`` must be a multiple
-        of with virtual stages (``None``: any number).
+      micro_batches_per_round: ``(num_meshes, num_micro_batches) ->`` what ``num_micro_batches``
+        must be a multiple of with virtual stages (``None``: any number).
       stages_per_mesh: the only number of stages per mesh ``actions`` takes (``None``: any
         its ``virtual_stages`` allows).
       min_micro_batches: ``num_meshes ->`` the fewest micro-batches ``actions`` takes
         (``None``: one).
+      size: ``(num_stages, num_meshes, num_micro_batches)``, the only size ``actions`` takes: a
+        schedule given as data (``schedule_csv``); ``None``: any size the fields above allow.
     """
 
     name: str
@@ -112,9 +121,10 @@ class ScheduleKind:
     placement: StagePlacement = StagePlacement.LOOP
     virtual_stages: bool = False
     places_weight_passes: bool = False
-    micro_batches_per_round: Callable[[int], int] | None = None
+    micro_batches_per_round: Callable[[int, int], int] | None = None
     stages_per_mesh: int | None = None
     min_micro_batches: Callable[[int], int] | None = None
+    size: tuple[int, int, int] | None = None
 
     def peak_live(self, stage: int, num_stages: int, num_micro_batches: int, num_meshes: int | None = None) -> int:
         """Micro-batches whose forward residuals stage ``stage`` holds at its peak (counted
@@ -142,7 +152,7 @@ class PipelineSchedule:
     """A schedule for a stage graph whose stages are placed on meshes.
 
     Attributes:
-      name: a key of ``SCHEDULES``.
+      name: a key of ``SCHEDULES``, or the name of a ``ScheduleKind`` given as data.
       num_stages, num_micro_batches: its size.
       stage_mesh: per stage, the mesh that runs it (several stages may share one).
       edges: ``(producer, consumer)`` stage pairs, indexed by transfer tasks.
@@ -253,10 +263,11 @@ def _zb_h1(seq: list[Task], s: int) -> list[Task]:
     return out + held
 
 
-def mesh_sequences(name: str, num_stages: int, num_micro_batches: int, num_meshes: int | None = None,
+def mesh_sequences(name: str | ScheduleKind, num_stages: int, num_micro_batches: int, num_meshes: int | None = None,
                    delays: Sequence[int] | None = None) -> list[list[Task]]:
-    """Per mesh, its compute tasks under schedule ``name``; ``delays`` (per mesh) split backwards
-    (see module doc). ``num_meshes`` defaults to one stage per mesh."""
+    """Per mesh, its compute tasks under schedule ``name`` (a registered name or a ``ScheduleKind``);
+    ``delays`` (per mesh) split backwards (see module doc). ``num_meshes`` defaults to one stage
+    per mesh."""
     kind = schedule_kind(name)
     P = num_stages if num_meshes is None else num_meshes
     seqs = kind.actions(P, num_stages // P, num_micro_batches)
@@ -265,42 +276,53 @@ def mesh_sequences(name: str, num_stages: int, num_micro_batches: int, num_meshe
     return [_delay_weights(seq, d) for seq, d in zip(seqs, delays)]
 
 
-def schedule_kind(name: str) -> ScheduleKind:
-    """The registered schedule ``name``.
+def schedule_kind(name: str | ScheduleKind) -> ScheduleKind:
+    """The registered schedule ``name``, or ``name`` itself when it is a ``ScheduleKind`` (a
+    schedule given as data, e.g. ``schedule_csv.load_schedule_csv``).
 
     Raises:
       ValueError: naming ``schedule`` and the registered names.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule: unknown {name!r}; expected one of {sorted(SCHEDULES)}")
+    if isinstance(name, ScheduleKind):
+        return name
+    if not isinstance(name, str) or name not in SCHEDULES:
+        # A path is the likeliest wrong name: say how to load it.
+        hint = "; load a CSV order with meshpar.load_schedule_csv(path)" if str(name).endswith(".csv") else ""
+        raise ValueError(f"schedule: unknown {name!r}; expected one of {sorted(SCHEDULES)} or a ScheduleKind "
+                         f"(meshpar.load_schedule_csv){hint}")
     return SCHEDULES[name]
 
 
-def check_stage_placement(schedule: str, num_stages: int, num_meshes: int, num_micro_batches: int) -> None:
-    """Checks that ``schedule`` can place ``num_stages`` stages on ``num_meshes`` meshes with
-    ``num_micro_batches`` micro-batches.
+def check_stage_placement(schedule: str | ScheduleKind, num_stages: int, num_meshes: int,
+                          num_micro_batches: int) -> None:
+    """Checks that ``schedule`` (a registered name or a ``ScheduleKind``) can place ``num_stages``
+    stages on ``num_meshes`` meshes with ``num_micro_batches`` micro-batches.
 
     Raises:
       ValueError: naming ``schedule`` (unknown, or one stage per mesh only), ``num_stages``
         (not a multiple of the meshes), ``stages_per_mesh`` and ``num_meshes`` (not the one
         number of stages per mesh the schedule takes, e.g. ``num_stages != 2 * num_meshes``
-        for the V schedules) or ``num_micro_batches`` (fewer than, or not a multiple of, what
-        the schedule needs).
+        for the V schedules), ``num_micro_batches`` (fewer than, or not a multiple of, what
+        the schedule needs, with counts that fit), or every size that differs from the one
+        size of a schedule given as data.
     """
     kind = schedule_kind(schedule)
+    name = kind.name
     if num_meshes < 1 or num_stages < 1 or num_micro_batches < 1:
         raise ValueError(f"num_stages, num_micro_batches: expected positive counts, got {num_stages} stages on "
                          f"{num_meshes} meshes, {num_micro_batches} micro-batches")
+    if kind.size is not None:
+        _check_size(kind, (num_stages, num_meshes, num_micro_batches))
     if kind.stages_per_mesh is not None and num_stages != kind.stages_per_mesh * num_meshes:
         k = kind.stages_per_mesh
         if num_stages % k:
-            raise ValueError(f"num_stages: {schedule} places exactly {k} stages on each mesh, so it needs a "
+            raise ValueError(f"num_stages: {name} places exactly {k} stages on each mesh, so it needs a "
                              f"multiple of {k} stages, got {num_stages}")
-        raise ValueError(f"stages_per_mesh, num_meshes: {schedule} places exactly {k} stages on each mesh, so "
+        raise ValueError(f"stages_per_mesh, num_meshes: {name} places exactly {k} stages on each mesh, so "
                          f"{num_stages} stages need num_meshes={num_stages // k}, got {num_meshes} meshes "
                          f"({num_stages / num_meshes:g} per mesh); pass stages_per_mesh={k}")
     if kind.min_micro_batches is not None and num_micro_batches < kind.min_micro_batches(num_meshes):
-        raise ValueError(f"num_micro_batches: {schedule} needs at least {kind.min_micro_batches(num_meshes)} "
+        raise ValueError(f"num_micro_batches: {name} needs at least {kind.min_micro_batches(num_meshes)} "
                          f"micro-batches on {num_meshes} meshes, got {num_micro_batches}")
     if num_stages % num_meshes:
         raise ValueError(f"num_stages: {num_stages} stages do not divide over {num_meshes} meshes; pass a multiple "
@@ -309,27 +331,55 @@ def check_stage_placement(schedule: str, num_stages: int, num_meshes: int, num_m
         return
     if not kind.virtual_stages:
         virtual = sorted(n for n, k in SCHEDULES.items() if k.virtual_stages)
-        raise ValueError(f"schedule: {schedule!r} runs one stage per mesh, but {num_stages} stages share "
+        raise ValueError(f"schedule: {name!r} runs one stage per mesh, but {num_stages} stages share "
                          f"{num_meshes} meshes ({num_stages // num_meshes} per mesh); pass one of {virtual}, or one "
                          f"mesh per stage")
     if kind.micro_batches_per_round is not None:
-        step = kind.micro_batches_per_round(num_meshes)
+        step = kind.micro_batches_per_round(num_meshes, num_micro_batches)
         if num_micro_batches % step:
-            raise ValueError(f"num_micro_batches: {schedule} with virtual stages needs a multiple of {step} "
-                             f"micro-batches ({num_meshes} meshes), got {num_micro_batches}")
+            fits = _fitting_micro_batches(kind, num_meshes, num_micro_batches)
+            raise ValueError(f"num_micro_batches: {name} with virtual stages needs a multiple of {step} "
+                             f"micro-batches ({num_meshes} meshes), got {num_micro_batches}; "
+                             f"pass e.g. {' or '.join(map(str, fits))}")
+
+
+def _check_size(kind: ScheduleKind, size: tuple[int, int, int]) -> None:
+    """Raises ``ValueError`` naming each of ``num_stages``, ``num_meshes``, ``num_micro_batches`` in
+    ``size`` that differs from ``kind.size``, the one size a schedule given as data runs at."""
+    labels = ("num_stages", "num_meshes", "num_micro_batches")
+    wrong = [(label, want, got) for label, want, got in zip(labels, kind.size, size) if want != got]
+    if wrong:
+        S, P, M = kind.size
+        # The meshes follow from the stages per mesh, which is what a user passes.
+        fix = f"; pass stages_per_mesh={S // P}" if size[1] != P and size[0] == S else ""
+        raise ValueError(f"{', '.join(label for label, _, _ in wrong)}: schedule {kind.name!r} is an order for "
+                         f"{S} stages on {P} meshes over {M} micro-batches; got "
+                         + ", ".join(f"{label}={got}" for label, _, got in wrong) + fix)
+
+
+def _fitting_micro_batches(kind: ScheduleKind, num_meshes: int, num_micro_batches: int) -> list[int]:
+    """The nearest counts below and above ``num_micro_batches`` that ``kind.micro_batches_per_round``
+    divides (the one above only, when none below does)."""
+    def fits(m: int) -> bool:
+        return m % kind.micro_batches_per_round(num_meshes, m) == 0
+
+    below = [m for m in range(num_micro_batches - 1, 0, -1) if fits(m)][:1]
+    above = next(m for m in range(num_micro_batches + 1, 2 * num_micro_batches + num_meshes + 1) if fits(m))
+    return below + [above]
 
 
 @compiler_pass
 def make_schedule(
-    name: str,
+    name: str | ScheduleKind,
     num_stages: int,
     num_micro_batches: int,
     edges: Sequence[tuple[int, int]],
     weight_delays: Sequence[int] | None = None,
     num_meshes: int | None = None,
 ) -> PipelineSchedule:
-    """The ``name`` schedule for ``num_stages`` stages joined by ``edges``, placed on
-    ``num_meshes`` meshes (default: one stage per mesh) as the schedule places them.
+    """The ``name`` schedule (a registered name or a ``ScheduleKind``) for ``num_stages`` stages
+    joined by ``edges``, placed on ``num_meshes`` meshes (default: one stage per mesh) as the
+    schedule places them.
 
     Args:
       weight_delays: per mesh, split each backward and delay its weight pass
@@ -339,6 +389,9 @@ def make_schedule(
     Raises:
       ValueError: unknown ``name``, sizes below 1, a placement the schedule cannot make
         (``check_stage_placement``), or delays that do not fit.
+      ValueError: naming ``schedule`` and the tasks of a cycle, when an order given as data
+        (``ScheduleKind.size``) deadlocks on ``edges`` (``verify_acyclic``).
+      PlanVerificationError: a built-in order that deadlocks, or that ``verify_schedule`` rejects.
     """
     kind = schedule_kind(name)
     if num_stages < 1 or num_micro_batches < 1:
@@ -347,17 +400,17 @@ def make_schedule(
     check_stage_placement(name, num_stages, P, num_micro_batches)
     if weight_delays is not None:
         if kind.places_weight_passes:
-            raise ValueError(f"weight_delay: {name} places its weight passes itself; leave weight_delay=False")
+            raise ValueError(f"weight_delay: {kind.name} places its weight passes itself; leave weight_delay=False")
         if len(weight_delays) != P or any(not isinstance(d, int) or d < 0 for d in weight_delays):
             raise ValueError(f"weight_delay: expected {P} non-negative delays (one per mesh), got {weight_delays!r}")
     edges = tuple(edges)
     split = kind.places_weight_passes or weight_delays is not None
-    sequences = tuple(map(tuple, mesh_sequences(name, num_stages, num_micro_batches, P, weight_delays)))
+    sequences = tuple(map(tuple, mesh_sequences(kind, num_stages, num_micro_batches, P, weight_delays)))
     stage_mesh = tuple(kind.placement.mesh_of(s, P) for s in range(num_stages))
     graph = dependency_graph(sequences, edges, split, num_micro_batches)
-    verify_acyclic(graph, name)
+    verify_acyclic(graph, kind.name, given=kind.size is not None)
     order = launch_order(graph, sequences)
-    schedule = PipelineSchedule(name, num_stages, num_micro_batches, edges, split,
+    schedule = PipelineSchedule(kind.name, num_stages, num_micro_batches, edges, split,
                                 None if weight_delays is None else tuple(weight_delays), sequences, order, stage_mesh)
     verify_schedule(schedule)
     return schedule
@@ -409,7 +462,7 @@ def _eager_one_f_one_b(s: int, num_stages: int) -> int:
     return 2 * (num_stages - s) - 1
 
 
-def _one_round(num_meshes: int) -> int:
+def _one_round(num_meshes: int, num_micro_batches: int) -> int:
     return num_meshes
 
 
@@ -423,6 +476,9 @@ SCHEDULES: dict[str, ScheduleKind] = {
         ScheduleKind("zb_h1", _one_stage_per_mesh(_one_f_one_b, _zb_h1), places_weight_passes=True),
         # Megatron-LM requires the micro-batches to fill whole rounds of the meshes.
         ScheduleKind("interleaved_1f1b", _interleaved_1f1b, virtual_stages=True, micro_batches_per_round=_one_round),
+        # torch's flexible rounds: M a multiple of max(1, M // P), not of P.
+        ScheduleKind("interleaved_zb", interleaved_zb_actions, virtual_stages=True, places_weight_passes=True,
+                     micro_batches_per_round=interleaved_zb_rounds),
         ScheduleKind("zb_v", zb_v_actions, StagePlacement.V, virtual_stages=True, places_weight_passes=True,
                      stages_per_mesh=V_STAGES_PER_MESH, min_micro_batches=min_micro_batches_v),
         ScheduleKind("dualpipev", dualpipev_actions, StagePlacement.V, virtual_stages=True,
