@@ -10,12 +10,17 @@ is a top-level scan of the loss that reads a parameter through a scanned (stacke
   before the piece, so a stage reads its own slice of a stacked parameter);
 - the carry is chained: piece ``i``'s final carry is piece ``i + 1``'s initial one (a reversed
   scan runs its pieces from the last iterations to the first);
-- each per-iteration output is the concatenation of the pieces' (after the last piece).
+- each per-iteration output is the concatenation of the pieces' (after the last piece); one
+  that nothing reads is no output of the pieces at all (JAX's dead-code rule for scans prunes
+  it from the body). ``nnx.scan`` returns the stacked state it scans over (the blocks'
+  parameters) as such outputs, which the loss drops: concatenated, they would pull every
+  stage's slice of every stacked parameter onto the last stage.
 
-The body is the scan's own, untouched: ``remat`` inside it, its effects and its unrolling
-stay. Every piece runs the body on the same values in the same order, so the split loss equals
-the original; ``verify_split_scans`` checks that on random inputs. With ``marked`` a stage
-marker sits between consecutive pieces, so ``split_stages`` cuts there as between any layers.
+The body is the scan's own, less what only unread outputs needed: ``remat`` inside it, its
+effects and its unrolling stay. Every piece runs the body on the same values in the same
+order, so the split loss equals the original; ``verify_split_scans`` checks that on random
+inputs, and that no concatenation it added goes unread. With ``marked`` a stage marker sits
+between consecutive pieces, so ``split_stages`` cuts there as between any layers.
 """
 
 from __future__ import annotations
@@ -93,6 +98,7 @@ def split_layer_scans(loss: jax_ir.ClosedJaxpr, cuts: Mapping[int, Sequence[int]
       ValueError: ``cuts`` names an equation that is no scan, or an iteration out of range.
     """
     jaxpr = loss.jaxpr
+    read = _read_values(jaxpr)
     marker_effects = stage_boundary_p.abstract_eval()[1]
     eqns: list[jax_ir.JaxprEqn] = []
     provenance: list[Provenance] = []
@@ -110,7 +116,7 @@ def split_layer_scans(loss: jax_ir.ClosedJaxpr, cuts: Mapping[int, Sequence[int]
             continue
         if e.primitive is not scan_p:
             raise ValueError(f"cuts: equation {k} of the loss is {e.primitive.name}, not a scan")
-        pieces, tail = _split_scan(e, tuple(cuts[k]))
+        pieces, tail = _split_scan(_without_unread_outputs(e, read), tuple(cuts[k]))
         for p, (boundary, piece) in enumerate(pieces):
             if p and marked:
                 marker()
@@ -120,6 +126,21 @@ def split_layer_scans(loss: jax_ir.ClosedJaxpr, cuts: Mapping[int, Sequence[int]
         provenance.extend(Provenance(k, tail=True) for _ in tail)
     effects = jaxpr.effects | marker_effects if len(eqns) > len(provenance) else jaxpr.effects
     return jax_ir.ClosedJaxpr(jaxpr.replace(eqns=eqns, effects=effects), loss.consts), tuple(provenance)
+
+
+def _read_values(jaxpr: jax_ir.Jaxpr) -> set[jax_ir.Var]:
+    """The variables ``jaxpr``'s equations read or it returns."""
+    return {v for v in (*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars) if isinstance(v, jax_ir.Var)}
+
+
+def _without_unread_outputs(e: jax_ir.JaxprEqn, read: set[jax_ir.Var]) -> jax_ir.JaxprEqn:
+    """Scan equation ``e`` without the results nothing of ``read`` is (JAX's dead-code rule:
+    its body no longer computes them, nor the operands only they needed)."""
+    used = [not isinstance(v, jax_ir.DropVar) and v in read for v in e.outvars]
+    if all(used):
+        return e
+    _, pruned = jax_ir.dce_rule(scan_p)(used, e)
+    return e if pruned is None else pruned
 
 
 def _split_scan(e: jax_ir.JaxprEqn, cuts: tuple[int, ...]
@@ -180,16 +201,23 @@ def _split_scan(e: jax_ir.JaxprEqn, cuts: tuple[int, ...]
 
 def verify_split_scans(original: jax_ir.ClosedJaxpr, split: jax_ir.ClosedJaxpr, seed: int = 0) -> None:
     """Checks that ``split`` computes what ``original`` does: the same input and output types,
-    and equal outputs on random inputs (floats standard normal, integers 0 or 1, keys from
-    ``seed``), to float32 rounding.
+    every concatenation of pieces' outputs it added read, and equal outputs on random inputs
+    (floats standard normal, integers 0 or 1, keys from ``seed``), to float32 rounding.
 
     Raises:
-      PlanVerificationError: a type or a value differs, naming the output.
+      PlanVerificationError: a type or a value differs, naming the output, or a concatenation
+        nothing reads was added (it would move every piece to the last one's stage).
     """
     if [v.aval for v in original.jaxpr.invars] != [v.aval for v in split.jaxpr.invars]:
         raise PlanVerificationError("split_layer_scans changed the loss's input types")
     if [v.aval for v in original.jaxpr.outvars] != [v.aval for v in split.jaxpr.outvars]:
         raise PlanVerificationError("split_layer_scans changed the loss's output types")
+    kept, read = {id(e) for e in original.jaxpr.eqns}, _read_values(split.jaxpr)
+    for e in split.jaxpr.eqns:
+        if e.primitive is concatenate_p and id(e) not in kept and not any(v in read for v in e.outvars):
+            raise PlanVerificationError(
+                f"split_layer_scans: a split scan's per-iteration output {e.outvars[0].aval.str_short()} is "
+                f"concatenated from its pieces though nothing reads it")
     rng = np.random.default_rng(seed)
     # Evaluated on one local device: the stage meshes the loss's sharding annotations name may
     # span other processes.
