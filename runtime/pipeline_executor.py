@@ -105,7 +105,7 @@ class PipelineExecutable:
         self.mesh_local = [owns_a_device_of(m) for m in self.meshes]
         self.local = [self.mesh_local[m] for m in self.home]
         self._prepared: dict[MoveKey, Move] = {}
-        self.executables = [compile_stage(k) for k in kernels]
+        self.executables = [compile_stage(k, timeout_s) for k in kernels]
         self._kernels = tuple(kernels)
         # How many programs ``compile_ahead`` compiled; ``None`` until it has run.
         self.compiled_ahead: int | None = None
@@ -129,6 +129,8 @@ class PipelineExecutable:
                     (stages, _accumulator_maker([kernels[s].accumulation.accumulators for s in stages])))
         # What each step instruction runs, prepared once (by the instruction's identity).
         self._ready: dict[int, Any] = {}
+        # Per CombineMicroBatches instruction (by id), its program on its mesh.
+        self._combiners: dict[int, Callable] = {}
         self._compute_fns: list[Callable] = []
         self.stacked_leaves: StackedLeaves | None = None
         self.peak_live_activations: list[int] = [0] * len(kernels)
@@ -182,7 +184,7 @@ class PipelineExecutable:
             outs = fn(*args)
             return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
-        self._ready[id(ins)] = on_mesh(jax.jit(run), self.meshes[compute.mesh])
+        self._ready[id(ins)] = on_mesh(jax.jit(run), self.meshes[compute.mesh], self.timeout_s)
         self._compute_fns.append(self._ready[id(ins)])
 
     def _prepare_move(self, ins: RunMove) -> None:
@@ -242,7 +244,7 @@ class PipelineExecutable:
             # Reducing over each axis alone, then over all of them, touches every group a
             # stage program, a move or a gradient reduction on this mesh can use.
             sums = [on_mesh(jax.jit(functools.partial(jnp.sum, axis=axes), out_shardings=NamedSharding(mesh, P())),
-                            mesh)(ones) for axes in [*range(ones.ndim), None]]
+                            mesh, self.timeout_s)(ones) for axes in [*range(ones.ndim), None]]
             wait_ready(sums, self.timeout_s, f"connecting the devices of mesh {dict(mesh.shape)} across processes")
 
     def _reducer(self, mesh: int, plans: Sequence[Any]) -> Callable:
@@ -258,7 +260,7 @@ class PipelineExecutable:
         shardings = [[sharding for sharding, _ in plan.reduced] for plan in plans]
         # Not donated: a (D, *param) accumulator cannot hold its (*param) sum, and the step drops
         # the accumulators right after.
-        return on_mesh(jax.jit(reduce_gradients, out_shardings=shardings), self.meshes[mesh])
+        return on_mesh(jax.jit(reduce_gradients, out_shardings=shardings), self.meshes[mesh], self.timeout_s)
 
     def describe(self) -> str:
         """Stages, meshes, shardings, each move's executor and plan, and the schedule."""
@@ -455,7 +457,10 @@ class PipelineExecutable:
         if not self.mesh_local[ins.mesh]:
             return
         parts = [state.run.results[b] for b in ins.buffers]
-        combined = from_wire(_combiner(ins.how, len(parts), ins.per_replica)(parts), ins.aval)
+        if id(ins) not in self._combiners:
+            self._combiners[id(ins)] = on_mesh(_combiner(ins.how, len(parts), ins.per_replica), self.meshes[ins.mesh],
+                                               self.timeout_s)
+        combined = from_wire(self._combiners[id(ins)](parts), ins.aval)
         state.values[(ins.value, ins.mesh)] = combined if ins.sharding is None else jax.device_put(combined,
                                                                                                    ins.sharding)
 

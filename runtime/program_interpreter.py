@@ -500,4 +500,5 @@ class _FusedProgram:
                     pending.remove(mv)
             return [buffers[b] for b in ins.outputs], [grads[s] for s in ins.accumulates]
 
-        self.run = on_mesh(jax.jit(fused, donate_argnums=(3,)), interpreter.executables[self.stages[0]].mesh)
+        self.run = on_mesh(jax.jit(fused, donate_argnums=(3,)), interpreter.executables[self.stages[0]].mesh,
+                           interpreter.timeout_s)

@@ -44,20 +44,44 @@ from meshpar.passes.pipeline.placing.data_replicas import StageReplicas
 from meshpar.passes.pipeline.cutting.stage_graph import RefKind
 from meshpar.passes.pipeline.lowering.stage_kernels import StageKernel
 from meshpar.passes.pipeline.placing.wire_format import from_wire, to_wire
+from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.flat_values import flatten, unflatten
 
-__all__ = ["StageExecutables", "compile_stage", "on_mesh"]
+__all__ = ["StageExecutables", "compile_stage", "on_mesh", "runs_alone"]
 
 
-def on_mesh(fn: Callable, mesh: Mesh) -> Callable:
+def runs_alone(mesh: Mesh) -> bool:
+    """Whether a program on ``mesh`` must finish before this process launches the next one.
+
+    True on CPU meshes spanning processes. XLA:CPU runs cross-process collectives through gloo
+    with one tag for every collective of a communicator (``GlooCommunicator``: "how to do
+    tags?"), and it orders only the launches of programs with collectives, not their runs: two
+    such programs running at once on one process pair their messages in whichever order each
+    process's threads reach them. Processes that pair them differently hang, one of them inside
+    an all-reduce its peer already finished (caught with gdb in the four-process test), or sum
+    the wrong values when the sizes agree. NCCL orders a communicator's collectives on its
+    stream, so GPU meshes keep their launches in flight.
+    """
+    devices = list(mesh.devices.flat)
+    return devices[0].platform == "cpu" and len({d.process_index for d in devices}) > 1
+
+
+def on_mesh(fn: Callable, mesh: Mesh, timeout_s: float) -> Callable:
     """``fn`` traced with ``mesh`` in context: bare ``PartitionSpec`` constraints in the user's
-    step resolve to the stage's own mesh. ``run.temp_bytes(*args)`` is the bytes per device the
-    compiled program for ``args`` needs besides its arguments and results (XLA's memory
-    analysis; compiled once more for it, so for measurements only)."""
+    step resolve to the stage's own mesh. Where ``runs_alone(mesh)``, each call returns once its
+    program has finished (waiting at most ``timeout_s``, then ``CoordinationError``).
+    ``run.temp_bytes(*args)`` is the bytes per device the compiled program for ``args`` needs
+    besides its arguments and results (XLA's memory analysis; compiled once more for it, so
+    for measurements only)."""
+    alone = runs_alone(mesh)
+    where = f"mesh {dict(mesh.shape)} of devices {[d.id for d in mesh.devices.flat]}"
 
     def run(*args):
         with jax.set_mesh(mesh):
-            return fn(*args)
+            out = fn(*args)
+        if alone:
+            wait_ready(jax.tree.leaves(out), timeout_s, f"a program on {where} finishing before the next launch")
+        return out
 
     def temp_bytes(*args) -> int:
         with jax.set_mesh(mesh):
@@ -104,8 +128,8 @@ class StageExecutables:
                    for f in (self.forward, self.backward, self.backward_input, self.backward_weight))
 
 
-def compile_stage(kernel: StageKernel) -> StageExecutables:
-    """Jits a stage's kernel (its parts, on its mesh); outputs and input cotangents are
+def compile_stage(kernel: StageKernel, timeout_s: float) -> StageExecutables:
+    """Jits a stage's kernel (its parts, on its mesh; ``on_mesh`` with ``timeout_s``); outputs and input cotangents are
     constrained to the shardings their transfers expect, accumulated gradients to their
     accumulators' (so every micro-batch's pass reads them as the first did, and compiles
     once). With ``accumulation.replicas``, runs its per-replica parts side by side instead
@@ -206,10 +230,10 @@ def compile_stage(kernel: StageKernel) -> StageExecutables:
                                            [STACKED] * parts.num_param_cotangents)(weight_state))
 
     return StageExecutables(
-        on_mesh(jax.jit(forward), mesh),
-        on_mesh(jax.jit(backward, donate_argnums=(2,)), mesh),
-        on_mesh(jax.jit(backward_input), mesh),
-        on_mesh(jax.jit(backward_weight, donate_argnums=(1,)), mesh),
+        on_mesh(jax.jit(forward), mesh, timeout_s),
+        on_mesh(jax.jit(backward, donate_argnums=(2,)), mesh, timeout_s),
+        on_mesh(jax.jit(backward_input), mesh, timeout_s),
+        on_mesh(jax.jit(backward_weight, donate_argnums=(1,)), mesh, timeout_s),
         state_from_residual,
     )
 

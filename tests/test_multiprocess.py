@@ -135,7 +135,6 @@ def test_p2p_moves_overlap_with_the_senders_compute_and_collective_ones_do_not()
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow  # not yet reliable: 1 run in 5 failed or hung (BENCHMARKS, issue 34); CI must not flake
 def test_four_processes_with_the_data_axis_across_them():
     """4 processes x 2 devices, each stage mesh spanning two processes along its data axis, a
     tied-embedding GPT with both gradient reductions and a global batch fed by all four, against jax.jit."""
