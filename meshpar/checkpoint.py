@@ -37,12 +37,18 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
 
 from meshpar.parallelize import ParallelizedStep
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.remote import absent
 
 __all__ = ["state_shardings", "save", "restore"]
+
+# The array format the parts are written in, named once: a leaf split between parts is read box
+# by box straight from tensorstore (``_read_boxes``), which must open it as it was written.
+_USE_ZARR3 = False
 
 
 def state_shardings(step: ParallelizedStep, *args: Any, argnum: int = 0) -> Any:
@@ -263,16 +269,25 @@ def _assembled(checkpointer: ocp.Checkpointer, directory: str, regions: dict[int
         part = _part(directory, p)
         saved = checkpointer.metadata(part).item_metadata.tree
         _check_saved({name: leaf}, saved, part)
-        data = checkpointer.restore(part, args=ocp.args.PyTreeRestore(
-            item={name: leaf}, partial_restore=True, restore_args={name: ocp.RestoreArgs(restore_type=np.ndarray)}))[name]
-        for region in regions[p][name]:
-            box = tuple(slice(a, b) for a, b in region)
-            value[box] = np.asarray(data)[box]
+        boxes = [tuple(slice(a, b) for a, b in region) for region in regions[p][name]]
+        for box, data in zip(boxes, _read_boxes(part, name, boxes)):
+            value[box] = data
             filled[box] = True
     if not filled.all():
         raise ValueError(f"abstract_state{name}: the checkpoint's parts hold only part of it "
                          f"({int(filled.sum())} of {filled.size} elements)")
     return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: value[index], dtype=leaf.dtype)
+
+
+def _read_boxes(part: str, name: str, boxes: Sequence[tuple[slice, ...]]) -> list[np.ndarray]:
+    """The ``boxes`` of leaf ``name`` that part ``part`` holds, each read alone: a part holds only
+    the chunks its process wrote, and orbax reads a leaf whole (a missing chunk is an error)."""
+    path = epath.Path(part)
+    ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(path)
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
+    info = ocp.type_handlers.ParamInfo(name=name, parent_dir=path, use_zarr3=_USE_ZARR3, ts_context=context)
+    store = ts.open(ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt), context=context).result()
+    return [np.asarray(store[box].read().result()) for box in boxes]
 
 
 def _writable(name: str, leaf: jax.Array) -> jax.Array | np.ndarray | None:
@@ -328,5 +343,6 @@ def _checkpointer() -> ocp.Checkpointer:
         (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)),
         (np.ndarray, _NumpyHandler()),
     )
-    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=registry)
+    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=registry,
+                                          use_zarr3=_USE_ZARR3)
     return ocp.Checkpointer(handler, multiprocessing_options=options)

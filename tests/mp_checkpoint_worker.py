@@ -103,15 +103,18 @@ gpt_resumed = meshpar.checkpoint.restore(directory + "-scanned", gpt_abstract)
 for (path, got), struct in zip(jax.tree_util.tree_leaves_with_path(gpt_resumed), jax.tree.leaves(gpt_abstract)):
     assert got.sharding == struct.sharding, jax.tree_util.keystr(path)
 assert_shards_equal(gpt_resumed, gpt_state)
+gpt_losses = []
 for b in gpt_batches[1:]:
     gpt_state, gpt_loss_value = gpt_step(gpt_state, b)
     gpt_resumed, resumed_value = fresh(gpt_resumed, b)
     np.testing.assert_array_equal(np.asarray(resumed_value), np.asarray(gpt_loss_value), strict=True)
+    gpt_losses.append(float(gpt_loss_value))
 print(f"process {pid}: the scanned GPT resumed bit for bit ({assert_shards_equal(gpt_resumed, gpt_state)} shards)",
       flush=True)
 
 if pid == 0:
     # For the restore under another layout (test_multiprocess_checkpoint): the run's losses.
     np.save(directory + ".losses.npy", np.array([float(loss) for loss in losses]))
+    np.save(directory + "-scanned.losses.npy", np.array(gpt_losses))
 print(f"process {pid}: ALL OK", flush=True)
 jax.distributed.shutdown()

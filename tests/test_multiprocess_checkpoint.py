@@ -27,5 +27,6 @@ def test_checkpoint_and_resume_across_two_processes(tmp_path, monkeypatch):
     restored = subprocess.run([sys.executable, os.path.join(HERE, "restore_elsewhere.py"), str(tmp_path / "ckpt")],
                               env=env, capture_output=True, text=True, timeout=300)
     assert restored.returncode == 0 and "ALL OK" in restored.stdout, restored.stdout[-3000:] + restored.stderr[-3000:]
-    for name in ("2 stages on one device each", "a jax.jit state on one device"):
+    for name in ("2 stages on one device each", "a jax.jit state on one device",
+                 "4 stages on one device each (the scanned GPT)", "a jax.jit state on one device (the scanned GPT)"):
         assert f"restored under {name}: the next steps match" in restored.stdout, restored.stdout
