@@ -190,3 +190,8 @@ def test_a_pipeline_on_a_loaded_order_matches_jit(tmp_path):
     schedule = parallel.get_executable(par_state, batch).schedule
     assert schedule.name == "looped_gpipe" and schedule.stage_mesh == (0, 1, 0, 1)
     assert format_schedule_csv(schedule.sequences) == LOOPED_GPIPE
+
+
+def test_saving_something_that_is_no_schedule_names_the_argument(tmp_path):
+    with pytest.raises(TypeError, match="schedule: expected a PipelineSchedule"):
+        meshpar.save_schedule_csv("1f1b", tmp_path / "order.csv")

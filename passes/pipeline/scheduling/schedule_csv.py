@@ -253,5 +253,12 @@ def format_schedule_csv(sequences: Sequence[Sequence[Task]]) -> str:
 
 def save_schedule_csv(schedule: PipelineSchedule, path: str | os.PathLike[str]) -> None:
     """Writes ``schedule``'s per-mesh order to ``path`` (``format_schedule_csv``); loading it
-    (``load_schedule_csv``) gives the same order."""
+    (``load_schedule_csv``) gives the same order.
+
+    Raises:
+      TypeError: naming ``schedule`` when it is no ``PipelineSchedule``.
+    """
+    if not isinstance(schedule, PipelineSchedule):
+        raise TypeError(f"schedule: expected a PipelineSchedule (e.g. parallel.get_executable(...).schedule), "
+                        f"got {type(schedule).__name__}")
     Path(path).write_text(format_schedule_csv(schedule.sequences))
