@@ -1,17 +1,24 @@
 """Planner benchmark: what each automatic planner picks, predicted and measured.
 
     python -m benchmarks.planner [--json PATH] [--models gpt ut gpt_scanned] [--repeat N] [--rounds R] [--quick]
-        [--no-cpu] [--no-simulated] [--planners meshpar ...]
+        [--no-cpu] [--no-small] [--no-simulated] [--planners meshpar ...]
 
 - ``cpu``: 8 CPU devices in this process. For GPT and U-Transformer with 8 layers (7 candidate
-  cut points), every configuration of a grid (1, 2 or 4 stages cut evenly; each (data, model)
-  shape; 2, 4 or 8 micro-batches, and 1 for one stage; 1F1B) is predicted by meshpar's cost model
-  (``passes.planner_meshpar.predict``) and measured (median of ``N`` steps after one that
-  compiles), and so are each planner's pick and plain ``jax.jit`` data parallelism over all 8
-  devices. Reports the rank correlation (Spearman) of predicted and measured steps. Then the
-  contenders (the grid's three best, every pick, ``jax.jit``) are measured again, interleaved
-  over ``--rounds`` rounds, so that each pick is compared with the best of them at one time on
-  a machine whose speed drifts over minutes.
+  cut points), and the GPT with its blocks in one scan, every configuration of a grid is
+  predicted by meshpar's cost model (``passes.planning.planner_meshpar.predict``) and measured
+  (median of ``N`` steps after one that compiles): 1, 2 or 4 stages cut evenly on all devices,
+  each (data, model) shape, 2, 4 or 8 micro-batches, and 1 for one stage, under 1F1B; one
+  program on the first 1, 2 or 4 devices; and every registered schedule taking virtual stages
+  with 4 stages on 2 meshes (2 per mesh) and 4 or 8 micro-batches. So are each planner's pick,
+  plain ``jax.jit`` data parallelism over all 8 devices, and ``jax.jit`` on one device.
+  Reports the rank correlation (Spearman) of predicted and measured steps. Then the
+  contenders (the grid's three best, every pick, both ``jax.jit``s) are measured again,
+  interleaved over ``--rounds`` rounds, so that each pick is compared with the best of them at
+  one time on a machine whose speed drifts over minutes.
+- ``small``: as a user would, ``meshpar.plan_parallelism`` on the issue's small GPT (4 blocks
+  in one ``nn.scan``) and on each CPU model, calibrating on its own: the planning time, the
+  warnings it shows, and the pick against ``jax.jit`` on one device, ``SMALL_STEPS`` steps of
+  each in alternating rounds (p50 and p90).
 - ``simulated``: a 96-layer GPT (hidden 12288, 2048 tokens) on ``dgx_h100`` and
   ``aws_p3_8xlarge`` clusters of 16 to 1,024 GPUs, 80 GB (resp. 16 GB) per device: each
   planner's pick, predicted step time, peak memory per device and planning time; and ATP's
@@ -20,6 +27,7 @@
 Records (``--json``): one per measured or planned configuration::
 
     {"part", "model", "config", "source", "predicted_step_s", "measured_step_s", "planning_s", "peak_memory_bytes", ...}
+    {"part": "small", "model", "config", "planning_s", "warnings", "pick_p50_ms", "pick_p90_ms", "jit_p50_ms", "jit_p90_ms"}
 
 Prints progress lines while it runs and a markdown table at the end.
 """
@@ -40,9 +48,17 @@ __all__ = ["main", "spearman", "table"]
 CPU_DEVICES = 8
 GRID_STAGES = (1, 2, 4)
 GRID_MICRO_BATCHES = (2, 4, 8)
+# One program on the first n devices.
+GRID_DEVICE_SUBSETS = (1, 2, 4)
+# Virtual stages: this many stages on half as many meshes, with these micro-batch counts.
+GRID_VIRTUAL_STAGES = 4
+GRID_VIRTUAL_MICRO_BATCHES = (4, 8)
 BATCH = 16
 # The grid's best configurations measured again beside the picks and jax.jit.
 HEAD_TO_HEAD_GRID = 3
+# Steps of the pick and of jax.jit on one device in the small-model part, in rounds of SMALL_ROUND.
+SMALL_STEPS = 20
+SMALL_ROUND = 5
 
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -66,9 +82,14 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def _config(plan) -> str:
-    shapes = "+".join(f"{s.shape[0]}x{s.shape[1]}" for s in plan.stages)
+    """One line naming a ``PipelinePlan``: its stages' layers, each mesh's shape, stages per
+    mesh, micro-batches and schedule (one program: its devices)."""
     layers = "|".join(f"{s.start}-{s.stop - 1}" for s in plan.stages)
-    return f"S={plan.num_stages} [{layers}] {shapes} M={plan.num_micro_batches} {plan.schedule}"
+    shapes = "+".join(f"{d}x{t}" for d, t in plan.mesh_shapes)
+    if plan.one_program:
+        return f"one program [{layers}] {shapes} on {plan.num_devices} device{'s' * (plan.num_devices > 1)}"
+    return (f"S={plan.num_stages} [{layers}] {shapes} v={plan.stages_per_mesh} M={plan.num_micro_batches} "
+            f"{plan.schedule}")
 
 
 def _cpu_models(names: Sequence[str]):
@@ -76,6 +97,10 @@ def _cpu_models(names: Sequence[str]):
     from examples.u_transformer import UTransformer, ut_batch, ut_loss
 
     out = {}
+    if "tiny" in names:
+        # The issue's small GPT: 4 blocks in one nn.scan.
+        model = GPT(num_layers=4, scan_layers=True)
+        out["tiny"] = (model, gpt_batch(0, BATCH, model.seq_len, model.vocab_size), gpt_loss)
     if "gpt" in names:
         model = GPT(num_stages=8)
         out["gpt"] = (model, gpt_batch(0, BATCH, model.seq_len, model.vocab_size), gpt_loss)
@@ -101,14 +126,15 @@ def _measure(run, state, batch, repeat: int) -> float:
     return statistics.median(time_steps(run, state, batch, repeat))
 
 
-def _data_parallel(step, state, batch):
-    """Plain jax.jit over every device: the batch sharded over them, the state replicated.
-    The batch stays on the host, as it does for the pipelines, which place it every step."""
+def _data_parallel(step, state, batch, num_devices: int):
+    """Plain jax.jit over the first ``num_devices`` devices: the batch sharded over them, the
+    state replicated (one device: plain ``jax.jit`` there). The batch stays on the host, as it
+    does for the pipelines, which place it every step."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import numpy as np
 
-    mesh = Mesh(np.array(jax.devices()), ("data",))
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("data",))
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     state = jax.device_put(state, replicated)
     return jax.jit(step, in_shardings=(replicated, sharded), out_shardings=(replicated, replicated)), state, batch
@@ -127,12 +153,19 @@ def _head_to_head(runs: dict, rounds: int, repeat: int) -> dict[str, float]:
 
 
 def _grid(profile, cluster, hardware, quick: bool):
-    from meshpar.passes.planning.planner_meshpar import StagePlan, _shapes, predict
+    """The grid's plans (module doc), each predicted on the devices it runs on."""
+    from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, check_stage_placement
+    from meshpar.passes.planning.planner_meshpar import _shapes, predict
+    from meshpar.passes.planning.protocol import StagePlan, first_devices
 
     L = profile.num_layers
+
+    def even(S, shape):
+        per = L // S
+        return [StagePlan(k * per, (k + 1) * per if k < S - 1 else L, shape) for k in range(S)]
+
     plans = []
     for S in GRID_STAGES:
-        per = L // S
         # One stage and one micro-batch: one SPMD program (PipeshardParallel.single_program).
         for M in ((1,) if S == 1 else ()) + GRID_MICRO_BATCHES:
             b = profile.batch_size // M
@@ -140,8 +173,20 @@ def _grid(profile, cluster, hardware, quick: bool):
             if quick:
                 shapes = shapes[:1] + shapes[-1:] if len(shapes) > 1 else shapes
             for shape in shapes:
-                stages = [StagePlan(k * per, (k + 1) * per if k < S - 1 else L, shape) for k in range(S)]
-                plans.append(predict(profile, cluster, hardware, stages, M, "1f1b", planner="grid"))
+                plans.append(predict(profile, cluster, hardware, even(S, shape), M, "1f1b", planner="grid"))
+    for n in GRID_DEVICE_SUBSETS:
+        plans.append(predict(profile, first_devices(cluster, n), hardware, even(1, (n, 1)), 1, "1f1b", planner="grid"))
+    meshes = GRID_VIRTUAL_STAGES // 2
+    for name, kind in SCHEDULES.items():
+        for M in GRID_VIRTUAL_MICRO_BATCHES if kind.virtual_stages else ():
+            try:
+                check_stage_placement(name, GRID_VIRTUAL_STAGES, meshes, M)
+            except ValueError:
+                continue
+            # The widest data axis that splits a micro-batch.
+            shape = max(sh for sh in _shapes(CPU_DEVICES // meshes) if (profile.batch_size // M) % sh[0] == 0)
+            plans.append(predict(profile, cluster, hardware, even(GRID_VIRTUAL_STAGES, shape), M, name,
+                                 planner="grid", stages_per_mesh=2))
     return plans
 
 
@@ -150,9 +195,10 @@ def run_cpu(args, emit) -> None:
 
     import meshpar
     from examples.train_step import supervised_step
+    from meshpar.calibration import calibrate, calibrate_pipeline, measure_hardware
     from meshpar.cluster import Cluster
-    from meshpar.planning import (PLANNERS, ParallelismPlan, calibrate, calibrate_pipeline, compiled_tensor_parallel,
-                                  measure_hardware, plan_parallelism, profile_step)
+    from meshpar.planning import PLANNERS, ParallelismPlan, plan_parallelism
+    from meshpar.step_profile import compiled_tensor_parallel, profile_step
 
     devices = tuple(jax.devices())
     cluster = Cluster.from_devices(list(devices))
@@ -194,27 +240,62 @@ def run_cpu(args, emit) -> None:
                 continue
             start = time.perf_counter()
             chosen = plan_parallelism(step, state, batch, planner=planner, hardware=hardware, devices=devices,
-                                      cluster=cluster, schedules=("1f1b",))
+                                      cluster=cluster)
             planning = time.perf_counter() - start
             measure(chosen.best, f"pick:{planner}")
             picks[f"pick:{planner}"] = _config(chosen.best)
             emit({"part": "cpu", "model": name, "config": _config(chosen.best), "source": f"planning:{planner}",
                   "planning_s": planning})
-        jit_key = f"jax.jit data parallel over {len(devices)}"
-        runs[jit_key] = _data_parallel(step, state, batch)
-        emit({"part": "cpu", "model": name, "config": jit_key, "source": "jax.jit",
-              "measured_step_s": _measure(*runs[jit_key], args.repeat)})
-        # The contenders again, interleaved: the grid's best few, every pick and jax.jit.
+        jit_keys = {f"jax.jit data parallel over {len(devices)}": len(devices), "jax.jit on one device": 1}
+        for key, n in jit_keys.items():
+            runs[key] = _data_parallel(step, state, batch, n)
+            emit({"part": "cpu", "model": name, "config": key, "source": "jax.jit",
+                  "measured_step_s": _measure(*runs[key], args.repeat)})
+        # The contenders again, interleaved: the grid's best few, every pick and both jax.jits.
         best_grid = sorted({_config(p) for p in grid}, key=measured.get)[:HEAD_TO_HEAD_GRID]
-        contenders = {k: runs[k] for k in dict.fromkeys([*best_grid, *picks.values(), jit_key])}
+        contenders = {k: runs[k] for k in dict.fromkeys([*best_grid, *picks.values(), *jit_keys])}
         final = _head_to_head(contenders, args.rounds, args.repeat)
         for key in best_grid:
             emit({"part": "cpu", "model": name, "config": key, "source": "final:grid", "measured_step_s": final[key]})
         for source, key in picks.items():
             emit({"part": "cpu", "model": name, "config": key, "source": source.replace("pick:", "final:"),
                   "measured_step_s": final[key]})
-        emit({"part": "cpu", "model": name, "config": jit_key, "source": "final:jax.jit",
-              "measured_step_s": final[jit_key]})
+        for key in jit_keys:
+            emit({"part": "cpu", "model": name, "config": key, "source": "final:jax.jit",
+                  "measured_step_s": final[key]})
+
+
+def run_small(args, emit) -> None:
+    """``plan_parallelism`` as a user calls it (it calibrates on its own), on the issue's small
+    GPT and on each CPU model: its pick against ``jax.jit`` on one device, ``SMALL_STEPS``
+    steps of each in alternating rounds of ``SMALL_ROUND``."""
+    import warnings
+
+    import numpy as np
+
+    import meshpar
+    from examples.train_step import supervised_step
+
+    for name, (model, batch, loss) in _cpu_models(["tiny", *args.models]).items():
+        state = _state(model, batch["x"][:1])
+        step = supervised_step(loss)
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            start = time.perf_counter()
+            plan = meshpar.plan_parallelism(step, state, batch)
+            planning = time.perf_counter() - start
+        runs = {"pick": (meshpar.parallelize(step, method=plan.method), state, batch),
+                "jit": _data_parallel(step, state, batch, 1)}
+        samples: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(SMALL_STEPS // SMALL_ROUND):
+            for key, (run, s, b) in runs.items():
+                samples[key] += time_steps(run, s, b, SMALL_ROUND)
+        record = {"part": "small", "model": name, "config": _config(plan.best), "planning_s": planning,
+                  "warnings": [str(w.message) for w in shown]}
+        for key, times in samples.items():
+            record[f"{key}_p50_ms"] = 1e3 * float(np.median(times))
+            record[f"{key}_p90_ms"] = 1e3 * float(np.percentile(times, 90))
+        emit(record)
 
 
 def _gpt96(batch: int):
@@ -228,7 +309,8 @@ def _gpt96(batch: int):
 
 def run_simulated(args, emit) -> None:
     from meshpar.cluster import Cluster
-    from meshpar.passes.planning.planner_meshpar import Hardware, NoPlanFits, predict
+    from meshpar.passes.planning.planner_meshpar import predict
+    from meshpar.passes.planning.protocol import Hardware, NoPlanFits, PlanConstraints, first_devices
     from meshpar.planning import PLANNERS
 
     clusters = [("dgx_h100", Cluster.dgx_h100(n // 8), Hardware(4e14), 80e9) for n in (16, 128, 1024)]
@@ -240,8 +322,7 @@ def run_simulated(args, emit) -> None:
                 continue
             start = time.perf_counter()
             try:
-                plans = PLANNERS[planner](profile, cluster, hardware, budget, None, None, ("1f1b", "eager_1f1b"),
-                                          "per_step")
+                plans = PLANNERS[planner](profile, cluster, hardware, PlanConstraints(budget))
             except NoPlanFits as e:
                 emit({"part": "simulated", "model": "gpt96", "config": f"{cluster_name} x{cluster.num_devices}",
                       "source": f"pick:{planner}", "error": str(e), "planning_s": time.perf_counter() - start})
@@ -249,7 +330,8 @@ def run_simulated(args, emit) -> None:
             planning = time.perf_counter() - start
             best = plans[0]
             # Every pick priced once more by one model, meshpar's simulator, to compare the picks.
-            common = predict(profile, cluster, hardware, best.stages, best.num_micro_batches, best.schedule)
+            common = predict(profile, first_devices(cluster, best.num_devices), hardware, best.stages,
+                             best.num_micro_batches, best.schedule, stages_per_mesh=best.stages_per_mesh)
             emit({"part": "simulated", "model": "gpt96", "config": f"{cluster_name} x{cluster.num_devices}: "
                   + _config(best), "source": f"pick:{planner}", "predicted_step_s": best.predicted_step_s,
                   "peak_memory_bytes": max(best.peak_memory_bytes), "planning_s": planning,
@@ -274,29 +356,43 @@ def run_atp(emit) -> None:
 
 def table(records: Sequence[dict]) -> str:
     """The markdown summary: per CPU model, the grid's rank correlation, the best measured
-    configuration, each pick and jax.jit; then the simulated picks, each priced by its own
-    planner's model and by meshpar's simulator; then ATP's meshes."""
-    lines = ["| part | model | source | configuration | predicted ms | measured ms | vs best measured | planning s |",
-             "|---|---|---|---|---|---|---|---|"]
+    configuration, each pick and the jax.jit steps, each against the best of them and against
+    the best candidate (a grid plan or a pick); then each small model's pick against
+    jax.jit on one device; then the simulated picks, each priced by its own planner's model and
+    by meshpar's simulator; then ATP's meshes."""
+    lines = ["| part | model | source | configuration | predicted ms | measured ms | vs best measured "
+             "| vs best candidate | planning s |", "|---|---|---|---|---|---|---|---|---|"]
     for model in sorted({r["model"] for r in records if r["part"] == "cpu" and r["model"] != "-"}):
         rows = [r for r in records if r["part"] == "cpu" and r["model"] == model]
         grid = [r for r in rows if r["source"] == "grid"]
         rho = spearman([r["predicted_step_s"] for r in grid], [r["measured_step_s"] for r in grid])
         best_grid = min((r["measured_step_s"] for r in grid), default=float("nan"))
         lines.append(f"| cpu | {model} | grid ({len(grid)} configurations, one after another) | Spearman ρ predicted "
-                     f"vs measured = {rho:.2f} | | {best_grid * 1e3:.1f} (best) | | |")
+                     f"vs measured = {rho:.2f} | | {best_grid * 1e3:.1f} (best) | | | |")
         # The ratios come from the interleaved final rounds when the run has them.
         final = [r for r in rows if r["source"].startswith("final:")]
         shown = final or [r for r in rows if r["source"].startswith("pick:") or r["source"] == "jax.jit"]
         best = min(r["measured_step_s"] for r in shown) if final else min(
             (r["measured_step_s"] for r in rows if "measured_step_s" in r), default=float("nan"))
+        # Candidates: what a planner may choose (the grid's plans, the picks), not jax.jit.
+        best_candidate = min((r["measured_step_s"] for r in shown if not r["source"].endswith("jax.jit")),
+                             default=float("nan"))
         for r in shown:
             planner = r["source"].split(":", 1)[-1]
             pick = next((p for p in rows if p["source"] == f"pick:{planner}"), None)
             planning = next((p["planning_s"] for p in rows if p["source"] == f"planning:{planner}"), None)
             pred = f"{pick['predicted_step_s'] * 1e3:.1f}" if pick else ""
             lines.append(f"| cpu | {model} | {r['source']} | {r['config']} | {pred} | {r['measured_step_s'] * 1e3:.1f} "
-                         f"| {r['measured_step_s'] / best:.2f}x | {'' if planning is None else f'{planning:.2f}'} |")
+                         f"| {r['measured_step_s'] / best:.2f}x | {r['measured_step_s'] / best_candidate:.2f}x "
+                         f"| {'' if planning is None else f'{planning:.2f}'} |")
+    small = [r for r in records if r["part"] == "small"]
+    if small:
+        lines += ["", "| small model | pick (plan_parallelism, calibrating itself) | planning s | warnings shown "
+                  "| pick p50 / p90 ms | jax.jit one device p50 / p90 ms | pick / jax.jit (p50) |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['config']} | {r['planning_s']:.1f} | {len(r['warnings'])} "
+                  f"| {r['pick_p50_ms']:.2f} / {r['pick_p90_ms']:.2f} | {r['jit_p50_ms']:.2f} / {r['jit_p90_ms']:.2f} "
+                  f"| {r['pick_p50_ms'] / r['jit_p50_ms']:.2f}x |" for r in small]
     simulated = [r for r in records if r["part"] == "simulated"]
     if simulated:
         lines += ["", "| simulated gpt96 | planner | plan | own model s | meshpar's simulator s | peak GB (meshpar's "
@@ -326,13 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the records here")
-    parser.add_argument("--models", nargs="+", default=["gpt", "ut"], choices=["gpt", "ut", "gpt_scanned"])
+    models = ["gpt", "ut", "gpt_scanned"]
+    parser.add_argument("--models", nargs="+", default=models, choices=models)
     parser.add_argument("--planners", nargs="+", default=["meshpar", "amp", "galvatron", "alpa_dp"])
     parser.add_argument("--repeat", type=int, default=3, help="timed steps per configuration (default 3)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds of the final interleaved measurement of the contenders (default 5)")
     parser.add_argument("--quick", action="store_true", help="two shapes per (stages, micro-batches) on the grid")
     parser.add_argument("--no-cpu", action="store_true", help="skip the measured CPU part")
+    parser.add_argument("--no-small", action="store_true", help="skip the small models' picks against jax.jit")
     parser.add_argument("--no-simulated", action="store_true", help="skip the simulated clusters")
     args = parser.parse_args(argv)
     if args.repeat < 1:
@@ -347,11 +445,14 @@ def main(argv: list[str] | None = None) -> int:
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "part"}
         print(f"[{time.perf_counter() - start:6.1f} s] {record['part']}: {shown}", flush=True)
 
-    if not args.no_cpu:
+    if not (args.no_cpu and args.no_small):
         import jax
 
         jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
+    if not args.no_cpu:
         run_cpu(args, emit)
+    if not args.no_small:
+        run_small(args, emit)
     if not args.no_simulated:
         run_simulated(args, emit)
         run_atp(emit)

@@ -22,7 +22,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
+from meshpar.passes.pipeline.step_primitives import pipeline_grad_p, stage_boundary_p
 from meshpar.passes.pipeline.cutting.micro_batching import MicroBatching
 from meshpar.runtime.placement import put
 
@@ -92,9 +92,20 @@ def _evaluate(jaxpr: jax_ir.Jaxpr, consts: Sequence[Any], args: Sequence[Any], f
             n = eqn.params["num_diff"]
             invals = [*invals[:n], *(jax.random.fold_in(x, 0) if k in fold_keys else x
                                      for k, x in enumerate(invals[n:]))]
-            outs = pipeline_grad_p.impl(*invals, **eqn.params)
+            outs = pipeline_grad_p.impl(*invals, **{**eqn.params,
+                                                    "loss_jaxpr": _without_markers(eqn.params["loss_jaxpr"])})
         else:
             outs = jax_ir.bind_equation(eqn, invals)
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _without_markers(loss: jax_ir.ClosedJaxpr) -> jax_ir.ClosedJaxpr:
+    """``loss`` without its stage markers: one program has no stages, and the markers' effect
+    would cost every call JAX's C++ dispatch (the program then runs like ``jax.jit`` of the
+    step, whose markers bind nothing)."""
+    jaxpr = loss.jaxpr
+    eqns = [e for e in jaxpr.eqns if e.primitive is not stage_boundary_p]
+    effects = jaxpr.effects - set(stage_boundary_p.abstract_eval()[1])
+    return jax_ir.ClosedJaxpr(jaxpr.replace(eqns=eqns, effects=effects), loss.consts)

@@ -16,7 +16,8 @@ from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make
 from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind, task_dependencies
 from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, Stage
 from meshpar.passes.pipeline.cutting.stage_parts import stage_parts
-from meshpar.passes.simulation.cost_model import StageGradients, allreduce_seconds, estimate_durations
+from meshpar.passes.simulation.collectives import ring_all_reduce_s
+from meshpar.passes.simulation.cost_model import StageGradients, estimate_durations
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 
 B, W, A = TaskKind.BACKWARD, TaskKind.BACKWARD_WEIGHT, TaskKind.SEND_ACT
@@ -57,20 +58,20 @@ def test_allreduce_seconds_is_a_ring_all_reduces(D):
     results, seconds = _ring_all_reduce(values, bandwidth=1e3)
     for r in results:
         np.testing.assert_allclose(r, np.sum(values, axis=0), rtol=1e-12)
-    assert allreduce_seconds(24 * 8, D, 1e3) == pytest.approx(seconds, rel=1e-12)
+    assert ring_all_reduce_s(24 * 8, D, 1e3) == pytest.approx(seconds, rel=1e-12)
 
 
 def test_allreduce_seconds_by_hand_and_for_one_device():
-    assert allreduce_seconds(1000, 2, 100.0) == 10.0  # 2 (2 - 1) / 2 = 1 of the bytes
-    assert allreduce_seconds(1000, 4, 100.0) == 15.0  # 2 (4 - 1) / 4 = 1.5
-    assert allreduce_seconds(1000, 8, 1e3) == 1.75
-    assert allreduce_seconds(10**9, 1, 1.0) == 0.0  # nothing to reduce
+    assert ring_all_reduce_s(1000, 2, 100.0) == 10.0  # 2 (2 - 1) / 2 = 1 of the bytes
+    assert ring_all_reduce_s(1000, 4, 100.0) == 15.0  # 2 (4 - 1) / 4 = 1.5
+    assert ring_all_reduce_s(1000, 8, 1e3) == 1.75
+    assert ring_all_reduce_s(10**9, 1, 1.0) == 0.0  # nothing to reduce
 
 
 @pytest.mark.parametrize("group_size", [0, -1])
 def test_allreduce_seconds_rejects_an_empty_group(group_size):
     with pytest.raises(ValueError, match=rf"^group_size: expected at least 1 device, got {group_size}$"):
-        allreduce_seconds(8, group_size, 1.0)
+        ring_all_reduce_s(8, group_size, 1.0)
 
 
 # -- StageGradients and estimate_durations ------------------------------------------------------

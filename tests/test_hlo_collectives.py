@@ -14,7 +14,7 @@ from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
 from meshpar.passes.planning.hlo_collectives import (Collective, CollectiveKind, all_reduce_equivalent_bytes,
                                                   collective_groups, collectives)
-from meshpar.planning import compiled_tensor_parallel, profile_step
+from meshpar.step_profile import compiled_tensor_parallel, profile_step
 from pipeline_models import make_state
 
 HLO = """

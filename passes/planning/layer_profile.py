@@ -29,6 +29,10 @@ class LayerProfile:
         two all-reduces of the hidden state per transformer layer); the backward moves as much.
       num_ops: operations its forward program runs (each device of a mesh runs every one);
         what small layers cost where launching an operation, not computing it, dominates.
+      splits_over_model: whether a mesh's model axis splits the layer (its parameters are
+        partitioned over it): its FLOPs, parameters, optimizer state and activations then
+        divide over the axis; otherwise every device of a model-axis row holds and runs all
+        of them, repeating each other's work.
     """
 
     flops: float
@@ -38,12 +42,15 @@ class LayerProfile:
     boundary_bytes: float
     tp_bytes: float = 0.0
     num_ops: float = 0.0
+    splits_over_model: bool = True
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
+        for field in dataclasses.fields(self)[:-1]:
             value = getattr(self, field.name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{field.name}: expected a non-negative number, got {value!r}")
+        if not isinstance(self.splits_over_model, bool):
+            raise ValueError(f"splits_over_model: expected a bool, got {self.splits_over_model!r}")
 
 
 @dataclasses.dataclass(frozen=True)

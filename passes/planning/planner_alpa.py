@@ -37,8 +37,8 @@ import numpy as np
 from ..model.cluster import Cluster
 
 from .layer_profile import ModelProfile
-from .planner_meshpar import (Hardware, NoPlanFits, PipelinePlan, StagePlan, _memory, _Prefix, _stage_seconds,
-                              tensor_parallel_bandwidth)
+from .planner_meshpar import _memory, _Prefix, _stage_seconds, tensor_parallel_bandwidth
+from .protocol import Hardware, NoPlanFits, PipelinePlan, PlanConstraints, StagePlan
 
 __all__ = ["submesh_shapes", "cluster_layers", "stage_dp", "search"]
 
@@ -151,18 +151,22 @@ def _dp_at(stage_s: np.ndarray, sizes: list[int], D: int, t_max: float, S_max: i
     return best[0], stages
 
 
-def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware, memory_budget_bytes: float | None = None,
-           max_micro_batches: int = 64, num_stages: int | None = None, num_micro_batches: int | None = None,
-           max_layers: int = 16, gap: float = 0.02) -> list[PipelinePlan]:
+def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
+           constraints: PlanConstraints = PlanConstraints(), *, max_micro_batches: int = 64, max_layers: int = 16,
+           gap: float = 0.02) -> list[PipelinePlan]:
     """Alpa's plan for every micro-batch count (dividing the batch, up to
-    ``max_micro_batches``), ranked by Alpa's latency ``T*``; ``num_stages`` /
-    ``num_micro_batches`` fix one. Each stage's (data, model) shape is the logical shape of its
-    submesh that Alpa's intra-op cost found fastest.
+    ``max_micro_batches``), ranked by Alpa's latency ``T*``: a ``protocol.Planner``.
+    ``constraints.num_stages`` / ``num_micro_batches`` fix one; Alpa plans 1F1B on every device
+    (its submeshes cover the cluster), whatever ``constraints.schedules``,
+    ``stages_per_mesh`` and ``device_subsets``, and no gradient synchronisation. Each stage's
+    (data, model) shape is the logical shape of its submesh that Alpa's intra-op cost found
+    fastest.
 
     Raises:
-      NoPlanFits: no partition fits ``memory_budget_bytes``.
+      NoPlanFits: no partition fits ``constraints.memory_budget_bytes``.
     """
-    budget = math.inf if memory_budget_bytes is None else float(memory_budget_bytes)
+    num_stages, num_micro_batches = constraints.num_stages, constraints.num_micro_batches
+    budget = constraints.budget
     bounds = cluster_layers(profile, max_layers)
     K, D, batch = len(bounds) - 1, cluster.num_devices, profile.batch_size
     shapes = submesh_shapes(cluster)

@@ -21,7 +21,8 @@ where ``b`` is the micro-batch size (examples per data-parallel replica per micr
 ``gas = batch / (dp · b)`` the micro-batches per step (gradient accumulation steps), ``F`` one
 device's FLOP/s. ``t_i`` is one micro-batch's forward and backward on stage ``i`` (backward
 priced at twice the forward, as AMP does) plus its Megatron all-reduces (``tp_bytes`` per
-forward, as much again in the backward, each a ring: ``2 (n - 1) / n · bytes / β``); ``e_i``
+forward, as much again in the backward, each a ring: ``2 (n - 1) / n · bytes / β``,
+``collectives.ring_all_reduce_s`` without latency, as AMP prices it); ``e_i``
 one micro-batch's activation across the stage edge; ``a_i`` the gradient all-reduce ending the
 step. ``g`` is 1F1B's critical path: the slowest stage's ``gas - 1`` steady micro-batches plus
 one micro-batch through every stage and edge. ``g`` is Eq. 6 as §6.4 (Eq. 10) restates it;
@@ -50,8 +51,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..model.cluster import Cluster
-
+from ..simulation.collectives import ring_all_reduce_s
 from .layer_profile import ModelProfile
+from .protocol import Hardware, NoPlanFits, PipelinePlan, PlanConstraints, StagePlan
 
 __all__ = [
     "MEGATRON_PLACEMENT",
@@ -61,6 +63,7 @@ __all__ = [
     "megatron_uniform_partition",
     "partition_layers",
     "pipeline_cost",
+    "plan",
     "search",
 ]
 
@@ -335,11 +338,6 @@ def _bandwidths(cluster: Cluster, grid: np.ndarray) -> _Bandwidths:
     return _Bandwidths(tp, dp, pp)
 
 
-def _all_reduce_s(num_bytes, ring: int, bandwidth) -> np.ndarray:
-    """A ring all-reduce of ``num_bytes`` over ``ring`` members: ``2 (n - 1) / n · bytes / β``."""
-    return np.asarray(0.0 if ring <= 1 else 2.0 * (ring - 1) / ring * np.asarray(num_bytes) / bandwidth)
-
-
 # -- the cost model --------------------------------------------------------------------------
 
 
@@ -408,7 +406,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, device_flops: float, *, dp
     gas = B // (dp * b)
     layers = _Layers.of(profile)
     bw = _bandwidths(cluster, _device_grid(cluster, pp, dp, tp, placement))
-    layer_s = 3.0 * b * layers.flops / (tp * device_flops) + _all_reduce_s(2.0 * b * layers.tp_bytes, tp, bw.tp)
+    layer_s = 3.0 * b * layers.flops / (tp * device_flops) + ring_all_reduce_s(2.0 * b * layers.tp_bytes, tp, bw.tp)
     edge_s = b * layers.cut_bytes[:, None] / bw.pp[None, :]
     memory = _stage_memory(layers, tp, pp, b, gas)
     if partition is None:
@@ -418,7 +416,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, device_flops: float, *, dp
     if len(bounds) != pp + 1:
         raise ValueError(f"partition: expected {pp} stages (pp), got {len(bounds) - 1}")
     starts, stops = np.array(bounds[:-1]), np.array(bounds[1:])
-    sync = _all_reduce_s((layers.params[stops] - layers.params[starts]) / tp, dp, bw.dp)
+    sync = ring_all_reduce_s((layers.params[stops] - layers.params[starts]) / tp, dp, bw.dp)
     step = pipeline_cost(layer_s, edge_s, bounds, gas) + float(np.max(sync))
     peak = float(memory[np.arange(pp), starts, stops].max())
     return AmpPlan(dp, tp, pp, b, gas, bounds, step, peak, tuple(placement))
@@ -545,3 +543,30 @@ def search(profile: ModelProfile, cluster: Cluster, device_flops: float, memory_
             state, current = proposal, following
     return sorted(plans.values(), key=lambda p: (p.predicted_step_s, p.peak_memory_bytes, p.tp, p.dp,
                                                  p.micro_batch_size, p.placement))
+
+
+def plan(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
+         constraints: PlanConstraints = PlanConstraints()) -> list[PipelinePlan]:
+    """AMP's search as ``PipelinePlan``s: a ``protocol.Planner``. Its plans with Megatron's
+    placement (the stage meshes meshpar cuts), on every device, priced by AMP's own model,
+    1F1B, with its paper's gradient synchronisation whatever ``constraints.schedules``,
+    ``stages_per_mesh``, ``device_subsets`` and ``gradient_reduction``. AMP knows a device by
+    its FLOP/s: the calibrated rate (``Hardware.compute_scale``), as meshpar's own.
+
+    Raises:
+      NoPlanFits: no strategy fits the budget, or none has Megatron's placement and the fixed
+        stage and micro-batch counts.
+    """
+    try:
+        found = search(profile, cluster, hardware.device_flops / hardware.compute_scale,
+                       constraints.memory_budget_bytes)
+    except ValueError as e:
+        raise NoPlanFits(str(e)) from None
+    plans = [PipelinePlan(tuple(StagePlan(a, c, (p.dp, p.tp)) for a, c in zip(p.partition, p.partition[1:])),
+                          p.num_micro_batches, "1f1b", p.predicted_step_s, (p.peak_memory_bytes,) * p.pp, "amp")
+             for p in found if p.placement == MEGATRON_PLACEMENT]
+    plans = [p for p in plans if constraints.admits(p)]
+    if not plans:
+        raise NoPlanFits(f"num_stages, num_micro_batches: AMP found no plan with Megatron's placement"
+                         f"{constraints.fixed_counts()}")
+    return plans

@@ -50,6 +50,7 @@ import numbers
 import numpy as np
 
 from ..model.cluster import Cluster
+from ..simulation.collectives import ring_all_reduce_s
 
 from .layer_profile import LayerProfile
 
@@ -118,8 +119,10 @@ def all_reduce_bandwidth(ring_size: int, link_bandwidth: float) -> float:
         B_k = d_k / (2 (d_k - 1)) · B'_k
 
     so an all-reduce of ``M`` bytes takes ``M / B_k = 2 (d_k - 1) / d_k · M / B'_k`` (a ring's
-    reduce-scatter plus all-gather). ``B_k = B'_k`` at ``d_k = 2``, tends to ``B'_k / 2`` as
-    ``d_k`` grows, and is ``inf`` at ``d_k = 1`` (nothing to reduce).
+    reduce-scatter plus all-gather): ``collectives.ring_all_reduce_s`` without latency, kept in
+    the paper's bandwidth form because Eq. 5 composes the two axes' bandwidths. ``B_k = B'_k``
+    at ``d_k = 2``, tends to ``B'_k / 2`` as ``d_k`` grows, and is ``inf`` at ``d_k = 1``
+    (nothing to reduce).
     """
     n = _count("ring_size", ring_size)
     if not link_bandwidth > 0:  # also rejects NaN; inf is a free link
@@ -479,7 +482,7 @@ def best_data_model_shape(layer: LayerProfile, cluster: Cluster, num_devices: in
         if (batch // micro) % data:
             continue
         dp_link = _ring_links(cluster, (data, model), first)[0]
-        dp_s = 0.0 if data == 1 else 2.0 * (data - 1) / data * layer.param_bytes / model / dp_link
+        dp_s = ring_all_reduce_s(layer.param_bytes / model, data, dp_link)
         for mesh in mesh_shapes(model):
             bandwidths = mesh_bandwidths(cluster, mesh, replicas=data, first_device=first)
             tp_s = atp_profile_comm(layer, bandwidths, batch / data).total_s

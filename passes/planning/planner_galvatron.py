@@ -32,8 +32,9 @@ data shards, ``e = b / n`` examples per device, ``F`` FLOP/s per device (``layer
 
 ``c(l, S) = fwd + bwd``; ``c_no_grad_sync`` drops ``sync`` (App. C: only the last micro-batch
 synchronises gradients). Backward compute is twice the forward (§V), CKPT adds one forward
-and its TP all-reduces (§III-A3). A ring over ``k`` members: ``all_reduce(x, k) = 2(k-1) ·
-(latency + x / (k β))``, ``all_gather = reduce_scatter = (k-1) · (latency + x / (k β))``.
+and its TP all-reduces (§III-A3). A ring over ``k`` members (``collectives``, with the
+cluster's per-message latency, as §V charges it): ``all_reduce(x, k) = 2(k-1) · (latency + x /
+(k β))``, ``all_gather = reduce_scatter = (k-1) · (latency + x / (k β))``.
 
 Memory per device (§III-A1, Eq. 1-3), bytes; gradients are as large as the parameters:
 
@@ -81,8 +82,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..model.cluster import Cluster
-
+from ..simulation.collectives import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s
 from .layer_profile import LayerProfile, ModelProfile
+from .protocol import Hardware, NoPlanFits, PipelinePlan, PlanConstraints, StagePlan
 
 __all__ = [
     "MAX_MEMORY_UNITS",
@@ -98,6 +100,7 @@ __all__ = [
     "layer_dp",
     "memory_balanced_partition",
     "pipeline_cost",
+    "plan",
     "search",
     "stage_memories",
     "stage_memory",
@@ -324,15 +327,6 @@ class LayerCost:
     backward_bytes: float
 
 
-def _ring(total_bytes, members: int, bandwidth: float, latency: float, steps_per_member: int):
-    """A ring collective over ``members`` of ``total_bytes``: ``steps · (k - 1)`` messages of
-    ``total_bytes / k`` (all-gather and reduce-scatter 1 step, all-reduce 2)."""
-    if members <= 1:
-        return np.zeros_like(np.asarray(total_bytes, dtype=np.float64))
-    chunk = np.asarray(total_bytes, dtype=np.float64) / members
-    return steps_per_member * (members - 1) * (latency + chunk / bandwidth)
-
-
 def _overlap(compute, communication):
     """§V: both run slowed by ``OVERLAP_SLOWDOWN`` while both run; the longer then finishes alone."""
     return np.maximum(compute, communication) + (OVERLAP_SLOWDOWN - 1.0) * np.minimum(compute, communication)
@@ -365,9 +359,10 @@ def _costs(layers: _Layers, strategy: Strategy, micro_batch_size: int, device_fl
     tp, sdp, dp, ckpt = strategy.tp, strategy.sdp, strategy.dp, int(strategy.ckpt)
     per_device = micro_batch_size / strategy.data_degree
     comp_f = per_device * layers.flops / (tp * device_flops)
-    ar_tp = _ring(per_device * layers.tp_bytes, tp, bandwidths["tp"], latency, 2)
-    ag_sdp = _ring(layers.params / tp, sdp, bandwidths["sdp"], latency, 1)
-    sync = ag_sdp + _ring(layers.params / (tp * sdp), dp, bandwidths["dp"], latency, 2)  # reduce-scatter = all-gather
+    ar_tp = ring_all_reduce_s(per_device * layers.tp_bytes, tp, bandwidths["tp"], latency)
+    ag_sdp = ring_all_gather_s(layers.params / tp, sdp, bandwidths["sdp"], latency)
+    sync = (ring_reduce_scatter_s(layers.params / tp, sdp, bandwidths["sdp"], latency)
+            + ring_all_reduce_s(layers.params / (tp * sdp), dp, bandwidths["dp"], latency))
     forward = comp_f + ar_tp + ag_sdp
     tp_backward = (1 + ckpt) * ar_tp
     time = forward + _overlap((2 + ckpt) * comp_f, ag_sdp + sync) + tp_backward
@@ -961,3 +956,30 @@ def search(profile: ModelProfile, cluster: Cluster, device_flops: float, memory_
         raise ValueError(f"memory_budget_bytes: {budget:.4g} bytes per device fits no plan for any pipeline degree "
                          f"{degrees} and micro-batch count up to {max_micro_batches}")
     return sorted(plans, key=lambda p: (p.predicted_step_s, max(p.peak_memory_bytes), p.pp, p.num_micro_batches))
+
+
+def plan(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
+         constraints: PlanConstraints = PlanConstraints()) -> list[PipelinePlan]:
+    """Galvatron-BMW's search as ``PipelinePlan``s: a ``protocol.Planner``. Priced by its own
+    model (Eq. 9), 1F1B-Flush on every device as the paper runs it (its gradient
+    synchronisation too), whatever ``constraints.schedules``, ``stages_per_mesh``,
+    ``device_subsets`` and ``gradient_reduction``. Its per-layer strategies collapse to one
+    ``(data, model)`` shape per stage (``GalvatronPlan.stage_shapes``): meshpar gives a stage
+    one mesh. Devices run at the calibrated rate, as for meshpar's own planner.
+
+    Raises:
+      NoPlanFits: no plan fits the budget, or none has the fixed stage and micro-batch counts.
+    """
+    try:
+        found = search(profile, cluster, hardware.device_flops / hardware.compute_scale,
+                       constraints.memory_budget_bytes)
+    except ValueError as e:
+        raise NoPlanFits(str(e)) from None
+    plans = [PipelinePlan(tuple(StagePlan(a, c, shape) for a, c, shape in zip(p.partition, p.partition[1:],
+                                                                              p.stage_shapes)),
+                          p.num_micro_batches, "1f1b", p.predicted_step_s, p.peak_memory_bytes, "galvatron")
+             for p in found]
+    plans = [p for p in plans if constraints.admits(p)]
+    if not plans:
+        raise NoPlanFits(f"num_stages, num_micro_batches: Galvatron-BMW found no plan{constraints.fixed_counts()}")
+    return plans

@@ -72,6 +72,7 @@ def profile_layers(
             boundary_bytes=_crossing_bytes(graph, stage.index) / micro_batch_size,
             tp_bytes=2.0 * out_bytes if sharded else 0.0,
             num_ops=jaxpr_ops(stage.jaxpr),
+            splits_over_model=sharded,
         ))
     values = tuple(
         CrossingValue(stage.index, graph.consumers(ref), _bytes(aval) / micro_batch_size)

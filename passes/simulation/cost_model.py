@@ -7,7 +7,7 @@ simulator (``passes.schedule_simulator``) task durations to rank choices
 
 Gradient reduction. A stage mesh with ``D`` devices on its data axis
 all-reduces its stages' parameter gradients among them, by ring: each device
-sends and receives ``2 (D - 1) / D`` of the bytes (``allreduce_seconds``).
+sends and receives ``2 (D - 1) / D`` of the bytes (``collectives.ring_all_reduce_s``).
 ``per_micro_batch`` runs it in every backward (the weight pass of a split
 one, which makes the parameter cotangents), ``per_step`` once per mesh and
 step for all its stages together (``TaskDurations.reduction``).
@@ -30,10 +30,11 @@ from ..pipeline.placing.drop_mesh_axis import spec_without
 from ..pipeline.placing.edge_transfer import Direction, EdgeTransfer
 from ..pipeline.pipeline_options import GRADIENT_REDUCTIONS
 from ..pipeline.placing.plan_moves import MOVE_EXECUTORS
+from .collectives import ring_all_reduce_s
 from .schedule_simulator import StageSeconds, TaskDurations
 from ..pipeline.cutting.stage_parts import StageParts
 
-__all__ = ["DEVICE_FLOPS", "compute_seconds", "transfer_seconds", "allreduce_seconds", "StageGradients",
+__all__ = ["DEVICE_FLOPS", "compute_seconds", "transfer_seconds", "StageGradients",
            "stage_gradients", "estimate_durations"]
 
 # Sustained FLOP/s of one device, by platform: orders of magnitude, enough to
@@ -49,21 +50,6 @@ def compute_seconds(flops: float, num_devices: int, platform: str) -> float:
 def transfer_seconds(num_bytes: int, bandwidth: float) -> float:
     """``num_bytes`` over a link of ``bandwidth`` bytes/s."""
     return num_bytes / bandwidth
-
-
-def allreduce_seconds(num_bytes: int, group_size: int, bandwidth: float) -> float:
-    """A ring all-reduce of ``num_bytes`` (on each device) among ``group_size`` devices whose
-    links run at ``bandwidth`` bytes/s: ``2 (D - 1) / D * num_bytes / bandwidth``, 0 for one
-    device (nothing to reduce).
-
-    Raises:
-      ValueError: ``group_size`` below 1.
-    """
-    if group_size < 1:
-        raise ValueError(f"group_size: expected at least 1 device, got {group_size!r}")
-    if group_size == 1:
-        return 0.0
-    return 2 * (group_size - 1) / group_size * num_bytes / bandwidth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +89,7 @@ class StageGradients:
     @property
     def seconds(self) -> float:
         """One all-reduce of the stage's gradients."""
-        return allreduce_seconds(self.param_bytes, self.data_size, self.bandwidth)
+        return ring_all_reduce_s(self.param_bytes, self.data_size, self.bandwidth)
 
 
 def stage_gradients(accumulation: Sequence[StageAccumulation], meshes: Sequence[Mesh], stage_mesh: Sequence[int],
