@@ -35,6 +35,7 @@ Prints progress lines while it runs and a markdown table at the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -219,13 +220,17 @@ def run_cpu(args, emit) -> None:
               "compute_scale": hardware.compute_scale, "tp_bytes_scale": tp_scale, "task_s": hardware.task_s,
               "move_s": hardware.move_s, "calibration_pipeline": pipeline})
         measured: dict[str, float] = {}
+        # Compiled steps kept for the final rounds: the grid's best few so far and every pick.
+        # Keeping every grid step alive ran the machine out of memory (each holds its programs).
         runs: dict[str, tuple] = {}
 
         def measure(plan, source: str) -> None:
             key = _config(plan)
-            if key not in measured:
+            if key not in runs:
+                # A pick the grid measured and let go is compiled again for the final rounds.
                 wrapper = ParallelismPlan(plan, (), profile, devices, cluster, 0.0)
                 runs[key] = (meshpar.parallelize(step, method=wrapper.method), state, batch)
+            if key not in measured:
                 measured[key] = _measure(*runs[key], args.repeat)
             emit({"part": "cpu", "model": name, "config": key, "source": source,
                   "predicted_step_s": plan.predicted_step_s, "measured_step_s": measured[key],
@@ -234,6 +239,10 @@ def run_cpu(args, emit) -> None:
         grid = _grid(profile, cluster, hardware, args.quick)
         for plan in grid:
             measure(plan, "grid")
+            leaders = sorted(measured, key=measured.get)[:HEAD_TO_HEAD_GRID]
+            for key in [k for k in runs if k not in leaders]:
+                del runs[key]
+            gc.collect()
         picks: dict[str, str] = {}
         for planner in args.planners:
             if planner not in PLANNERS:
@@ -263,6 +272,10 @@ def run_cpu(args, emit) -> None:
         for key in jit_keys:
             emit({"part": "cpu", "model": name, "config": key, "source": "final:jax.jit",
                   "measured_step_s": final[key]})
+        # The next model starts with none of this one's compiled programs alive.
+        del runs, contenders
+        gc.collect()
+        jax.clear_caches()
 
 
 def run_small(args, emit) -> None:
