@@ -47,11 +47,16 @@ def leaf_dtype(x: Any) -> Any:
 
 class CompiledStep(NamedTuple):
     """A compiled step: its executable, for a step over NNX objects which argument leaves its
-    trailing outputs update (``None`` otherwise), and the compiler's IRs it was built from."""
+    trailing outputs update (``None`` otherwise), and the compiler's IRs it was built from;
+    ``run_as_given``: the executable on leaves as the caller gave them (``None`` when it cannot
+    run them so), for a step whose program places its own inputs (``SpmdStep.run_as_given``),
+    else ``None``; ``in_tree``: the arguments' structure it was compiled for."""
 
     executable: PipelineExecutable | SpmdStep
     updates: StateUpdates | None
     pipeline: CompiledPipeline
+    run_as_given: Callable[[list], list | None] | None = None
+    in_tree: Any = None
 
 
 def _trace_mesh(method: PipeshardParallel) -> Any:
@@ -175,7 +180,9 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
         replica_loss,
     )
     if method.single_program and compiled.graph.num_stages == 1 and M == 1:
-        return CompiledStep(_single_program(compiled, outer, out_tree, method), state_updates, compiled)
+        step = _single_program(compiled, outer, out_tree, method, replaced)
+        return CompiledStep(step, state_updates, compiled, step.run_as_given if step.places_own_inputs else None,
+                            in_tree)
     executable = PipelineExecutable(compiled.step, compiled.program, compiled.moves, compiled.kernels, out_tree,
                                     jax.tree.leaves(out_shapes), timeout_s=method.timeout_s,
                                     description=describe_pipeline(compiled))
@@ -192,7 +199,8 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     return CompiledStep(executable, state_updates, compiled)
 
 
-def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardParallel) -> SpmdStep:
+def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardParallel,
+                    replaced: list[int | None]) -> SpmdStep:
     """The one-stage, one-micro-batch step as one program, its leaves placed as the pipeline
     would place them (a batch leaf as its stage reads it: the micro-batch is the batch)."""
     layout, mesh = compiled.layout, compiled.meshes[0]
@@ -201,6 +209,7 @@ def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardP
            for i, p in enumerate(layout.in_placements)]
     outs = [p.on(0) if p is not None and p.meshes else None for p in layout.out_placements]
     step = SpmdStep(outer, compiled.micro_batching, ins, outs, out_tree, compiled.step.leaf_shardings,
+                    carried=[i for i in replaced if i is not None],
                     description=f"one stage, one micro-batch on mesh {dict(mesh.shape)}: one SPMD program "
                                 f"(PipeshardParallel.single_program)")
     return step

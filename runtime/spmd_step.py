@@ -15,7 +15,7 @@ is ``fold_in(key, 0)`` when the step folds keys.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax
@@ -40,11 +40,14 @@ class SpmdStep:
       out_tree: the step's output treedef.
       leaf_shardings: per input leaf, where the step keeps it between calls (``None``: a batch
         leaf), as ``StepProgram.leaf_shardings`` says (what ``meshpar.checkpoint`` reads).
+      carried: the input leaves an output of the step replaces (the state): the next step gets
+        them back where this one put them.
     """
 
     def __init__(self, jaxpr: jax_ir.ClosedJaxpr, micro_batching: MicroBatching,
                  in_shardings: Sequence[NamedSharding], out_shardings: Sequence[NamedSharding | None],
-                 out_tree: Any, leaf_shardings: Sequence[NamedSharding | None], description: str = "") -> None:
+                 out_tree: Any, leaf_shardings: Sequence[NamedSharding | None], description: str = "",
+                 carried: Collection[int] = ()) -> None:
         if micro_batching.num_micro_batches != 1:
             raise ValueError(f"micro_batching: one SPMD program runs one micro-batch, got "
                              f"{micro_batching.num_micro_batches}")
@@ -53,14 +56,40 @@ class SpmdStep:
         self.description = description
         self.in_shardings = tuple(in_shardings)
         fold = micro_batching.fold_keys
+        traced_as = [(v.aval.shape, v.aval.dtype) for v in jaxpr.jaxpr.invars]
 
         def step(*leaves: jax.Array) -> tuple[jax.Array, ...]:
+            # jax.jit traces again for operands of other shapes (``run_as_given``): the jaxpr
+            # holds only for the shapes it was traced at.
+            if [(x.shape, x.dtype) for x in leaves] != traced_as:
+                raise _OtherSignature
             return tuple(_evaluate(jaxpr.jaxpr, jaxpr.consts, leaves, fold))
 
         self._run = jax.jit(step, in_shardings=self.in_shardings, out_shardings=tuple(out_shardings))
+        # Where every input lies in this process, jax.jit checks where the state's leaves lie
+        # itself (in C++): a later step places only the leaves its caller gives anew.
+        self.places_own_inputs = all(s.is_fully_addressable for s in self.in_shardings)
+        carried = set(carried)
+        self._given_anew = [i for i in range(len(self.in_shardings)) if i not in carried]
 
     def __call__(self, leaves: Sequence[Any]) -> list[jax.Array]:
         return list(self._run(*[put(x, s) for x, s in zip(leaves, self.in_shardings)]))
+
+    def run_as_given(self, leaves: Sequence[Any]) -> list[jax.Array] | None:
+        """The step on ``leaves``, the state's as they are and the others placed (``put``): a
+        step after the first gets its state back where the last one left it, so jax.jit checks
+        that in C++ where placing each leaf in Python costs about what jax.jit's whole dispatch
+        does. (Passing every leaf as given would make jax.jit compile the step again for host
+        data and uncommitted arrays.) ``None`` where the program cannot run them so (a leaf of
+        another shape or dtype than traced, or state committed elsewhere): call the step
+        instead, which places every leaf."""
+        leaves = list(leaves)
+        for i in self._given_anew:
+            leaves[i] = put(leaves[i], self.in_shardings[i])
+        try:
+            return list(self._run(*leaves))
+        except (_OtherSignature, ValueError):
+            return None
 
     def lower(self, leaves: Sequence[Any]) -> jax.stages.Lowered:
         """The program lowered for inputs of ``leaves``' shapes and dtypes (nothing is placed or
@@ -109,3 +138,7 @@ def _without_markers(loss: jax_ir.ClosedJaxpr) -> jax_ir.ClosedJaxpr:
     eqns = [e for e in jaxpr.eqns if e.primitive is not stage_boundary_p]
     effects = jaxpr.effects - set(stage_boundary_p.abstract_eval()[1])
     return jax_ir.ClosedJaxpr(jaxpr.replace(eqns=eqns, effects=effects), loss.consts)
+
+
+class _OtherSignature(Exception):
+    """Operands of other shapes or dtypes than the step was traced at."""

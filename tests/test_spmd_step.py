@@ -113,3 +113,47 @@ def test_one_micro_batch_still_splits_the_batch_over_the_data_axis(single_progra
     if single_program:
         hlo = executable.lower(jax.tree.leaves((state, batch, key))).compile().as_text()
         assert any(c.kind is CollectiveKind.ALL_REDUCE and c.group_size == 2 for c in collectives(hlo))
+
+
+def test_steps_after_the_first_skip_meshpar_s_own_placement_and_fall_back_where_jit_cannot_run_as_given(
+        monkeypatch):
+    """A one-program step, once compiled, hands its leaves to jax.jit as given (placing them is
+    jax.jit's C++ work, as for jax.jit of the step): no lookup or per-leaf placement in Python.
+    Leaves of a new shape, committed elsewhere, or another argument structure take the placing
+    path, and every step still equals jax.jit's."""
+    batch, key = _batch(), jax.random.key(5)
+    state = _state(batch)
+    single = meshpar.parallelize(_step, method=_method())
+    reference = jax.jit(lambda s, b, k: _step(s, b, jax.random.fold_in(k, 0)))
+    lookups = []
+    looked_up = type(single)._lookup
+    monkeypatch.setattr(type(single), "_lookup", lambda self, args: lookups.append(1) or looked_up(self, args))
+
+    one, ref = single(state, batch, key)[0], reference(state, batch, key)[0]
+    for _ in range(3):
+        one, one_loss, _ = single(one, batch, key)
+        ref, ref_loss, _ = reference(ref, batch, key)
+    assert len(lookups) == 1
+    # Nor does jax.jit compile the step again for the leaves it now gets as given.
+    assert single.get_executable(one, batch, key).compiled_count() == 1
+    lookups.clear()
+    assert_trees_close(one.params, ref.params)
+    np.testing.assert_allclose(float(one_loss), float(ref_loss), rtol=1e-5)
+
+    # A batch of another size: a new program, traced at its shapes (not the old one's jaxpr).
+    small = _batch(8, seed=1)
+    one, one_loss, _ = single(one, small, key)
+    ref, ref_loss, _ = reference(ref, small, key)
+    np.testing.assert_allclose(float(one_loss), float(ref_loss), rtol=1e-5)
+    assert len(lookups) == 1
+    # State committed on other devices than the step keeps it: placed by meshpar, not refused.
+    elsewhere = jax.device_put(one, jax.devices()[5])
+    one, one_loss, _ = single(elsewhere, small, key)
+    ref, ref_loss, _ = reference(ref, small, key)
+    np.testing.assert_allclose(float(one_loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(one.params, ref.params)
+    # Another argument structure (the batch with one more entry the step does not read).
+    extra = {**small, "w": np.ones(8, np.float32)}
+    one, one_loss, _ = single(one, extra, key)
+    ref, ref_loss, _ = reference(ref, extra, key)
+    np.testing.assert_allclose(float(one_loss), float(ref_loss), rtol=1e-5)
