@@ -39,6 +39,8 @@ __all__ = ["calibrate", "calibrate_pipeline", "estimated_transfer_s", "fit_scale
 
 # Rounds of timed steps each one-program step of ``calibrate`` takes turns in.
 CALIBRATION_ROUNDS = 3
+# The micro-batch counts calibrate_pipeline runs its two-stage pipeline with.
+CALIBRATION_MICRO_BATCHES = (2, 4)
 
 
 def measure_hardware(devices: Sequence[Any]) -> Hardware:
@@ -221,21 +223,27 @@ def estimated_transfer_s(transfer: EdgeTransfer, cluster: Cluster, strategy: str
 def calibrate_pipeline(hardware: Hardware, fun: Callable, args: Sequence[Any], batch_argnums: Sequence[int],
                        devices: Sequence[Any], cluster: Cluster, profile: ModelProfile,
                        repeats: int = 3) -> tuple[Hardware, dict[str, float]]:
-    """``hardware`` with ``move_s`` and ``task_s`` fitted to one measured pipeline: the step cut
-    in two stages of half the layers, each on half the ``devices`` as a ``(data, 1)`` mesh, two
-    micro-batches under 1F1B (the smallest pipeline that has every cost a one-program step
-    lacks: per-task launches, moves between meshes, per-stage updates).
+    """``hardware`` with ``move_s``, ``task_s`` and ``pipeline_s`` fitted to one measured
+    pipeline: the step cut in two stages of half the layers, each on half the ``devices`` as a
+    ``(data, 1)`` mesh, under 1F1B (the smallest pipeline that has every cost a one-program
+    step lacks: per-task launches, moves between meshes, per-stage updates), run with
+    ``CALIBRATION_MICRO_BATCHES`` (2 and 4; 2 alone where the batch does not split in 4 over a
+    mesh).
 
     ``move_s`` is the median over the moves of a serialized step (each move alone) of its time
-    minus ``estimated_transfer_s``; ``task_s`` (per device of a stage's mesh) then makes
-    ``predict`` give the pipeline's measured step (the median of ``repeats``), by bisection
-    (the prediction grows with it), 0 when the prediction without it is already as slow.
+    minus ``estimated_transfer_s``. ``task_s`` (per device of a stage's mesh) makes ``predict``
+    grow from 2 to 4 micro-batches as the measured step does (twice the tasks, the same step
+    around them), by bisection; ``pipeline_s`` then makes it give the measured step at 2. With
+    one count measured, ``task_s`` alone fits it (``pipeline_s`` 0). Each is 0 where the
+    prediction without it is already as slow. (Fitting every second of a pipeline's step to its
+    tasks priced the 4-stage ZB-V of the U-Transformer at 3.5-4.5x its measured step: the
+    second count separates what a step costs once from what each task costs.)
 
     Returns:
-      The hardware and what was measured (``measured_step_s``, ``predicted_before_s``,
-      ``move_s``, ``task_s``); unchanged, with ``{}``, when the step cannot be cut so (fewer
-      than two layers or devices, a batch that does not split over the devices, arguments that
-      are only shapes).
+      The hardware and what was measured (``measured_step_s`` per micro-batch count,
+      ``predicted_before_s``, ``move_s``, ``task_s``, ``pipeline_s``); unchanged, with ``{}``,
+      when the step cannot be cut so (fewer than two layers or devices, a batch that does not
+      split over the devices, arguments that are only shapes).
 
     Raises:
       ValueError: ``repeats`` is not a positive integer.
@@ -247,34 +255,49 @@ def calibrate_pipeline(hardware: Hardware, fun: Callable, args: Sequence[Any], b
             or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tuple(args)))):
         return hardware, {}
     stages = [StagePlan(0, L // 2, (n // 2, 1)), StagePlan(L // 2, L, (n // 2, 1))]
-    plan = ParallelismPlan(predict(profile, cluster, hardware, stages, 2, "1f1b"), (), profile, tuple(devices),
-                           cluster, 0.0, tuple(batch_argnums))
+    counts = [M for M in CALIBRATION_MICRO_BATCHES if profile.batch_size % (M * (n // 2)) == 0]
+    plans = {M: ParallelismPlan(predict(profile, cluster, hardware, stages, M, "1f1b"), (), profile, tuple(devices),
+                                cluster, 0.0, tuple(batch_argnums)) for M in counts}
     leaves, in_tree = jax.tree.flatten(tuple(args))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        executable = compile_step(fun, plan.method_with(single_program=False), tuple(args), leaves,
-                                  in_tree).executable
-        measured = _interleaved_medians({"pipeline": lambda: executable(leaves)}, 1, repeats)["pipeline"]
-        with StepRecorder(executable.program, executable.mesh_local, serialize=True) as recorder:
-            jax.block_until_ready(executable(leaves, recorder))
+        executables = {M: compile_step(fun, plan.method_with(single_program=False), tuple(args), leaves,
+                                       in_tree).executable for M, plan in plans.items()}
+        measured = _interleaved_medians({M: (lambda e=e: e(leaves)) for M, e in executables.items()}, 1, repeats)
+        first = executables[counts[0]]
+        with StepRecorder(first.program, first.mesh_local, serialize=True) as recorder:
+            jax.block_until_ready(first(leaves, recorder))
             timeline = recorder.timeline()
-    transfers = {(t.edge, t.direction is Direction.ACTIVATION): t for t in executable.program.transfers}
+    transfers = {(t.edge, t.direction is Direction.ACTIVATION): t for t in first.program.transfers}
     gaps = [e.end - e.start - estimated_transfer_s(transfers[(e.task.where, e.task.kind is TaskKind.SEND_ACT)],
                                                    cluster)
             for e in timeline.events if e.task.kind in (TaskKind.SEND_ACT, TaskKind.SEND_GRAD)]
     move_s = max(0.0, float(np.median(gaps))) if gaps else 0.0
 
-    def predicted(task_s: float) -> float:
-        fitted = dataclasses.replace(hardware, move_s=move_s, task_s=task_s)
-        return predict(profile, cluster, fitted, stages, 2, "1f1b").predicted_step_s
+    def predicted(M: int, task_s: float, pipeline_s: float = 0.0) -> float:
+        fitted = dataclasses.replace(hardware, move_s=move_s, task_s=task_s, pipeline_s=pipeline_s)
+        return predict(profile, cluster, fitted, stages, M, "1f1b").predicted_step_s
 
-    task_s = 0.0
-    if predicted(0.0) < measured:
-        low, high = 0.0, measured
-        for _ in range(40):
-            mid = (low + high) / 2
-            low, high = (mid, high) if predicted(mid) < measured else (low, mid)
-        task_s = (low + high) / 2
-    return dataclasses.replace(hardware, move_s=move_s, task_s=task_s), {
-        "measured_step_s": measured, "predicted_before_s": plan.best.predicted_step_s, "move_s": move_s,
-        "task_s": task_s}
+    low_M, high_M = counts[0], counts[-1]
+    if high_M > low_M:
+        # The tasks' share: the slope from low_M to high_M micro-batches.
+        grows = lambda task_s: predicted(high_M, task_s) - predicted(low_M, task_s)  # noqa: E731
+        task_s = _bisect(grows, measured[high_M] - measured[low_M], high=measured[high_M])
+    else:
+        task_s = _bisect(lambda t: predicted(low_M, t), measured[low_M], high=measured[low_M])
+    pipeline_s = max(0.0, measured[low_M] - predicted(low_M, task_s))
+    return dataclasses.replace(hardware, move_s=move_s, task_s=task_s, pipeline_s=pipeline_s), {
+        "measured_step_s": {M: measured[M] for M in counts}, "predicted_before_s": plans[low_M].best.predicted_step_s,
+        "move_s": move_s, "task_s": task_s, "pipeline_s": pipeline_s}
+
+
+def _bisect(f: Callable[[float], float], target: float, high: float) -> float:
+    """The ``x`` in ``[0, high]`` where the increasing ``f`` reaches ``target``; 0 when
+    ``f(0)`` already does."""
+    if f(0.0) >= target:
+        return 0.0
+    low = 0.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if f(mid) < target else (low, mid)
+    return (low + high) / 2

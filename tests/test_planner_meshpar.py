@@ -245,8 +245,9 @@ def test_auto_plans_on_the_first_call_and_equals_jit(capsys):
 
 
 def test_pipeline_calibration_fits_the_measured_two_stage_step():
-    """The fitted per-task and per-move costs make the planner predict the pipeline it measured;
-    a one-program plan pays neither, and each adds to every pipelined plan's step."""
+    """The fitted per-task, per-move and per-step costs make the planner predict the pipeline it
+    measured at 2 micro-batches and its growth to 4; a one-program plan pays none, and they add
+    to every pipelined plan's step."""
     from meshpar.calibration import calibrate_pipeline
     from meshpar.step_profile import profile_step
 
@@ -260,11 +261,18 @@ def test_pipeline_calibration_fits_the_measured_two_stage_step():
     profile = profile_step(step, (state, batch), (1,))
     hardware = Hardware(1e11, total_flops=2e11)
     fitted, measured = calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile)
-    assert fitted.task_s > 0 and fitted.move_s >= 0 and fitted.compute_scale == hardware.compute_scale
-    assert measured["task_s"] == fitted.task_s and measured["move_s"] == fitted.move_s
+    assert fitted.task_s + fitted.pipeline_s > 0 and fitted.move_s >= 0
+    assert fitted.compute_scale == hardware.compute_scale
+    assert (measured["task_s"], measured["move_s"], measured["pipeline_s"]) == (
+        fitted.task_s, fitted.move_s, fitted.pipeline_s)
     two = [StagePlan(0, 2, (2, 1)), StagePlan(2, 4, (2, 1))]
-    assert predict(profile, cluster, fitted, two, 2, "1f1b").predicted_step_s == pytest.approx(
-        measured["measured_step_s"], rel=1e-3)
+    steps = measured["measured_step_s"]
+    assert sorted(steps) == [2, 4]
+    at = {M: predict(profile, cluster, fitted, two, M, "1f1b").predicted_step_s for M in (2, 4)}
+    if fitted.task_s > 0:
+        assert at[4] - at[2] == pytest.approx(steps[4] - steps[2], rel=1e-3)
+    if fitted.pipeline_s > 0:
+        assert at[2] == pytest.approx(steps[2], rel=1e-3)
     assert predict(profile, cluster, hardware, two, 2, "1f1b").predicted_step_s == pytest.approx(
         measured["predicted_before_s"])
     whole = [StagePlan(0, 4, (4, 1))]
@@ -278,6 +286,8 @@ def test_pipeline_calibration_fits_the_measured_two_stage_step():
     assert calibrate_pipeline(hardware, step, shapes, (1,), devices, cluster, profile) == (hardware, {})
     with pytest.raises(ValueError, match="task_s"):
         Hardware(1e9, task_s=-1.0)
+    with pytest.raises(ValueError, match="pipeline_s"):
+        Hardware(1e9, pipeline_s=-1.0)
     with pytest.raises(ValueError, match="^repeats: expected a positive number"):
         calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile, repeats=0)
 

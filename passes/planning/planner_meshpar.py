@@ -333,9 +333,10 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
     for st, m, live in zip(stages, stage_mesh, simulated.peak_live_activations):
         memory[m] += float(_memory(pre, st.start, st.stop, st.shape, b, live))
     # One stage and one micro-batch run as one program (PipeshardParallel.single_program).
-    step = max(simulated.step_seconds, (_launches(built) if pipelined else 1) * hardware.dispatch_s,
+    once = hardware.pipeline_s if pipelined else 0.0
+    step = max(simulated.step_seconds + once, (_launches(built) if pipelined else 1) * hardware.dispatch_s,
                _shared_work_s(pre, hardware, stages, M, profile.batch_size,
-                              _compute_tasks_per_micro_batch(schedule) if pipelined else 0))
+                              _compute_tasks_per_micro_batch(schedule) if pipelined else 0) + once)
     return dataclasses.replace(layout, predicted_step_s=step, peak_memory_bytes=tuple(memory))
 
 

@@ -53,8 +53,11 @@ class Hardware:
     stage's mesh (launching its program on each device, its operands and results, its share
     of the stage's update: on CPU each device's partition is launched and run on its own), and
     ``move_s`` the seconds each move between two stage meshes costs beyond its bytes (its
-    latency): 0 until fitted on a measured pipeline (``meshpar.calibration.calibrate_pipeline``).
-    A step of one stage and one micro-batch runs as one program and pays neither."""
+    latency); ``pipeline_s`` the seconds a pipelined step costs once, whatever its tasks
+    (placing its inputs, each stage's update, assembling its outputs): 0 until fitted on a
+    measured pipeline at two micro-batch counts (``meshpar.calibration.calibrate_pipeline``:
+    the tasks' cost is the slope over them, this the rest). A step of one stage and one
+    micro-batch runs as one program and pays none of these."""
 
     device_flops: float
     total_flops: float = math.inf
@@ -64,13 +67,15 @@ class Hardware:
     task_s: float = 0.0
     move_s: float = 0.0
     op_scale: float = 1.0
+    pipeline_s: float = 0.0
 
     def __post_init__(self) -> None:
         if (not self.device_flops > 0 or not self.total_flops > 0 or not self.dispatch_s >= 0
                 or len(self.op_s) != 2 or not min(self.op_s) >= 0 or not self.compute_scale > 0
-                or not self.op_scale > 0 or not self.task_s >= 0 or not self.move_s >= 0):
-            raise ValueError(f"device_flops, total_flops, dispatch_s, op_s, compute_scale, op_scale, task_s, move_s: "
-                             f"expected positive FLOP/s and scales and seconds >= 0, got {self}")
+                or not self.op_scale > 0 or not self.task_s >= 0 or not self.move_s >= 0
+                or not self.pipeline_s >= 0):
+            raise ValueError(f"device_flops, total_flops, dispatch_s, op_s, compute_scale, op_scale, task_s, move_s, "
+                             f"pipeline_s: expected positive FLOP/s and scales and seconds >= 0, got {self}")
 
     def op_seconds(self, num_devices: int) -> float:
         """Seconds one operation of a program on ``num_devices`` devices takes besides its
