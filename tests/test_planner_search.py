@@ -327,3 +327,36 @@ def test_plan_constraints_name_what_is_wrong():
             PlanConstraints(**bad)
     assert PlanConstraints().schedule_names == tuple(SCHEDULES)
     assert PlanConstraints(schedules=["zb_v"]).schedules == ("zb_v",)
+
+
+def _u_shaped(skip_bytes: float, L: int = 8, batch: int = 32) -> ModelProfile:
+    """A U-Net of ``L`` equal layers: a chain, and encoder layer ``i`` feeding decoder layer
+    ``L - 1 - i`` (``skip_bytes`` per example)."""
+    from meshpar.passes.planning.layer_profile import CrossingValue
+
+    # Convolutions as the U-Transformer's: no model axis splits them.
+    layer = LayerProfile(flops=5e7, param_bytes=4e6, optimizer_bytes=8e6, activation_bytes=1e5, boundary_bytes=1e4,
+                         splits_over_model=False)
+    chain = [CrossingValue(k, (k + 1,), 1e4) for k in range(L - 1)]
+    skips = [CrossingValue(i, (L - 1 - i,), skip_bytes) for i in range(L // 2 - 1)]
+    return ModelProfile((layer,) * L, batch, "u", tuple(chain + skips))
+
+
+def test_skips_over_a_slow_link_make_the_planner_pick_a_v():
+    """Two hosts over a slow link, a mesh on each (the emulated U-Transformer case): a V places
+    stage ``r`` and ``S - 1 - r`` on mesh ``r``, so the long skips stay on their host. With heavy
+    skips the planner picks a V schedule (2 stages per mesh) and ranks 1F1B's two-stage cut,
+    whose skips all cross the link, far behind it: the skips' bytes are what slow that cut."""
+    cluster = Cluster.uniform(2, 4, inter_host_bandwidth=30e6, intra_host_bandwidth=1e11)
+    hardware = Hardware(2e10, pipeline_s=0.05)
+    both_hosts = PlanConstraints(num_micro_batches=4, device_subsets=False)
+    plans = search(_u_shaped(skip_bytes=2e5), cluster, hardware, both_hosts)
+    best = plans[0]
+    assert best.schedule in ("zb_v", "dualpipev") and best.stages_per_mesh == 2 and best.num_meshes == 2
+    one_f_one_b = search(_u_shaped(skip_bytes=2e5), cluster, hardware,
+                         dataclasses.replace(both_hosts, schedules=("1f1b",), stages_per_mesh=(1,), num_stages=2))[0]
+    assert one_f_one_b.predicted_step_s > 1.5 * best.predicted_step_s
+    # The same layers without the skips: that cut is fast again.
+    chain = search(_u_shaped(skip_bytes=0.0), cluster, hardware,
+                   dataclasses.replace(both_hosts, schedules=("1f1b",), stages_per_mesh=(1,), num_stages=2))[0]
+    assert chain.predicted_step_s < one_f_one_b.predicted_step_s / 1.5
