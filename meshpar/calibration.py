@@ -37,7 +37,7 @@ from meshpar.step_compiler import compile_step
 
 __all__ = ["calibrate", "calibrate_pipeline", "estimated_transfer_s", "fit_scales", "measure_hardware"]
 
-# Rounds of timed steps each one-program step of ``calibrate`` takes turns in.
+# Rounds of timed steps the steps ``calibrate`` and ``calibrate_pipeline`` measure take turns in.
 CALIBRATION_ROUNDS = 3
 # The micro-batch counts calibrate_pipeline runs its two-stage pipeline with.
 CALIBRATION_MICRO_BATCHES = (2, 4)
@@ -228,7 +228,7 @@ def calibrate_pipeline(hardware: Hardware, fun: Callable, args: Sequence[Any], b
     ``(data, 1)`` mesh, under 1F1B (the smallest pipeline that has every cost a one-program
     step lacks: per-task launches, moves between meshes, per-stage updates), run with
     ``CALIBRATION_MICRO_BATCHES`` (2 and 4; 2 alone where the batch does not split in 4 over a
-    mesh).
+    mesh), ``repeats`` steps of each in each of ``CALIBRATION_ROUNDS`` rounds, taking turns.
 
     ``move_s`` is the median over the moves of a serialized step (each move alone) of its time
     minus ``estimated_transfer_s``. ``task_s`` (per device of a stage's mesh) makes ``predict``
@@ -263,7 +263,8 @@ def calibrate_pipeline(hardware: Hardware, fun: Callable, args: Sequence[Any], b
         warnings.simplefilter("ignore")
         executables = {M: compile_step(fun, plan.method_with(single_program=False), tuple(args), leaves,
                                        in_tree).executable for M, plan in plans.items()}
-        measured = _interleaved_medians({M: (lambda e=e: e(leaves)) for M, e in executables.items()}, 1, repeats)
+        measured = _interleaved_medians({M: (lambda e=e: e(leaves)) for M, e in executables.items()},
+                                        CALIBRATION_ROUNDS, repeats)
         first = executables[counts[0]]
         with StepRecorder(first.program, first.mesh_local, serialize=True) as recorder:
             jax.block_until_ready(first(leaves, recorder))
