@@ -18,7 +18,7 @@
 - ``small``: as a user would, ``meshpar.plan_parallelism`` on the issue's small GPT (4 blocks
   in one ``nn.scan``) and on each CPU model, calibrating on its own: the planning time, the
   warnings it shows, and the pick against ``jax.jit`` on one device, ``SMALL_STEPS`` steps of
-  each in alternating rounds (p50 and p90).
+  each in alternating rounds (p50, p90 and max).
 - ``simulated``: a 96-layer GPT (hidden 12288, 2048 tokens) on ``dgx_h100`` and
   ``aws_p3_8xlarge`` clusters of 16 to 1,024 GPUs, 80 GB (resp. 16 GB) per device: each
   planner's pick, predicted step time, peak memory per device and planning time; and ATP's
@@ -27,7 +27,8 @@
 Records (``--json``): one per measured or planned configuration::
 
     {"part", "model", "config", "source", "predicted_step_s", "measured_step_s", "planning_s", "peak_memory_bytes", ...}
-    {"part": "small", "model", "config", "planning_s", "warnings", "pick_p50_ms", "pick_p90_ms", "jit_p50_ms", "jit_p90_ms"}
+    {"part": "small", "model", "config", "planning_s", "warnings", "pick_p50_ms", "pick_p90_ms", "pick_max_ms",
+     "jit_p50_ms", "jit_p90_ms", "jit_max_ms"}
 
 Prints progress lines while it runs and a markdown table at the end.
 """
@@ -40,11 +41,11 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from benchmarks.step_timing import time_steps
+from benchmarks.step_timing import spread_ms, time_steps
 
-__all__ = ["main", "spearman", "table"]
+__all__ = ["main", "progress_emitter", "save_records", "spearman", "table"]
 
 CPU_DEVICES = 8
 GRID_STAGES = (1, 2, 4)
@@ -284,8 +285,6 @@ def run_small(args, emit) -> None:
     steps of each in alternating rounds of ``SMALL_ROUND``."""
     import warnings
 
-    import numpy as np
-
     import meshpar
     from examples.train_step import supervised_step
 
@@ -306,8 +305,7 @@ def run_small(args, emit) -> None:
         record = {"part": "small", "model": name, "config": _config(plan.best), "planning_s": planning,
                   "warnings": [str(w.message) for w in shown]}
         for key, times in samples.items():
-            record[f"{key}_p50_ms"] = 1e3 * float(np.median(times))
-            record[f"{key}_p90_ms"] = 1e3 * float(np.percentile(times, 90))
+            record.update({f"{key}_{stat}": ms for stat, ms in spread_ms(times).items()})
         emit(record)
 
 
@@ -367,6 +365,26 @@ def run_atp(emit) -> None:
                   "megatron_comm_s": megatron.total_s})
 
 
+def progress_emitter(records: list[dict]) -> Callable[[dict], None]:
+    """``emit(record)``: appends ``record`` (with a ``"part"``) to ``records`` and prints it as a
+    progress line, ``[seconds since this call] part: {its other fields}``."""
+    start = time.perf_counter()
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "part"}
+        print(f"[{time.perf_counter() - start:6.1f} s] {record['part']}: {shown}", flush=True)
+
+    return emit
+
+
+def save_records(path: str | None, records: Sequence[dict]) -> None:
+    """Writes ``records`` to ``path`` as JSON (``--json``); nothing when ``path`` is ``None``."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(list(records), f, indent=1)
+
+
 def table(records: Sequence[dict]) -> str:
     """The markdown summary: per CPU model, the grid's rank correlation, the best measured
     configuration, each pick and the jax.jit steps, each against the best of them and against
@@ -401,10 +419,11 @@ def table(records: Sequence[dict]) -> str:
     small = [r for r in records if r["part"] == "small"]
     if small:
         lines += ["", "| small model | pick (plan_parallelism, calibrating itself) | planning s | warnings shown "
-                  "| pick p50 / p90 ms | jax.jit one device p50 / p90 ms | pick / jax.jit (p50) |",
+                  "| pick p50 / p90 / max ms | jax.jit one device p50 / p90 / max ms | pick / jax.jit (p50) |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['config']} | {r['planning_s']:.1f} | {len(r['warnings'])} "
-                  f"| {r['pick_p50_ms']:.2f} / {r['pick_p90_ms']:.2f} | {r['jit_p50_ms']:.2f} / {r['jit_p90_ms']:.2f} "
+                  f"| {r['pick_p50_ms']:.2f} / {r['pick_p90_ms']:.2f} / {r['pick_max_ms']:.2f} "
+                  f"| {r['jit_p50_ms']:.2f} / {r['jit_p90_ms']:.2f} / {r['jit_max_ms']:.2f} "
                   f"| {r['pick_p50_ms'] / r['jit_p50_ms']:.2f}x |" for r in small]
     simulated = [r for r in records if r["part"] == "simulated"]
     if simulated:
@@ -451,13 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds: expected a positive number of rounds")
     records: list[dict] = []
-    start = time.perf_counter()
-
-    def emit(record: dict) -> None:
-        records.append(record)
-        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "part"}
-        print(f"[{time.perf_counter() - start:6.1f} s] {record['part']}: {shown}", flush=True)
-
+    emit = progress_emitter(records)
     if not (args.no_cpu and args.no_small):
         import jax
 
@@ -469,9 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_simulated:
         run_simulated(args, emit)
         run_atp(emit)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    save_records(args.json, records)
     print(table(records))
     return 0
 

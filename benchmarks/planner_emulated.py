@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+
+from benchmarks.planner import _config, progress_emitter, save_records
 
 __all__ = ["main"]
 
@@ -67,12 +68,6 @@ def _host_hardware():
     hardware = calibrate(measure_hardware(devices), step, args, (1,), devices, host, profile)
     hardware, _ = calibrate_pipeline(hardware, step, args, (1,), devices, host, profile)
     return profile, hardware, host
-
-
-def _config(plan) -> str:
-    from benchmarks.planner import _config as planner_config
-
-    return planner_config(plan)
 
 
 def run(link_mb_s: float, emit) -> None:
@@ -136,17 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 
     jax.config.update("jax_num_cpu_devices", DEVICES_PER_HOST)
     records: list[dict] = []
-    start = time.perf_counter()
-
-    def emit(record: dict) -> None:
-        records.append(record)
-        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "part"}
-        print(f"[{time.perf_counter() - start:6.1f} s] emulated: {shown}", flush=True)
-
-    run(args.link_mb_s, emit)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    run(args.link_mb_s, progress_emitter(records))
+    save_records(args.json, records)
     print(table(records))
     return 0
 

@@ -59,12 +59,14 @@ def test_table_reports_correlation_picks_against_the_best_and_simulated_rows():
 
 def test_table_reports_each_small_models_pick_against_jit_on_one_device():
     records = [{"part": "small", "model": "tiny", "config": "one program [0-7] 1x1 on 1 device", "planning_s": 9.5,
-                "warnings": [], "pick_p50_ms": 2.2, "pick_p90_ms": 3.0, "jit_p50_ms": 2.0, "jit_p90_ms": 2.5},
+                "warnings": [], "pick_p50_ms": 2.2, "pick_p90_ms": 3.0, "pick_max_ms": 3.5, "jit_p50_ms": 2.0,
+                "jit_p90_ms": 2.5, "jit_max_ms": 2.6},
                {"part": "small", "model": "gpt", "config": "S=2 [0-3|4-7] 1x1+1x1 v=1 M=2 1f1b", "planning_s": 20.0,
-                "warnings": ["a"], "pick_p50_ms": 12.0, "pick_p90_ms": 14.0, "jit_p50_ms": 8.0, "jit_p90_ms": 9.0}]
+                "warnings": ["a"], "pick_p50_ms": 12.0, "pick_p90_ms": 14.0, "pick_max_ms": 15.0, "jit_p50_ms": 8.0,
+                "jit_p90_ms": 9.0, "jit_max_ms": 9.5}]
     text = table(records)
-    assert "| tiny | one program [0-7] 1x1 on 1 device | 9.5 | 0 | 2.20 / 3.00 | 2.00 / 2.50 | 1.10x |" in text
-    assert "| gpt | S=2 [0-3|4-7] 1x1+1x1 v=1 M=2 1f1b | 20.0 | 1 | 12.00 / 14.00 | 8.00 / 9.00 | 1.50x |" in text
+    assert "| tiny | one program [0-7] 1x1 on 1 device | 9.5 | 0 | 2.20 / 3.00 / 3.50 | 2.00 / 2.50 / 2.60 | 1.10x |" in text
+    assert "| gpt | S=2 [0-3|4-7] 1x1+1x1 v=1 M=2 1f1b | 20.0 | 1 | 12.00 / 14.00 / 15.00 | 8.00 / 9.00 / 9.50 | 1.50x |" in text
 
 
 def test_config_names_devices_meshes_and_stages_per_mesh():
