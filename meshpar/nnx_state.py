@@ -24,6 +24,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from meshpar.logical_partitioning import mesh_named
+
 __all__ = ["NnxStateError", "StateUpdates", "has_variables", "partition_specs", "returning_updates", "write_back"]
 
 
@@ -66,8 +68,11 @@ def check_distinct_variables(args: tuple, name: str) -> None:
 
 def partition_specs(args: Any) -> list[jax.sharding.PartitionSpec | None]:
     """Per leaf of ``args``, the partitioning its flax metadata names (linen's
-    ``nn.with_partitioning`` boxes or NNX's ``nnx.with_partitioning`` Variables; ``P()`` for an
-    unannotated array, ``None`` for a non-array leaf)."""
+    ``nn.with_partitioning`` and ``nn.with_logical_partitioning`` boxes, NNX's
+    ``nnx.with_partitioning`` Variables; ``P()`` for an unannotated array, ``None`` for a
+    non-array leaf). Logical names are mapped to mesh axes by the active
+    ``nn.logical_axis_rules`` (``meshpar.logical_partitioning``), for NNX together with a
+    Variable's ``sharding_rules``, as flax maps them."""
     import flax.linen as nn
 
     P = jax.sharding.PartitionSpec
@@ -75,7 +80,7 @@ def partition_specs(args: Any) -> list[jax.sharding.PartitionSpec | None]:
     def flat(specs: Any) -> list:
         return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P) or x is None)
 
-    linen, nnx_specs = flat(nn.get_partition_spec(args)), flat(nnx.get_partition_spec(args))
+    linen, nnx_specs = flat(nn.get_partition_spec(mesh_named(args))), flat(nnx.get_partition_spec(args))
     if len(linen) != len(nnx_specs):
         raise AssertionError(f"flax partition specs: linen reads {len(linen)} leaves, nnx {len(nnx_specs)}")
     return [a if a not in (None, P()) else b for a, b in zip(linen, nnx_specs)]

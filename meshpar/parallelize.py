@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from meshpar.logical_partitioning import rules_in_force, warn_unused_model_axis, warn_without_rules
 from meshpar.nnx_state import write_back
 from meshpar.passes.pipeline_driver import CompiledPipeline
 from meshpar.passes.simulation.timeline import write_chrome_trace
@@ -48,13 +49,16 @@ def parallelize(fun: Callable | None = None, *, method: PipeshardParallel = Pipe
     return ParallelizedStep(fun, method)
 
 
-def _signature(x: Any) -> tuple[Any, ...]:
+def _signature(x: Any, batch: bool) -> tuple[Any, ...]:
     """``x``'s shape and the dtype JAX gives it; a ``jax.Array``'s are its own (already
-    canonical), read without ``leaf_dtype``'s checks (a step has hundreds of leaves). An
-    array spanning processes (a global batch) adds its sharding: the step moves each
-    micro-batch from where its rows lie."""
+    canonical), read without ``leaf_dtype``'s checks (a step has hundreds of leaves). A global
+    batch (a ``batch`` leaf spanning processes) adds its sharding: the step moves each
+    micro-batch from where its rows lie. Other leaves' shardings compile nothing: the step
+    places each as it lies when laid out as the step keeps it, and refuses it otherwise
+    (``runtime.placement.put``); keying on them would compile the step again for the state its
+    first call returned, which spans processes where the host-made state did not."""
     if isinstance(x, jax.Array):
-        return (x.shape, x.dtype) if x.is_fully_addressable else (x.shape, x.dtype, x.sharding)
+        return (x.shape, x.dtype, x.sharding) if batch and not x.is_fully_addressable else (x.shape, x.dtype)
     return np.shape(x), leaf_dtype(x)
 
 
@@ -170,12 +174,20 @@ class ParallelizedStep:
         """``args``' leaves, and the compiled step for their structure and shapes (compiled on
         the first call with them)."""
         leaves, in_tree = jax.tree.flatten(args)
-        key = (in_tree, tuple(_signature(x) for x in leaves))
+        batch_argnums = self.method.batch_argnums
+        batch = [i in batch_argnums for i, arg in enumerate(in_tree.children()) for _ in range(arg.num_leaves)]
+        key = (in_tree, tuple(_signature(x, b) for x, b in zip(leaves, batch)))
         if key not in self._cache:
-            if self.method.planned:
-                self._plan(args)
-            self.method.check_devices()
-            self._cache[key] = compile_step(self.fun, self.method, args, leaves, in_tree)
+            # Planning, tracing and the layout all read flax's logical axis rules: the method's
+            # when it names them, else the caller's.
+            with rules_in_force(self.method.logical_axis_rules):
+                if self.method.planned:
+                    self._plan(args)
+                self.method.check_devices()
+                compiled = compile_step(self.fun, self.method, args, leaves, in_tree)
+                if not warn_without_rules(args, compiled.pipeline.meshes):
+                    warn_unused_model_axis(compiled.pipeline, self.method.model_axis)
+            self._cache[key] = compiled
         return leaves, self._cache[key]
 
     def _plan(self, args: tuple) -> None:

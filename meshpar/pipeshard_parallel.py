@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from meshpar.cluster import Cluster
+from meshpar.logical_partitioning import check_logical_axis_rules
 from meshpar.passes.model.devices import DeviceKey, device_key, device_name
 from meshpar.passes.pipeline.placing.edge_transfer import EXECUTORS, SIGNAL
 from meshpar.passes.pipeline.placing.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
@@ -47,7 +48,11 @@ class PipeshardParallel:
       stage_meshes: the ``jax.sharding.Mesh``es the stages run on, disjoint, each with the
         axis ``data_axis`` or ``model_axis`` (or both): one per stage, or fewer, each then
         running ``stages_per_mesh`` stages; by default the devices are cut evenly, host-major.
-      num_stages: expected number of stages (stage markers + 1); checked.
+      num_stages: the number of stages. The model's stage markers are candidate cuts: with
+        more than ``num_stages - 1`` of them (and no ``cut_points``) the compiler groups the
+        segments between them into ``num_stages`` stages of balanced estimated FLOPs
+        (``passes.pipeline.cutting.marker_grouping``); fewer is an error. ``None``: every
+        marker cuts.
         ``"auto"``: ``meshpar.plan_parallelism`` chooses which markers cut, each stage's
         mesh (their shapes may differ) and, unless given, the micro-batches, on the first
         call, and prints its choice (``ParallelizedStep.plan``); the schedule stays this one.
@@ -117,6 +122,13 @@ class PipeshardParallel:
         CPU), which fusing pays once. 1: every pass its own program; ``None``: no limit (a
         mesh hosting every stage then runs its whole pipeline as one program, compiled from
         all of its micro-batches).
+      logical_axis_rules: flax's ``(logical name, mesh axis or None)`` pairs mapping the
+        logical names of ``nn.with_logical_partitioning`` parameters (and NNX Variables'
+        logical ``out_sharding``) to the stage meshes' axes, as ``nn.logical_axis_rules``
+        does: a name mapped to ``model_axis`` shards over it, one without a rule is
+        replicated. ``None``: the rules active when the step is first called (``with
+        nn.logical_axis_rules(...)`` around it); given, they replace those while the step is
+        planned, traced and laid out (``meshpar.logical_partitioning``).
     """
 
     num_micro_batches: int = 1
@@ -141,6 +153,7 @@ class PipeshardParallel:
     gradient_reduction: str = "per_step"
     accumulation_dtype: Any = "float32"
     fuse_compute: int | None = FUSE_COMPUTE
+    logical_axis_rules: Sequence[tuple[str, str | None]] | None = None
 
     @property
     def planned(self) -> bool:
@@ -148,6 +161,8 @@ class PipeshardParallel:
         return AUTO in (self.num_stages, self.stage_mesh_shape, self.num_micro_batches)
 
     def __post_init__(self) -> None:
+        # A tuple of pairs: the dataclass stays hashable, and a bad rule fails here, not mid-trace.
+        object.__setattr__(self, "logical_axis_rules", check_logical_axis_rules(self.logical_axis_rules))
         if not isinstance(self.single_program, bool):
             raise ValueError(f"single_program: expected a bool, got {self.single_program!r}")
         if self.fuse_compute is not None and not self._is_count(self.fuse_compute):

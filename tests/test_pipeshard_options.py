@@ -23,7 +23,7 @@ from pipeline_models import make_state, mse
 
 GROUPS = (ScheduleOptions, PlacementOptions, TransferOptions, GradientOptions)
 # Options the API reads itself (where to run, how to trace and check): in no group.
-API_ONLY = {"devices", "batch_argnums", "single_program"}
+API_ONLY = {"devices", "batch_argnums", "single_program", "logical_axis_rules"}
 # Group fields named differently from the option they come from.
 RENAMED = {"name": "schedule"}
 # Group fields the cluster (or its default) decides.
@@ -208,7 +208,7 @@ def test_method_with_keeps_the_users_options():
     plan = _plan()
     base = meshpar.PipeshardParallel(
         num_stages="auto", resharding="send_recv", balancer="naive", executor="p2p", timeout_s=7.5,
-        weight_delay=True, data_axis="dp", model_axis="tp", single_program=False)
+        weight_delay=True, data_axis="dp", model_axis="tp", single_program=False, logical_axis_rules=[("mlp", "tp")])
     method = plan.method_with(base)
     assert not method.planned
     for name in _user_fields() - PLANNED:
