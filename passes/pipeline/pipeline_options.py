@@ -60,8 +60,9 @@ class PlacementOptions:
       cut_points: which stage markers cut (increasing, 0-based); ``None``: every marker.
       auto_layers: layers to cut a marker-less loss into; ``None``: the model's markers.
       num_stages: the stages asked for; a loss without markers and without ``auto_layers``
-        has its scans over layers cut into this many (``even_layer_markers``). ``None``: the
-        model's markers decide.
+        has its scans over layers cut into this many (``even_layer_markers``), one with more
+        than ``num_stages - 1`` markers (and no ``cut_points``) has them grouped into this many
+        (``marker_grouping``). ``None``: the model's markers decide.
     """
 
     stage_meshes: Sequence[Mesh] | None
