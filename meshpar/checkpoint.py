@@ -46,6 +46,9 @@ from meshpar.runtime.remote import absent
 
 __all__ = ["state_shardings", "save", "restore"]
 
+# Leaves of an abstract state that ``restore`` returns as the saved number, of their own type.
+_NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
+
 # The array format the parts are written in, named once: a leaf split between parts is read box
 # by box straight from tensorstore (``_read_boxes``), which must open it as it was written.
 _USE_ZARR3 = False
@@ -149,18 +152,22 @@ def restore(directory: str | os.PathLike, abstract_state: Any, *, timeout_s: flo
       directory: a checkpoint ``save`` wrote.
       abstract_state: a pytree of ``jax.ShapeDtypeStruct`` with shardings, like the saved state
         (``state_shardings`` gives the one a step keeps its state in); its other parts, such as a
-        ``TrainState``'s ``apply_fn`` and ``tx``, are returned as they are.
+        ``TrainState``'s ``apply_fn`` and ``tx``, are returned as they are. A leaf may also be a
+        number (Python ``int``, ``float``, ``bool``, ``complex`` or a numpy scalar), such as a
+        fresh ``TrainState``'s step counter: it comes back as the saved scalar, a number of the
+        same type, as ``jax.jit`` takes it (on no device until a step places it).
       timeout_s: how long a process waits for the others to finish restoring.
 
     Returns:
-      A pytree like ``abstract_state`` of ``jax.Array``.
+      A pytree like ``abstract_state`` of ``jax.Array``, and numbers where it holds numbers.
 
     Raises:
       FileNotFoundError: ``directory`` does not exist.
-      TypeError: a leaf of ``abstract_state`` is not a ``jax.ShapeDtypeStruct`` with a sharding,
-        naming it.
+      TypeError: a leaf of ``abstract_state`` is neither a ``jax.ShapeDtypeStruct`` with a
+        sharding nor a number, naming it.
       ValueError: a leaf is not in this process's part (saved with another layout or number of
-        processes), or was saved with another shape or dtype, naming it.
+        processes), or was saved with another shape or dtype (a number: other than a scalar of
+        the dtype JAX gives it, e.g. int32 for an ``int``), naming it.
       meshpar.runtime.coordination.CoordinationError: another process did not finish the same
         restore within ``timeout_s``.
     """
@@ -169,15 +176,18 @@ def restore(directory: str | os.PathLike, abstract_state: Any, *, timeout_s: flo
         raise FileNotFoundError(f"directory: no checkpoint at {directory}")
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
     names = [jax.tree_util.keystr(path) for path, _ in flat]
-    wanted = {}
+    wanted, numbers = {}, {}
     for name, (_, leaf) in zip(names, flat):
+        if isinstance(leaf, _NUMBER_TYPES):
+            numbers[name] = leaf
+            continue
         if not isinstance(leaf, jax.ShapeDtypeStruct) or not isinstance(leaf.sharding, jax.sharding.Sharding):
             raise TypeError(f"abstract_state{name}: expected a jax.ShapeDtypeStruct with a sharding "
-                            f"(meshpar.checkpoint.state_shardings gives them), got {leaf!r}")
+                            f"(meshpar.checkpoint.state_shardings gives them) or a number, got {leaf!r}")
         if leaf.sharding.addressable_devices:
             wanted[name] = leaf
     restored = {}
-    if wanted:
+    if wanted or numbers:
         me = jax.process_index()
         part = _part(directory, me)
         regions = _saved_regions(directory)
@@ -196,6 +206,8 @@ def restore(directory: str | os.PathLike, abstract_state: Any, *, timeout_s: flo
                                                              dtype=leaf.dtype) for name, leaf in own.items()}))
             for name, leaf in elsewhere.items():
                 restored[name] = _assembled(checkpointer, directory, regions, name, leaf)
+            for name, leaf in numbers.items():
+                restored[name] = _number(checkpointer, directory, regions, name, leaf)
     agree("checkpoint/restored", {"directory": directory, "leaves": len(flat)}, list(range(jax.process_count())),
           timeout_s=timeout_s, what=f"meshpar.checkpoint.restore({directory!r})")
     return jax.tree_util.tree_unflatten(treedef, [
@@ -277,6 +289,29 @@ def _assembled(checkpointer: ocp.Checkpointer, directory: str, regions: dict[int
         raise ValueError(f"abstract_state{name}: the checkpoint's parts hold only part of it "
                          f"({int(filled.sum())} of {filled.size} elements)")
     return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: value[index], dtype=leaf.dtype)
+
+
+def _number(checkpointer: ocp.Checkpointer, directory: str, regions: dict[int, dict[str, list]] | None, name: str,
+            leaf: Any) -> Any:
+    """Scalar leaf ``name`` as saved, as a number of ``leaf``'s type: read from this process's
+    part when it holds it, else from the first part that does (every part holds a scalar whole).
+
+    Raises:
+      ValueError: naming the leaf, when no part holds it, or it was saved as other than a scalar
+        of the dtype JAX gives ``leaf``.
+    """
+    me = jax.process_index()
+    holders = [me] if regions is None or name in regions.get(me, {}) else sorted(
+        p for p, leaves in regions.items() if name in leaves)
+    if not holders:
+        raise ValueError(f"abstract_state{name}: in no part of the checkpoint at {directory}")
+    part = _part(directory, holders[0])
+    saved = checkpointer.metadata(part).item_metadata.tree if os.path.isdir(part) else {}
+    # A number saved by save() or returned by a step is a scalar of JAX's dtype for it (an int: int32).
+    dtype = jax.dtypes.canonicalize_dtype(np.result_type(leaf))
+    _check_saved({name: jax.ShapeDtypeStruct((), dtype)}, saved, part)
+    (value,) = _read_boxes(part, name, [()])
+    return type(leaf)(value.item())
 
 
 def _read_boxes(part: str, name: str, boxes: Sequence[tuple[slice, ...]]) -> list[np.ndarray]:

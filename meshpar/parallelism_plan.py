@@ -31,7 +31,8 @@ class ParallelismPlan:
       devices: the devices planned on, in the order their meshes are cut; a plan runs on the
         first ``best.num_devices`` of them (``method``).
       cluster: the hosts and links it was priced on.
-      planning_s: seconds the planner took.
+      planning_s: wall seconds of the whole planning call: tracing and profiling the step,
+        calibrating on the devices (measuring candidate steps) and ranking the plans.
       batch_argnums: the step's batch arguments, as planned; ``method`` keeps them.
     """
 

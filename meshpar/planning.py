@@ -86,6 +86,9 @@ def plan_parallelism(
         not positive; ``passes.planning.protocol.NoPlanFits`` when no plan fits
         ``memory_budget_bytes`` (naming the least memory any plan needs).
     """
+    # planning_s is the whole call: tracing, profiling and calibrating (measuring the devices and
+    # candidate steps) take most of it; the ranking alone is a small fraction.
+    start = time.perf_counter()
     if planner not in PLANNERS:
         raise ValueError(f"planner: expected one of {sorted(PLANNERS)}, got {planner!r}")
     constraints = PlanConstraints(memory_budget_bytes, num_stages, num_micro_batches,
@@ -104,7 +107,6 @@ def plan_parallelism(
     profile, _ = compiled_tensor_parallel(profile, fun, example_args, batch_argnums, devices)
     if hardware is None:
         hardware = _calibrated(fun, example_args, batch_argnums, devices, cluster, profile)
-    start = time.perf_counter()
     plans = PLANNERS[planner](profile, cluster, hardware, constraints)
     return ParallelismPlan(plans[0], tuple(plans[1:]), profile, devices, cluster, time.perf_counter() - start,
                            batch_argnums)

@@ -3,6 +3,7 @@ orbax after 2 steps and restored, by a fresh step, where that step keeps it, tra
 bit as if never interrupted; host values round-trip; bad arguments are named."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -113,6 +114,50 @@ def test_host_values_round_trip(tmp_path):
                                      "table": np.arange(6, dtype=np.float32).reshape(2, 3)})
 
 
+def test_the_readmes_restore_into_jax_jit_takes_a_fresh_train_state(tmp_path):
+    """README "Checkpoint and resume": a new job restores into a plain ``jax.jit`` state made
+    from a fresh flax TrainState, whose step counter is a Python int (issue 41: ``x.shape`` on
+    it raised). The README's abstract state restores it as an int32 scalar; an abstract state
+    leaving the int as it is gets the saved count back as an int. Either way the leaves equal
+    the saved ones bit for bit and jax.jit trains on as the uninterrupted steps do."""
+    batches = [_batch(seed) for seed in range(4)]
+    losses, saved = _train_saving_after_two(_step(), _initial_state(), batches, tmp_path / "ckpt")
+
+    fresh = _initial_state()
+    assert isinstance(fresh.step, int)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    readme = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=one_device), fresh)
+    numbers_kept = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device) if isinstance(x, jax.Array) else x, fresh)
+    for name, abstract in (("README", readme), ("numbers kept", numbers_kept)):
+        resumed = meshpar.checkpoint.restore(tmp_path / "ckpt", abstract)
+        _assert_bitwise_equal(resumed.replace(step=np.asarray(resumed.step, np.int32)), saved)
+        if name == "README":
+            assert resumed.step.dtype == np.int32 and resumed.step.sharding == one_device
+        else:
+            assert type(resumed.step) is int and resumed.step == 2
+        run = jax.jit(supervised_step(mse))
+        for batch, want in zip(batches[2:], losses[2:]):
+            resumed, loss = run(resumed, batch)
+            np.testing.assert_allclose(float(loss), want, rtol=1e-5, err_msg=name)
+        assert int(resumed.step) == 4, name
+
+
+def test_a_number_leaf_names_a_checkpoint_holding_other_than_its_scalar(tmp_path):
+    meshpar.checkpoint.save(tmp_path / "ckpt", {"count": 3, "table": np.zeros((2, 3), np.float32)})
+    restored = meshpar.checkpoint.restore(tmp_path / "ckpt", {"count": 0})
+    assert type(restored["count"]) is int and restored["count"] == 3
+    with pytest.raises(ValueError, match=r"abstract_state\['table'\]: expected float32\[\], but the checkpoint "
+                                         r"holds float32\[2, 3\]"):
+        meshpar.checkpoint.restore(tmp_path / "ckpt", {"table": 0.0})
+    with pytest.raises(ValueError, match=r"abstract_state\['count'\]: expected float32\[\], but the checkpoint "
+                                         r"holds int32\[\]"):
+        meshpar.checkpoint.restore(tmp_path / "ckpt", {"count": 0.0})
+    with pytest.raises(TypeError, match=r"abstract_state\['count'\]: expected a jax.ShapeDtypeStruct with a "
+                                        r"sharding .* or a number, got 'three'"):
+        meshpar.checkpoint.restore(tmp_path / "ckpt", {"count": "three"})
+
+
 # -- bad arguments ------------------------------------------------------------------------
 
 
@@ -180,6 +225,19 @@ def test_state_shardings_of_a_scan_stacked_model_are_where_the_step_keeps_it(tmp
     _assert_bitwise_equal(step(restored, batch), step(stepped, batch))
 
 
+def _train_saving_after_two(step, state, batches, path):
+    """Runs ``step`` over ``batches`` from ``state``, saving the state to ``path`` after the second
+    step: every step's loss, and the saved state."""
+    losses = []
+    for i, batch in enumerate(batches):
+        state, loss = step(state, batch)
+        losses.append(float(loss))
+        if i == 1:
+            meshpar.checkpoint.save(path, state)
+            saved = state
+    return losses, saved
+
+
 def _trained_gpt(num_stages, method, steps):
     """A GPT (its parameters the same whatever ``num_stages``: only its stage markers move) and
     ``steps`` batches, its initial state, and the parallelized step under ``method``."""
@@ -197,13 +255,7 @@ def test_a_checkpoint_restores_under_another_layout_and_into_a_jit_state(tmp_pat
     reassociate sums: float tolerance)."""
     two = meshpar.PipeshardParallel(num_micro_batches=2, num_stages=2, stage_mesh_shape=(2, 2))
     batches, state, step = _trained_gpt(2, two, 4)
-    losses = []
-    for i, batch in enumerate(batches):
-        state, loss = step(state, batch)
-        losses.append(float(loss))
-        if i == 1:
-            meshpar.checkpoint.save(tmp_path / "ckpt", state)
-            saved = state
+    losses, saved = _train_saving_after_two(step, state, batches, tmp_path / "ckpt")
 
     four = meshpar.PipeshardParallel(num_micro_batches=2, num_stages=4, stage_mesh_shape=(1, 1),
                                      devices=jax.devices()[:4])

@@ -39,6 +39,23 @@ def test_main_job_with_its_blocks_in_one_scan_cuts_the_scan_and_holds_slices():
         assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want))), (got, want)
 
 
+def test_main_job_describe_names_moved_values_by_the_steps_own_code():
+    """describe() names what moves between meshes as the step's author knows it, never by its
+    number among the traced step's values (``value565``): the global norm optax computes for the
+    clipping and the log by the optax function and the step's line that call for it."""
+    out = subprocess.run([sys.executable, "-m", "examples.train_gpt", "--steps", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    described = out.stdout[out.stdout.index("pipeline: "):out.stdout.index("after 0 steps")]
+    assert not re.search(r"\bvalue\d+\b", described), described
+    with open(os.path.join(ROOT, "examples", "train_gpt.py")) as f:
+        norm_line = next(n for n, line in enumerate(f, start=1) if "optax.tree.norm(grads)" in line)
+    moved = re.search(r"^  after it: .*$", described, re.M)[0]
+    assert ("the float32[] computed at optax/tree_utils/_tree_math.py:" in moved
+            and f"(tree_norm) called from examples/train_gpt.py:{norm_line} (main_job.<locals>.train_step) moves "
+                f"mesh 0 -> 1" in moved), moved
+
+
 class _Gpu:
     """A stand-in for one GPU as the default backend's only device."""
 

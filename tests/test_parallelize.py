@@ -171,13 +171,20 @@ def test_num_stages_without_markers():
         step(state, batch)
 
 
-def test_micro_batches_must_divide_the_batch():
+def test_micro_batches_must_divide_the_batch_and_the_error_lists_the_counts_that_do():
+    """The error lists every count dividing the batch (10: 1, 2, 5 and 10); one of them runs."""
     model = MLP(features=(16, 4), num_stages=2)
     batch = _mlp_batch(n=10)
     state = make_state(model, batch["x"][:1])
     step = meshpar.parallelize(supervised_step(mse), method=meshpar.PipeshardParallel(num_micro_batches=4))
-    with pytest.raises(ValueError, match="num_micro_batches: 4 does not divide the batch size 10"):
+    with pytest.raises(ValueError, match=r"^num_micro_batches: 4 does not divide the batch size 10; pass one of "
+                                         r"1, 2, 5, 10, or a batch whose size 4 divides$"):
         step(state, batch)
+    proposed = meshpar.PipeshardParallel(num_micro_batches=2, num_stages=2, stage_mesh_shape=(1, 1),
+                                         devices=jax.devices()[:2])
+    _, got_loss = meshpar.parallelize(supervised_step(mse), method=proposed)(state, batch)
+    _, want_loss = jax.jit(supervised_step(mse))(state, batch)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
 
 
 def test_overlapping_or_too_many_meshes():

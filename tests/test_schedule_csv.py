@@ -2,6 +2,7 @@
 a round trip, torch's own CSVs loaded, a loaded order checked like a built-in one (placement,
 sizes, deadlocks), each bad input named, and a loaded order training equal to jax.jit."""
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -112,10 +113,16 @@ def test_bad_csv_input_is_named(text, match):
 
 @pytest.mark.parametrize("text,cycle", [
     # Mesh 0 runs stage 0's backward before the forward it needs: a cycle on one mesh.
-    ("0B0,0F0\n", "B0.0 (sequence) -> F0.0 (data)"),
+    ("0B0,0F0\n", "0B0 (rank 0, line 1, column 1) -sequence-> 0F0 (rank 0, line 1, column 2) -data-> "
+                  "0B0 (rank 0, line 1, column 1)"),
     # Mesh 1 waits for B1.0 before F1.0 runs: mesh 0's backward waits on mesh 1, which waits on
     # mesh 0's forward of micro-batch 1, queued behind that backward.
-    ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "F0.1"),
+    ("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n", "0F1 (rank 0, line 1, column 3)"),
+    # A whole backward among split ones is its input and weight pass, each named as a pass of it:
+    # 0B1's input pass waits for 0F1, written after it.
+    ("0F0,0I0,0W0,0B1,0F1\n1F0,1I0,1W0,1F1,1I1,1W1\n",
+     "0I1 of 0B1 (rank 0, line 1, column 4) -data-> 0W1 of 0B1 (rank 0, line 1, column 4) -sequence-> "
+     "0F1 (rank 0, line 1, column 5) -data-> 0I1 of 0B1 (rank 0, line 1, column 4)"),
 ])
 def test_an_order_that_deadlocks_names_a_task_of_the_cycle(text, cycle, tmp_path):
     with pytest.raises(ValueError, match=r"^schedule: the order of 'bad' deadlocks on the cycle .*"
@@ -125,6 +132,46 @@ def test_an_order_that_deadlocks_names_a_task_of_the_cycle(text, cycle, tmp_path
     path.write_text(text)
     with pytest.raises(ValueError, match=f"deadlocks.*\\(in {path}\\)$"):
         load_schedule_csv(path)
+
+
+# An action as the deadlock error names it: stage, type, micro-batch, rank, line, column.
+_NAMED_ACTION = re.compile(r"(\d+)([FBIW])(\d+) \(rank (\d+), line (\d+), column (\d+)\)")
+
+
+def _waits_for(later, earlier, why):
+    """Whether CSV action ``later`` waits for ``earlier`` (each ``((stage, type, micro-batch),
+    (line, column))``) on a chain of stages, by ``why``: ``sequence``, written after it in the
+    same line; ``data``, reading its result (a forward the previous stage's forward; a backward
+    its own stage's forward or the next stage's backward), of the same micro-batch."""
+    ((sa, ka, ma), (la, ca)), ((sb, kb, mb), (lb, cb)) = earlier, later
+    if why == "sequence":
+        return la == lb and ca < cb
+    return why == "data" and ma == mb and (kb, ka, sa) in {("F", "F", sb - 1), ("B", "F", sb), ("B", "B", sb + 1)}
+
+
+def test_a_deadlock_across_ranks_is_named_in_the_csvs_own_actions_and_cells():
+    """The cycle is named as the CSV is written (torch's ``<stage><type><micro-batch>`` and each
+    action's rank, line and column), never as meshpar's internal ``F0.1`` tasks; every named
+    action is in the CSV where the error says, and each waits for the one before it as labelled."""
+    text = "0F0,0F1,0B1,0B0\n1F0,1B0,1F1,1B1\n2F1,2B1,2F0,2B0\n"
+    lines = [line.split(",") for line in text.splitlines()]
+    with pytest.raises(ValueError) as error:
+        parse_schedule_csv(text, "bad")
+    message = str(error.value)
+    prefix = "schedule: the order of 'bad' deadlocks on the cycle "
+    assert message.startswith(prefix)
+    assert not re.search(r"\b[FBIWAG]\d+\.\d+\b", message), message
+    cycle = message[len(prefix):message.index(", each task")]
+    named = [((int(m[1]), m[2], int(m[3])), (int(m[5]), int(m[6]))) for m in _NAMED_ACTION.finditer(cycle)]
+    assert all(int(m[4]) == int(m[5]) - 1 for m in _NAMED_ACTION.finditer(cycle)), cycle
+    whys = re.findall(r" -(\w+)-> ", cycle)
+    assert len(named) == len(whys) + 1 >= 3 and named[0] == named[-1], cycle
+    for (stage, kind, micro_batch), (line, column) in named:
+        assert lines[line - 1][column - 1] == f"{stage}{kind}{micro_batch}", (stage, kind, micro_batch, line, column)
+    for earlier, later, why in zip(named, named[1:], whys):
+        assert _waits_for(later, earlier, why), (earlier, why, later)
+    # The cycle crosses ranks: one line's action waits on another line's.
+    assert len({line for _, (line, _) in named}) > 1
 
 
 def test_a_loaded_order_runs_at_its_own_size_only():

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import sys
+import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any, Union
 
@@ -36,7 +39,7 @@ from ...compiler_pass import compiler_pass
 from ... import jax_ir
 from .micro_batching import is_key
 from .split_conditionals import cut_cond, inline_fixed_calls, split_cond
-from .stage_graph import user_location
+from .stage_graph import first_user_frame, user_location
 from ..step_primitives import pipeline_grad_p
 
 __all__ = ["OuterKind", "OuterRef", "OuterCompute", "OuterMove", "StepSplit", "split_step", "verify_step_split", "GradCallError"]
@@ -118,6 +121,8 @@ class StepSplit:
       avals: every ``value``, ``loss``, ``aux`` and ``grad`` ref's aval.
       consts: the step's closed-over constants.
       literals: output index -> the literal it returns.
+      origins: each moved ``value`` ref, where the step's code computed it (``traced_at``), to
+        name it in ``describe()``.
     """
 
     param_inputs: tuple[int, ...]
@@ -130,6 +135,7 @@ class StepSplit:
     avals: dict[OuterRef, jax_ir.AbstractValue]
     consts: tuple
     literals: dict[int, Any] = dataclasses.field(default_factory=dict)
+    origins: dict[OuterRef, str] = dataclasses.field(default_factory=dict)
 
     def moved(self) -> tuple[OuterMove, ...]:
         return tuple(s for s in (*self.before, *self.after) if isinstance(s, OuterMove))
@@ -334,10 +340,32 @@ def split_step(outer: jax_ir.ClosedJaxpr, param_owner: Callable[[int], int], los
              for phase in ("before", "after")}
     needs = tuple(frozenset(planner.input_needs.get(i, ())) for i in range(len(jaxpr.invars)))
     literals = {j: v.val for j, v in enumerate(jaxpr.outvars) if isinstance(v, jax_ir.Literal)}
+    moved = {ref for ref, _, _ in planner.moves if ref.kind is OuterKind.VALUE}
+    origins = {ref_of[v]: traced_at(e) for e in jaxpr.eqns for v in e.outvars if ref_of[v] in moved}
     split = StepSplit(tuple(param_inputs), tuple(loss_operands), steps["before"], steps["after"], tuple(outputs),
-                      needs, homes, avals, tuple(consts), literals)
+                      needs, homes, avals, tuple(consts), literals, origins)
     verify_step_split(split, num_meshes)
     return split
+
+
+def traced_at(eqn: jax_ir.JaxprEqn) -> str:
+    """Where the step's code computed ``eqn``'s results: the innermost function outside JAX, flax
+    and meshpar (``first_user_frame``), and, when that is an installed library's (optax's
+    ``tree_norm``), the line of the user's own code calling into it. Paths are relative to
+    their ``sys.path`` entry, as imports name them."""
+    frames = [(f.file_name, f.start_line, f.function_name) for f in jax_ir.user_frames(eqn.source_info.traceback)]
+    installed = tuple({os.path.join(sysconfig.get_paths()[k], "") for k in ("purelib", "platlib")})
+    innermost = first_user_frame(frames)
+    own_code = first_user_frame(f for f in frames if not os.path.abspath(f[0]).startswith(installed))
+    roots = sorted((os.path.join(os.path.abspath(p or os.curdir), "") for p in sys.path), key=len, reverse=True)
+
+    def short(location: str) -> str:
+        root = next((r for r in roots if location.startswith(r)), "")
+        return location[len(root):]
+
+    if own_code in (innermost, "unknown location"):
+        return short(innermost)
+    return f"{short(innermost)} called from {short(own_code)}"
 
 
 def _moves(planner: _Planner, phase: str) -> list[tuple[OuterRef, int, int]]:

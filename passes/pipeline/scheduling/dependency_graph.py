@@ -10,7 +10,7 @@ acyclic. The simulator walks the same graph with durations on its nodes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import networkx as nx
 
@@ -22,15 +22,18 @@ _TRANSFER_RANK = {TaskKind.SEND_ACT: 0, TaskKind.SEND_GRAD: 1}
 
 
 def dependency_graph(
-    sequences: Sequence[Sequence[Task]], edges: Sequence[tuple[int, int]], split_backward: bool, num_micro_batches: int
+    sequences: Sequence[Sequence[Task]], edges: Sequence[tuple[int, int]], split_backward: bool, num_micro_batches: int,
+    forward_only: bool = False,
 ) -> nx.DiGraph:
-    """Every compute task of ``sequences`` and every transfer over ``edges``, with both kinds of edge."""
+    """Every compute task of ``sequences`` and every transfer over ``edges`` (activations only
+    when ``forward_only``), with both kinds of edge."""
     graph = nx.DiGraph()
     for s, seq in enumerate(sequences):
         graph.add_nodes_from(seq, stage=s)
         graph.add_edges_from(zip(seq, seq[1:]), kind="sequence")
+    kinds = (TaskKind.SEND_ACT,) if forward_only else tuple(_TRANSFER_RANK)
     graph.add_nodes_from(
-        Task(kind, e, m) for m in range(num_micro_batches) for e in range(len(edges)) for kind in _TRANSFER_RANK
+        Task(kind, e, m) for m in range(num_micro_batches) for e in range(len(edges)) for kind in kinds
     )
     for task in list(graph.nodes):
         for dep in task_dependencies(task, edges, split_backward):
@@ -40,14 +43,27 @@ def dependency_graph(
     return graph
 
 
-def verify_acyclic(graph: nx.DiGraph, name: str, given: bool = False) -> None:
+def verify_acyclic(graph: nx.DiGraph, name: str, given: bool = False,
+                   task_name: Callable[[Task], str] | None = None) -> None:
     """Raises naming a cycle (a deadlock) of schedule ``name``: ``ValueError`` naming ``schedule``
     when its order was ``given`` as data (a user's input), else ``PlanVerificationError`` (a
-    built-in schedule's bug)."""
+    built-in schedule's bug).
+
+    ``task_name`` names a compute task as the order's author wrote it (a CSV's action and its
+    cell, ``schedule_csv``); the cycle then lists only compute tasks, a transfer being the data
+    edge it carries, since the author wrote no transfers. ``None``: every task as ``Task`` prints.
+    """
     from ...verification import PlanVerificationError
 
     if not nx.is_directed_acyclic_graph(graph):
-        cycle = " -> ".join(f"{a} ({graph.edges[a, b]['kind']})" for a, b in nx.find_cycle(graph))
+        edges = nx.find_cycle(graph)
+        if task_name is None:
+            cycle = " -> ".join(f"{a} ({graph.edges[a, b]['kind']})" for a, b in edges)
+        else:
+            # Transfers sit only between compute tasks, so every cycle holds one; it is closed
+            # with its first task, each arrow labelled with why the next task waits.
+            named = [(a, graph.edges[a, b]["kind"]) for a, b in edges if a.kind.is_compute]
+            cycle = " ".join(f"{task_name(a)} -{kind}->" for a, kind in named) + f" {task_name(named[0][0])}"
         if given:
             raise ValueError(f"schedule: the order of {name!r} deadlocks on the cycle {cycle}, each task waiting "
                              f"for the one before it (in its mesh's sequence, or for its data)")

@@ -20,8 +20,9 @@ A loaded order is a ``ScheduleKind`` of one ``size``, accepted wherever a schedu
   whole where others are split is its input pass followed by its weight pass (a schedule here
   splits every backward or none);
 - that the order does not deadlock on a chain of stages (``make_schedule``'s check, naming a
-  cycle). A stage graph's edges run from earlier stages to later ones, so the chain's
-  dependencies already include a model's; ``make_schedule`` checks again when it compiles.
+  cycle in the CSV's own actions, each with its rank, line and column). A stage graph's edges
+  run from earlier stages to later ones, so the chain's dependencies already include a model's;
+  ``make_schedule`` checks again when it compiles.
 
 Writing gives the same format, so every built-in schedule can be saved, edited and loaded.
 """
@@ -52,10 +53,12 @@ _LOWERED = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "UNSHARD", "RESHARD", "REDUC
 
 @dataclasses.dataclass(frozen=True)
 class _Cell:
-    """Where an action sits: ``line`` (1-based; rank ``line - 1``) and ``column`` (1-based)."""
+    """Where an action sits: ``line`` (1-based; rank ``line - 1``) and ``column`` (1-based), and
+    the ``token`` written there."""
 
     line: int
     column: int
+    token: str
 
     def __str__(self) -> str:
         return f"line {self.line}, column {self.column}"
@@ -87,6 +90,27 @@ class FixedOrder:
         return [list(seq) for seq in self.sequences]
 
 
+@dataclasses.dataclass(frozen=True)
+class _CsvTaskNames:
+    """A ``ScheduleKind.task_name`` for a CSV order: each compute task named as the CSV wrote it.
+
+    Attributes:
+      cells: each compute task of the order, with the cell it came from.
+    """
+
+    cells: tuple[tuple[Task, _Cell], ...]
+
+    def __call__(self, task: Task) -> str:
+        """``task`` as the CSV's action and where it is, e.g. ``1F0 (rank 1, line 2, column 3)``;
+        a pass of a backward the CSV wrote whole (split by the CSV's other actions or by weight
+        delaying) as that pass of it, e.g. ``0I0 of 0B0 (rank 0, line 1, column 4)``."""
+        cells = dict(self.cells)
+        cell = cells.get(task) or cells[Task(B, task.where, task.micro_batch)]
+        action = _action(task)
+        written = action if action == cell.token else f"{action} of {cell.token}"
+        return f"{written} (rank {cell.line - 1}, {cell})"
+
+
 def _cell_tasks(token: str, cell: _Cell) -> list[Task]:
     """The compute tasks of one CSV cell, in order (none for an empty cell).
 
@@ -112,8 +136,8 @@ def _read_cells(text: str) -> list[_Row]:
     """Per line (rank), its compute tasks and the cell each came from."""
     rows = []
     for line, row in enumerate(csv.reader(io.StringIO(text)), start=1):
-        cells = [(task, _Cell(line, column)) for column, token in enumerate(row, start=1)
-                 for task in _cell_tasks(token, _Cell(line, column))]
+        cells = [(task, cell) for column, token in enumerate(row, start=1)
+                 for cell in [_Cell(line, column, token.strip())] for task in _cell_tasks(token, cell)]
         if not cells:
             raise ValueError(f"schedule: line {line} (rank {line - 1}) runs no compute action; every rank runs "
                              f"at least one stage")
@@ -211,7 +235,8 @@ def parse_schedule_csv(text: str, name: str) -> ScheduleKind:
     Raises:
       ValueError: naming ``schedule`` and what is wrong: the line and column of a token that is
         no compute action, a stage on two ranks, a placement neither a loop nor a V, a missing
-        or repeated action, or the tasks of a cycle when the order deadlocks.
+        or repeated action, or the actions of a cycle (each with its rank, line and column) when
+        the order deadlocks.
     """
     rows, split = _split_whole_backwards(_read_cells(text))
     stage_rank = _stage_ranks(rows)
@@ -219,8 +244,9 @@ def parse_schedule_csv(text: str, name: str) -> ScheduleKind:
     S, P = len(stage_rank), len(rows)
     M = _check_tasks(rows, S, split)
     kind = ScheduleKind(name, FixedOrder(tuple(tuple(t for t, _ in row) for row in rows)), placement,
-                        virtual_stages=S > P, places_weight_passes=split, stages_per_mesh=S // P, size=(S, P, M))
-    # Deadlocks show on the plainest stage graph; make_schedule names a cycle.
+                        virtual_stages=S > P, places_weight_passes=split, stages_per_mesh=S // P, size=(S, P, M),
+                        task_name=_CsvTaskNames(tuple(pair for row in rows for pair in row)))
+    # Deadlocks show on the plainest stage graph; make_schedule names a cycle in the CSV's actions.
     make_schedule(kind, S, M, [(s, s + 1) for s in range(S - 1)], num_meshes=P)
     return kind
 
