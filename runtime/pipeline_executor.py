@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from meshpar.passes import jax_ir
 from meshpar.passes.model.devices import device_key, planner_ids
+from meshpar.passes.pipeline.placing.batch_rows import GlobalBatchPlacement
 from meshpar.passes.pipeline.placing.edge_transfer import MoveKey
 from meshpar.passes.pipeline.cutting.micro_batching import AuxReduction
 from meshpar.passes.pipeline.lowering.pipeline_program import PipelineProgram, ReduceGradients
@@ -39,7 +40,7 @@ from meshpar.runtime.coordination import (Arrival, agree, owns_a_device_of, rais
 from meshpar.runtime.flat_values import flatten, unflatten
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.move_handlers import Move, prepare_move
-from meshpar.runtime.placement import micro_batch_view, join, place, put
+from meshpar.runtime.placement import micro_batch_view, join, on_meshes, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, StageInputs
 from meshpar.runtime.remote import absent
 from meshpar.runtime.shared_outputs import OutputSharer
@@ -137,6 +138,7 @@ class PipelineExecutable:
         self.peak_weight_states: list[int] = [0] * len(kernels)
         preparers: dict[type, Callable[[Any], None]] = {
             SplitStackedLeaves: self._prepare_stacked,
+            PlaceInputs: self._prepare_placing,
             RunCompute: self._prepare_compute,
             RunMove: self._prepare_move,
             FeedStages: self._prepare_feed,
@@ -174,6 +176,10 @@ class PipelineExecutable:
 
     def _prepare_stacked(self, ins: SplitStackedLeaves) -> None:
         self.stacked_leaves = StackedLeaves(ins.pieces, dict(ins.held), dict(ins.gathered), self._move)
+
+    def _prepare_placing(self, ins: PlaceInputs) -> None:
+        # Per global batch leaf placed by moves, its placement and its prepared moves.
+        self._ready[id(ins)] = {p.leaf: (p, [self._move(k) for k in p.moves]) for p in ins.global_batches}
 
     def _prepare_compute(self, ins: RunCompute) -> None:
         compute = ins.compute
@@ -355,8 +361,29 @@ class PipelineExecutable:
         state.outputs = self.stacked_leaves.join(state.outputs, self.timeout_s)
 
     def _place_inputs(self, ins: PlaceInputs, state: _StepState) -> None:
-        state.placed = [place(v, p) for v, p in zip(state.leaves, ins.placements)]
+        moved = self._ready[id(ins)]
+        state.placed = [self._place_global_batch(i, v, *moved[i], state) if i in moved
+                        else place(v, p, f"step input leaf {i}")
+                        for i, (v, p) in enumerate(zip(state.leaves, ins.placements))]
         state.placements = ins.placements
+
+    def _place_global_batch(self, i: int, leaf: jax.Array, batch: GlobalBatchPlacement, moves: Sequence[Move],
+                            state: _StepState) -> dict[int, jax.Array]:
+        """Global batch leaf ``i`` on each mesh of its placement, by its planned moves (every
+        process joins each); what other processes send here is awaited by what reads it."""
+        if leaf.sharding != batch.source:
+            raise ValueError(f"batch leaf {i}: laid out as {leaf.sharding}, but the step was compiled for "
+                             f"{batch.source}")
+        arrays = [move(leaf) for move in moves]
+        meshes = batch.placement.meshes
+        placed = on_meshes(arrays[0], batch.placement) if batch.union else dict(zip(meshes, arrays))
+        sending = senders(batch.source)
+        for m, array in placed.items():
+            if sending and self.mesh_local[m]:
+                arrival = Arrival(array, f"batch leaf {i} moved whole to mesh {m}", sending)
+                state.arrivals.append(arrival)
+                state.remote[(OuterRef(OuterKind.IN, i), m)] = arrival
+        return placed
 
     def _run_compute(self, ins: RunCompute, state: _StepState) -> None:
         compute = ins.compute
@@ -435,7 +462,8 @@ class PipelineExecutable:
                         leaf = leaf if on_devices else np.asarray(leaf)
                     else:
                         leaf = self._value(op.source, mesh, state)
-                    columns.append(unstack(put(leaf.reshape(M, size, *leaf.shape[1:]), stacked)))
+                    columns.append(unstack(put(leaf.reshape(M, size, *leaf.shape[1:]), stacked,
+                                               f"stage {s}'s operand {op.position} ({op.source})")))
             if not self.local[s]:
                 out.append(None)
                 continue

@@ -15,11 +15,18 @@ from meshpar.passes.model.devices import device_key
 from meshpar.passes.pipeline.placing.batch_rows import MicroBatchRows
 from meshpar.passes.pipeline.placing.step_layout import Placement, spans_platforms, union_sharding
 
-__all__ = ["put", "place", "join", "view", "micro_batch_view"]
+__all__ = ["put", "place", "on_meshes", "join", "view", "micro_batch_view"]
 
 
-def put(value: Any, sharding: NamedSharding) -> jax.Array:
-    """``value`` (host data, or an array anywhere) placed with ``sharding``, in any process."""
+def put(value: Any, sharding: NamedSharding, what: str = "a value") -> jax.Array:
+    """``value`` (host data, or an array anywhere) placed with ``sharding``, in any process;
+    ``what`` names it in errors.
+
+    Raises:
+      ValueError: naming ``what``, for an array spanning processes not laid out as ``sharding``:
+        no process can fetch it to the host, and only a move the compiler plans places it
+        (``batch_rows.global_batch_placements``, for a global batch).
+    """
     # Specs spelt differently (P("model") and P("model", None)) place a value alike: no copy.
     # An uncommitted array (made without naming its device) is committed by a copy: JAX
     # compiles a program again for operands it may move (the first step's would not be the next's).
@@ -28,6 +35,13 @@ def put(value: Any, sharding: NamedSharding) -> jax.Array:
         return value
     if isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1:
         return jax.device_put(value, sharding)
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        raise ValueError(
+            f"{what}: a jax.Array spanning processes, laid out as {value.sharding}, is to be placed as {sharding} "
+            f"with no move planned for it, and no process can fetch it to the host. Pass it laid out as the step "
+            f"keeps it (meshpar.reshard(x, sharding), every process calling it) or as host data equal on every "
+            f"process; a batch built with jax.make_array_from_process_local_data belongs in batch_argnums, whose "
+            f"global arrays the compiler moves where the step reads them")
     host = np.asarray(value)
     host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
@@ -51,13 +65,19 @@ def view(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...] | None = 
                                                     dtype=x.dtype)
 
 
-def place(value: Any, placement: Placement) -> dict[int, jax.Array]:
-    """``value`` on each mesh of ``placement`` (one array over all of them, viewed per mesh)."""
+def place(value: Any, placement: Placement, what: str = "a value") -> dict[int, jax.Array]:
+    """``value`` on each mesh of ``placement`` (one array over all of them, viewed per mesh);
+    ``what`` names it in errors (``put``)."""
     if not placement.meshes:
         return {}
     if len(placement.meshes) == 1 or spans_platforms(placement.shardings):
-        return {m: put(value, placement.on(m)) for m in placement.meshes}
-    union = put(value, union_sharding(placement.shardings))
+        return {m: put(value, placement.on(m), what) for m in placement.meshes}
+    return on_meshes(put(value, union_sharding(placement.shardings), what), placement)
+
+
+def on_meshes(union: jax.Array, placement: Placement) -> dict[int, jax.Array]:
+    """``union``, a value laid out over every mesh of ``placement`` (its union sharding), as
+    each mesh's view."""
     return {m: view(union, placement.on(m)) for m in placement.meshes}
 
 

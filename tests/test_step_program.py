@@ -14,7 +14,8 @@ from examples.mlp import MLP
 from examples.train_step import supervised_step
 from meshpar.passes.pipeline.cutting.micro_batching import AuxReduction
 from meshpar.passes.pipeline.lowering.step_program import (
-    AssembleOutputs, CombineMicroBatches, PlaceInputs, ReduceGradient, RunCompute, RunPipeline, verify_step_program,
+    AssembleOutputs, CombineMicroBatches, PlaceInputs, ReduceGradient, RunCompute, RunPipeline, ShareOutputs,
+    verify_step_program,
 )
 from meshpar.passes.pipeline.cutting.step_split import OuterKind
 from meshpar.passes.verification import PlanVerificationError
@@ -49,7 +50,8 @@ def test_the_compiler_decides_reductions_gradient_homes_and_order():
     compiled, parallel, state, batch = _compiled(_aux_step)
     step = compiled.step
     kinds = [type(i) for i in step]
-    assert kinds[0] is PlaceInputs and kinds[-1] is AssembleOutputs and kinds.count(RunPipeline) == 1
+    # Small outputs of two meshes are shared onto the same devices after assembly, so they combine.
+    assert kinds[0] is PlaceInputs and kinds[-2:] == [AssembleOutputs, ShareOutputs] and kinds.count(RunPipeline) == 1
     combines = [i for i in step if isinstance(i, CombineMicroBatches)]
     # reduction="sum": the loss sums; each aux value combines by the rule the compiler resolved
     # for it (micro_batching), never by one the runtime picks.
@@ -65,6 +67,9 @@ def test_the_compiler_decides_reductions_gradient_homes_and_order():
     got, want = parallel(state, batch), jax.jit(_aux_step)(state, batch)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    small = jax.tree.leaves(got[1:])
+    assert all(x.sharding.device_set == small[0].sharding.device_set for x in small)
+    np.testing.assert_allclose(float(got[1] / small[-1]), float(want[1] / jax.tree.leaves(want[1:])[-1]), rtol=1e-5)
 
 
 def test_interleaved_gradients_are_reduced_on_the_owners_mesh():

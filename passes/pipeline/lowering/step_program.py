@@ -11,7 +11,8 @@ instruction carrying what it needs (the runtime reads no layout), so the runtime
 
 - ``SplitStackedLeaves`` / ``JoinStackedLeaves`` (first and last, with stacked leaves): the
   user's stacked leaves into the per-stage pieces the step takes, and back;
-- ``PlaceInputs``: every step input leaf where its ``Placement`` puts it;
+- ``PlaceInputs``: every step input leaf where its ``Placement`` puts it (a global batch leaf by
+  its planned moves, ``batch_rows.global_batch_placements``);
 - ``RunCompute`` / ``RunMove``: one computation around the pipeline on its mesh,
   or one move of values between two meshes (``step_split``);
 - ``FeedStages``: each stage's operands (fetched parameters, constants, the
@@ -42,7 +43,7 @@ from ...verification import PlanVerificationError
 from ..placing.data_replicas import DataReplicas
 from ..cutting.micro_batching import AuxReduction, MicroBatching
 from .pipeline_program import BufferId, BufferKind, PipelineProgram
-from ..placing.batch_rows import GlobalBatchFeed
+from ..placing.batch_rows import GlobalBatchFeed, GlobalBatchPlacement
 from ..placing.stacked_leaves import GatheredArray, LeafPieces, StackedArray
 from ..cutting.stage_graph import RefKind, StageGraph
 from ..placing.step_layout import Placement, StageOperand, StepLayout, ValueMove, spans_platforms, union_sharding
@@ -69,9 +70,12 @@ class SplitStackedLeaves:
 
 @dataclasses.dataclass(frozen=True)
 class PlaceInputs:
-    """Every input leaf (of the rewritten step) where ``placements`` puts it."""
+    """Every input leaf (of the rewritten step) where ``placements`` puts it; a leaf of
+    ``global_batches`` (a global batch array read whole around the pipeline) by its planned
+    moves, every process joining each, in this order."""
 
     placements: tuple[Placement, ...]
+    global_batches: tuple[GlobalBatchPlacement, ...] = ()
 
     def __str__(self) -> str:
         return "place the inputs"
@@ -213,8 +217,8 @@ SHARE_MAX_BYTES = 1 << 20
 @dataclasses.dataclass(frozen=True)
 class SharedOutput:
     """Output ``output`` (of ``AssembleOutputs``), shaped ``shape`` of ``dtype``: its copy on
-    ``source`` (a device of its mesh) copied onto ``devices``, one per process (``source`` for
-    its own), where each process reads it."""
+    ``source`` (a device of its mesh) copied onto ``devices``, the step's output devices (one per
+    process, or the first mesh's in one process), where each process reads it."""
 
     output: int
     source: Any
@@ -225,15 +229,16 @@ class SharedOutput:
 
 @dataclasses.dataclass(frozen=True)
 class ShareOutputs:
-    """``outputs`` copied onto every process, so that every process reads them as under
-    ``jax.jit``: point-to-point copies from their source device (no collective: a collective
+    """``outputs`` copied onto the step's output devices (``share_outputs``), so that every
+    process reads them and they combine as under ``jax.jit``: point-to-point copies from their
+    source device (no collective: a collective
     launched while a peer still waits for this process's sends can block the device those
     sends need), every process joining each copy in this order."""
 
     outputs: tuple[SharedOutput, ...]
 
     def __str__(self) -> str:
-        return f"share {len(self.outputs)} small outputs with every process"
+        return f"share {len(self.outputs)} small outputs on the step's output devices"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,12 +317,14 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
                micro_batch_size: int, pieces: LeafPieces | None = None,
                held: Mapping[int, StackedArray] | None = None,
                gathered: Mapping[int, GatheredArray] | None = None,
-               global_batches: Sequence[GlobalBatchFeed] = ()) -> StepProgram:
+               global_batches: Sequence[GlobalBatchFeed] = (),
+               batch_placements: Sequence[GlobalBatchPlacement] = ()) -> StepProgram:
     """The step around ``program``: its reductions are ``micro_batching``'s (the loss by its
     ``reduction``, each aux value by its own, over micro-batches and the replicas of
     ``gradients``), every sharding is ``layout``'s (a value it leaves free replicated on its
     mesh); with ``pieces``, the user's stacked leaves split before and joined after, as
-    ``held`` and ``gathered`` say."""
+    ``held`` and ``gathered`` say; ``global_batches`` feed stages per micro-batch from a global
+    batch, ``batch_placements`` place such a batch's leaves whole."""
 
     def per_replica(stage: int, slot: int) -> bool:
         replicas = gradients.stages[stage].replicas
@@ -334,7 +341,8 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
     stacked = (pieces, tuple(sorted(held.items())), tuple(sorted(gathered.items())))
     if pieces is not None:
         ins.append(SplitStackedLeaves(*stacked))
-    ins += [PlaceInputs(layout.in_placements), *(_outer(st, layout, split) for st in split.before),
+    ins += [PlaceInputs(layout.in_placements, tuple(batch_placements)),
+            *(_outer(st, layout, split) for st in split.before),
             FeedStages(feeds, micro_batch_size, M, tuple(global_batches)), RunPipeline()]
     loss = graph.loss
     ins.append(CombineMicroBatches(
@@ -370,40 +378,44 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
 
 def share_outputs(outputs: Sequence[OutputSource], avals: Mapping[OuterRef, jax_ir.AbstractValue],
                   meshes: Sequence[Mesh], kept: Sequence[bool]) -> ShareOutputs | None:
-    """What ``ShareOutputs`` copies onto every process: each computed output held on one mesh,
-    replicated there, of at most ``SHARE_MAX_BYTES``, whose mesh leaves out a process of the
-    step, and that is not state the step keeps where it lives (``kept``: the new step counter
-    stays with the state, where the next step reads it); ``None`` when there is none (always,
-    in one process)."""
+    """What ``ShareOutputs`` copies onto the step's output devices, the first device of each
+    process (in process order; in one process, the first mesh's devices): each computed output held on one mesh, replicated there, of at
+    most ``SHARE_MAX_BYTES``, and that is not state the step keeps where it lives (``kept``: the
+    new step counter stays with the state, where the next step reads it). Every such output
+    then lies on the same devices, so outputs of different meshes combine as ``jax.jit``'s do
+    (``metrics["loss"] / metrics["count"]``), and every process reads them. ``None`` when there
+    is none, or the step runs on one mesh of one process (its outputs already lie together)."""
     devices = sorted({d for mesh in meshes for d in mesh.devices.flat}, key=lambda d: (d.process_index, d.id))
     first = {}
     for d in devices:
         first.setdefault(d.process_index, d)
-    if len(first) < 2 or len({d.platform for d in devices}) > 1:
+    if (len(first) < 2 and len(meshes) < 2) or len({d.platform for d in devices}) > 1:
         return None
+    # One device per process; in one process the first mesh's devices, so that no device of a
+    # mesh holds what its neighbours do not (the memory model prices a mesh's devices alike).
+    targets = tuple(d for _, d in sorted(first.items())) if len(first) > 1 else tuple(meshes[0].devices.flat)
     shared = []
     for j, source in enumerate(outputs):
         if (kept[j] or source.ref.kind in (OuterKind.IN, OuterKind.CONST, OuterKind.LITERAL)
                 or len(source.meshes) != 1):
             continue
         aval, sharding = avals[source.ref], source.shardings[0]
-        mesh_devices = list(sharding.mesh.devices.flat)
         if (jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) or any(axis is not None for axis in sharding.spec)
-                or aval.size * aval.dtype.itemsize > SHARE_MAX_BYTES
-                or {d.process_index for d in mesh_devices} == set(first)):
+                or aval.size * aval.dtype.itemsize > SHARE_MAX_BYTES):
             continue
-        src = mesh_devices[0]
-        targets = tuple(src if p == src.process_index else d for p, d in sorted(first.items()))
+        mesh_devices = list(sharding.mesh.devices.flat)
+        # The copy to send: the output's own copy on a target where it has one (no move there).
+        src = next((d for d in targets if d in mesh_devices), mesh_devices[0])
         shared.append(SharedOutput(j, src, targets, tuple(aval.shape), aval.dtype))
     return ShareOutputs(tuple(shared)) if shared else None
 
 
 def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, program: PipelineProgram) -> None:
-    """The pipeline runs once, after the inputs are placed and the stages fed; every value a
-    computation or move reads on a mesh was made there earlier (or is an input or constant);
-    the loss and every aux value are combined once, on the mesh computing them; every stage's
-    gradient of every parameter it reads is reduced once, on the parameter owner's mesh; the
-    outputs come last.
+    """The pipeline runs once, after the inputs are placed (a global batch leaf moved to its own
+    placement) and the stages fed; every value a computation or move reads on a mesh was made
+    there earlier (or is an input or constant); the loss and every aux value are combined once,
+    on the mesh computing them; every stage's gradient of every parameter it reads is reduced
+    once, on the parameter owner's mesh; the outputs come last.
 
     Raises:
       PlanVerificationError: naming the instruction.
@@ -423,6 +435,9 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
     if -1 in positions or positions != sorted(positions) or positions[-1] != len(body) - 1:
         raise PlanVerificationError("the step does not place, feed, run the pipeline, wait and assemble once each, "
                                     "in that order, assembling last")
+    (placing,) = [ins for ins in step if isinstance(ins, PlaceInputs)]
+    if any(p.placement != placing.placements[p.leaf] for p in placing.global_batches):
+        raise PlanVerificationError(f"{placing}: a global batch leaf moved elsewhere than its placement")
     home = program.schedule.stage_mesh
     made: set[tuple[OuterRef, int]] = set()
     combined, reduced = [], []

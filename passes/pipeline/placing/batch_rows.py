@@ -1,4 +1,5 @@
-"""Pass: where each micro-batch of a global batch already lies, and the move feeding it to a stage.
+"""Passes: where each micro-batch of a global batch already lies, and the move feeding it to a
+stage; and the moves placing a global batch leaf whole where the work around the pipeline reads it.
 
 A batch leaf passed as a global ``jax.Array`` (each process holding its own rows, as
 ``jax.make_array_from_process_local_data`` builds it) is never gathered: micro-batch ``m``
@@ -12,6 +13,13 @@ Which rows a shard holds follows from the batch's sharding alone: dimension 0 sp
 ``N`` blocks of ``r`` rows over the mesh axes its spec names there (in the spec's order),
 replicated over the other axes. A micro-batch is one block's slice (``r`` a multiple of
 ``size``) or ``size / r`` whole consecutive blocks (``size`` a multiple of ``r``).
+
+A global batch leaf the computations around the pipeline read too (a mask summed into a
+normaliser, a metric of the batch) has a ``Placement`` on their meshes (``step_layout``). No
+process can fetch it to place it from the host, so ``global_batch_placements`` plans one
+point-to-point move of the whole leaf from its own sharding to where ``runtime.placement.place``
+would put it (one array over the union of the meshes on one platform, else one per mesh); the
+runtime runs that move and nothing else.
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ from ...compiler_pass import compiler_pass
 from ..cutting.step_split import OuterKind
 from ...verification import PlanVerificationError
 from .edge_transfer import MoveKey, TransferKind
-from .step_layout import StepLayout
+from .step_layout import Placement, StepLayout, spans_platforms, union_sharding
 
-__all__ = ["GlobalBatchFeed", "MicroBatchRows", "global_batch_feed", "global_batch_feeds", "micro_batch_rows",
-           "spans_processes", "verify_global_batch_feeds"]
+__all__ = ["GlobalBatchFeed", "GlobalBatchPlacement", "MicroBatchRows", "global_batch_feed", "global_batch_feeds",
+           "global_batch_placements", "micro_batch_rows", "placement_targets", "spans_processes",
+           "verify_global_batch_feeds", "verify_global_batch_placements"]
 
 # The axis a view's mesh names its consecutive blocks by.
 ROWS_AXIS = "meshpar_rows"
@@ -59,6 +68,24 @@ class GlobalBatchFeed:
     source: NamedSharding
     rows: tuple[MicroBatchRows, ...]
     moves: tuple[MoveKey, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalBatchPlacement:
+    """Input leaf ``leaf``, a global batch array laid out as ``source``, placed as ``placement``
+    says by ``moves``: move ``k`` carries the whole leaf point to point from ``source`` to
+    ``placement_targets(placement)[k]``. One target for several meshes is their union, of which
+    each mesh's part is a view; otherwise there is one target per mesh, in its order."""
+
+    leaf: int
+    source: NamedSharding
+    placement: Placement
+    moves: tuple[MoveKey, ...]
+
+    @property
+    def union(self) -> bool:
+        """Whether the one move lands on the union of the placement's meshes."""
+        return len(self.moves) == 1 and len(self.placement.meshes) > 1
 
 
 def _dim0_axes(spec: P) -> tuple[str, ...]:
@@ -124,8 +151,9 @@ def spans_processes(leaf: object) -> bool:
 @compiler_pass
 def global_batch_feeds(layout: StepLayout, leaves: Sequence[object], num_micro_batches: int) -> tuple[GlobalBatchFeed, ...]:
     """Every stage operand read per micro-batch straight from a batch leaf that is a global
-    array (``spans_processes``), with its rows and moves (``global_batch_feed``). Batch leaves
-    given as host data are cut on the host instead (every process holds the same value).
+    array (``spans_processes``), with its rows and moves (``global_batch_feed``), also when the
+    work around the pipeline reads the leaf whole (``global_batch_placements`` places that copy).
+    Batch leaves given as host data are cut on the host instead (every process holds the same value).
 
     Raises:
       ValueError: naming the leaf, when a global batch leaf is not laid out by a ``NamedSharding``.
@@ -137,14 +165,95 @@ def global_batch_feeds(layout: StepLayout, leaves: Sequence[object], num_micro_b
                 continue
             i = op.source.index
             leaf = leaves[i]
-            if layout.in_placements[i].meshes or not spans_processes(leaf):
+            if not spans_processes(leaf):
                 continue
-            if not isinstance(leaf.sharding, NamedSharding):
-                raise ValueError(f"batch leaf {i}: a global batch array must be laid out by a NamedSharding "
-                                 f"(as jax.make_array_from_process_local_data builds it), got {leaf.sharding}")
-            feeds.append(global_batch_feed(s, op.position, i, leaf.shape, leaf.dtype, leaf.sharding, op.sharding,
-                                           num_micro_batches))
+            feeds.append(global_batch_feed(s, op.position, i, leaf.shape, leaf.dtype, _global_source(i, leaf),
+                                           op.sharding, num_micro_batches))
     return tuple(feeds)
+
+
+def placement_targets(placement: Placement) -> tuple[NamedSharding, ...]:
+    """Where a leaf placed as ``placement`` is laid out as arrays, as ``runtime.placement.place``
+    lays it out: one array replicated over the union of its meshes (all on one platform), else
+    one per mesh."""
+    if len(placement.meshes) == 1 or spans_platforms(placement.shardings):
+        return placement.shardings
+    return (union_sharding(placement.shardings),)
+
+
+def _lies_as(leaf: jax.Array, targets: Sequence[NamedSharding]) -> bool:
+    """Whether ``leaf`` is laid out as the one array ``targets`` names (placed as it is)."""
+    return len(targets) == 1 and (leaf.sharding == targets[0] or leaf.sharding.is_equivalent_to(targets[0], leaf.ndim))
+
+
+def _global_source(i: int, leaf: jax.Array) -> NamedSharding:
+    """The sharding of global batch leaf ``i``, which must be a ``NamedSharding``."""
+    if not isinstance(leaf.sharding, NamedSharding):
+        raise ValueError(f"batch leaf {i}: a global batch array must be laid out by a NamedSharding "
+                         f"(as jax.make_array_from_process_local_data builds it), got {leaf.sharding}")
+    return leaf.sharding
+
+
+@compiler_pass
+def global_batch_placements(layout: StepLayout, leaves: Sequence[object],
+                            batch_leaves: frozenset[int]) -> tuple[GlobalBatchPlacement, ...]:
+    """Every batch leaf given as a global array (``spans_processes``) that the computations
+    around the pipeline read whole (a ``Placement`` on some mesh), with the point-to-point moves
+    of the whole leaf from its own sharding to where it is placed (``placement_targets``): no
+    process fetches it to the host. Host data is placed from the host (every process holds the
+    same value), as is a leaf already laid out as its placement.
+
+    Raises:
+      ValueError: naming the leaf, when a global batch leaf is not laid out by a ``NamedSharding``.
+    """
+    out = []
+    for i in sorted(batch_leaves):
+        placement, leaf = layout.in_placements[i], leaves[i]
+        if not placement.meshes or not spans_processes(leaf):
+            continue
+        source = _global_source(i, leaf)
+        targets = placement_targets(placement)
+        if _lies_as(leaf, targets):
+            continue
+        moves = tuple(MoveKey.of(TransferKind.P2P, leaf.shape, leaf.dtype, source, t) for t in targets)
+        out.append(GlobalBatchPlacement(i, source, placement, moves))
+    return tuple(out)
+
+
+def verify_global_batch_placements(placements: Sequence[GlobalBatchPlacement], layout: StepLayout,
+                                   leaves: Sequence[object], batch_leaves: frozenset[int]) -> None:
+    """Each placed leaf is a batch leaf of ``leaves`` given as a global array laid out as the
+    placement's ``source``, placed as the layout says, once; its moves are point-to-point ones
+    of the whole leaf, each from that sharding to one of ``placement_targets``, in their order;
+    every other such leaf with a placement already lies as it (no process would fetch it).
+
+    Raises:
+      PlanVerificationError: naming the leaf.
+    """
+    seen = set()
+    for p in placements:
+        what = f"the placement of global batch leaf {p.leaf}"
+        if p.leaf in seen or p.leaf not in batch_leaves:
+            raise PlanVerificationError(f"{what}: not a batch leaf, or placed twice")
+        seen.add(p.leaf)
+        if p.placement != layout.in_placements[p.leaf] or not p.placement.meshes:
+            raise PlanVerificationError(f"{what}: not the layout's placement of that leaf")
+        leaf = leaves[p.leaf]
+        if not spans_processes(leaf) or leaf.sharding != p.source:
+            raise PlanVerificationError(f"{what}: the leaf is not a global array laid out as {p.source}")
+        targets = placement_targets(p.placement)
+        if tuple(m.dst for m in p.moves) != targets:
+            raise PlanVerificationError(f"{what}: moves to {len(p.moves)} shardings, not to the placement's "
+                                        f"{len(targets)} arrays")
+        for move in p.moves:
+            if (move.kind is not TransferKind.P2P or move.src != p.source or move.shape != tuple(leaf.shape)
+                    or move.dtype != np.dtype(leaf.dtype)):
+                raise PlanVerificationError(f"{what}: a move that is not a point-to-point one of the whole leaf "
+                                            f"from its sharding")
+    for i in sorted(batch_leaves - seen):
+        placement = layout.in_placements[i]
+        if placement.meshes and spans_processes(leaves[i]) and not _lies_as(leaves[i], placement_targets(placement)):
+            raise PlanVerificationError(f"global batch leaf {i}: placed on meshes {placement.meshes} by no move")
 
 
 def verify_global_batch_feeds(feeds: Sequence[GlobalBatchFeed], layout: StepLayout, num_micro_batches: int) -> None:
