@@ -1,5 +1,6 @@
 """The step's one ``meshpar.value_and_grad`` call, found in its traced jaxpr, or an error that
-says what the step differentiated with instead and shows the form that pipelines."""
+says what the step differentiated with instead and shows the form that pipelines. A step that
+differentiates nothing (an evaluation step) is pipelined forward-only (``pipeline_call``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import os
 
 
 from meshpar.passes import jax_ir
+from meshpar.passes.pipeline.cutting.forward_step import forward_step
 from meshpar.passes.pipeline.cutting.stage_graph import first_user_frame, user_location
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
-__all__ = ["find_grad_call"]
+__all__ = ["find_grad_call", "pipeline_call"]
 
 # (file path suffix, function name prefix) of the frames JAX's and flax's own differentiation
 # leave on every equation they trace, and the API a user called to get there.
@@ -76,3 +78,20 @@ def find_grad_call(name: str, traced: jax_ir.ClosedJaxpr, nnx_arguments: bool) -
     form = _NNX_FORM if nnx_arguments else _LINEN_FORM
     raise ValueError(f"{name}: must call meshpar.value_and_grad or meshpar.grad exactly once, found none: "
                      f"{instead}. Call meshpar's, with the same arguments:\n{form}")
+
+
+def pipeline_call(name: str, traced: jax_ir.ClosedJaxpr, nnx_arguments: bool, batch_leaves: frozenset[int]
+                  ) -> tuple[jax_ir.ClosedJaxpr, jax_ir.JaxprEqn]:
+    """``traced`` as the compiler pipelines it, and its one gradient equation: the step as
+    traced when it calls ``meshpar.value_and_grad`` once; a step that differentiates nothing
+    (an evaluation step) as one forward-only equation (``forward_step``; ``batch_leaves``: its
+    inputs cut into micro-batches).
+
+    Raises:
+      ValueError: several gradient calls, or a differentiation JAX or flax traced
+        (``find_grad_call``'s messages).
+    """
+    if any(e.primitive is pipeline_grad_p for e in traced.jaxpr.eqns) or _differentiated_by(traced.jaxpr):
+        return traced, find_grad_call(name, traced, nnx_arguments)
+    forward = forward_step(traced, batch_leaves)
+    return forward, forward.jaxpr.eqns[0]

@@ -3,6 +3,11 @@
 ``compile_pipeline`` runs, in order (each IR checked by its verifier right after the
 pass that made it):
 
+0. for a step without a gradient (``forward_step``: an evaluation step), ``forward_operands``:
+   its parameters made plain operands, and the schedule the forward-only one with the user's
+   schedule's placement; the stage graph is then ``forward_only`` (no value has a cotangent,
+   no backward runs, no cotangent moves);
+
 1. ``split_layer_scans`` and ``split_stages``: markers the options add (``auto_layers``; a
    stage count for a loss without markers), a scan over layers split where a cut falls
    inside it (verified equal to the original on random inputs), then the loss jaxpr cut at
@@ -50,17 +55,21 @@ from jax.sharding import Mesh, PartitionSpec as P
 from .compiler_pass import compiler_pass
 from . import jax_ir
 from .simulation.cost_model import estimate_durations, stage_gradients
-from .pipeline.placing.batch_rows import global_batch_feeds, verify_global_batch_feeds
+from .pipeline.placing.batch_rows import (global_batch_feeds, global_batch_placements, verify_global_batch_feeds,
+                                         verify_global_batch_placements)
 from .pipeline.placing.edge_transfer import EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
 from .pipeline.placing.mesh_assignment import place_stages
 from .pipeline.pipeline_options import PipelineOptions
 from .pipeline.placing.plan_moves import MoveKey, MoveOptions, MoveTable, plan_moves, verify_move_table
 from .pipeline.lowering.pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
-from .pipeline.scheduling.pipeline_schedule import PipelineSchedule, make_schedule, verify_schedule
+from .pipeline.scheduling.pipeline_schedule import (PipelineSchedule, forward_only_schedule, make_schedule,
+                                                     verify_schedule)
 from .simulation.schedule_simulator import TaskDurations
 from .pipeline.cutting.layer_clustering import even_layer_markers, insert_layer_markers
+from .pipeline.cutting.marker_grouping import group_markers, verify_marker_grouping
 from .pipeline.cutting.stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
 from .pipeline.cutting.degenerate_stages import degenerate_stages
+from .pipeline.cutting.forward_step import forward_operands, verify_forward_operands
 from .pipeline.placing.data_replicas import DataReplicas, plan_data_replicas, verify_data_replicas
 from .pipeline.placing.drop_mesh_axis import drop_mesh_axis
 from .pipeline.cutting.micro_batching import MicroBatching
@@ -146,6 +155,15 @@ def compile_pipeline(
     traced at ``1 / D`` of a micro-batch (it may raise), for stages run as ``D`` data-parallel
     replicas (``data_replicas``); ``None``: every stage reduces per micro-batch."""
 
+    # A step without a gradient (forward_step) runs forwards only, each stage on the mesh the
+    # train schedule gives it, so its parameters are where a train step keeps them.
+    forward_only = bool(grad_params.get("forward_only"))
+    if forward_only:
+        outer, grad_params, micro_batching = _run(
+            "forward_operands", lambda: forward_operands(outer, grad_params, micro_batching),
+            lambda result: verify_forward_operands(*result))
+        options = dataclasses.replace(options, schedule=dataclasses.replace(
+            options.schedule, name=forward_only_schedule(options.schedule.name), weight_delay=False))
     num_diff = grad_params["num_diff"]
 
     def layered(loss: jax_ir.ClosedJaxpr) -> jax_ir.ClosedJaxpr:
@@ -163,9 +181,16 @@ def compile_pipeline(
 
     # With automatic layers, cut_points chose which of their cuts were made.
     cut_points = None if options.placement.auto_layers is not None else options.placement.cut_points
+    grouping = None
+    if cut_points is None and options.placement.auto_layers is None:
+        # More markers than num_stages - 1: the compiler chooses which cut.
+        grouping = _run("group_markers", lambda: group_markers(loss, options.placement.num_stages),
+                        lambda g: verify_marker_grouping(g, loss, options.placement.num_stages))
+        cut_points = None if grouping is None else grouping.cut_points
 
     def cut(loss: jax_ir.ClosedJaxpr) -> StageGraph:
-        return split_stages(take_pieces(loss, num_diff, stacked), num_params, cut_points)
+        graph = split_stages(take_pieces(loss, num_diff, stacked), num_params, cut_points)
+        return dataclasses.replace(graph, marker_grouping=grouping, forward_only=forward_only)
 
     def replica_graph(count: int) -> StageGraph:
         if replica_loss is None:
@@ -237,12 +262,16 @@ def compile_pipeline(
     transfers = _run("plan_edge_transfers", lambda: plan_edge_transfers(
         triples, [wire_aval(graph.stages[p].jaxpr.out_avals[ref.slot]) for p, _, ref in edges],
         placed.stage_meshes, options.micro_batch_size, options.transfers.executor, options.transfers.resharding,
-        options.placement.data_axis), lambda ts: verify_edge_transfers(ts, triples, placed.stage_meshes))
+        options.placement.data_axis, graph.forward_only),
+        lambda ts: verify_edge_transfers(ts, triples, placed.stage_meshes))
     M = options.schedule.num_micro_batches
     feeds = _run("global_batch_feeds", lambda: global_batch_feeds(layout, leaves, M),
                  lambda fs: verify_global_batch_feeds(fs, layout, M))
+    # A global batch leaf the work around the pipeline reads whole: moved there, never fetched.
+    batch_placements = _run("global_batch_placements", lambda: global_batch_placements(layout, leaves, batch_leaves),
+                            lambda ps: verify_global_batch_placements(ps, layout, leaves, batch_leaves))
     keys = (step_moves(transfers, layout) + [mv.move_key for g in gathered.values() for mv in g.moves()]
-            + [key for feed in feeds for key in feed.moves])
+            + [key for feed in feeds for key in feed.moves] + [key for p in batch_placements for key in p.moves])
     transfer_options = options.transfers
     moves = _run("plan_moves", lambda: plan_moves(keys, MoveOptions(
         transfer_options.resharding, transfer_options.balancer, transfer_options.cluster)),
@@ -278,7 +307,8 @@ def compile_pipeline(
         program = _run("fuse_compute_runs", lambda: fuse_compute_runs(unfused, options.schedule.fuse_compute),
                        lambda p: verify_pipeline_program(p, reduced))
     step = _run("lower_step", lambda: lower_step(graph, split, layout, program, micro_batching, meshes, gradients,
-                                                 options.micro_batch_size, pieces, held, gathered, feeds),
+                                                 options.micro_batch_size, pieces, held, gathered, feeds,
+                                                 batch_placements),
                 lambda sp: verify_step_program(sp, split, graph, program))
     kernels = _run("stage_kernels", lambda: stage_kernels(graph, parts, program, layout, meshes,
                                                           micro_batching.loss_seed, gradients),

@@ -16,7 +16,7 @@ from ..compiler_pass import compiler_pass
 from .. import jax_ir
 from .placing.edge_transfer import Direction
 from .cutting.stage_graph import RefKind
-from .cutting.step_split import OuterCompute, OuterMove
+from .cutting.step_split import OuterCompute, OuterKind, OuterMove
 
 __all__ = ["describe_pipeline"]
 
@@ -25,7 +25,8 @@ __all__ = ["describe_pipeline"]
 def describe_pipeline(compiled: Any) -> str:
     """``compiled`` (a ``CompiledPipeline``) described line by line."""
     schedule, graph = compiled.schedule, compiled.graph
-    split = ("whole backwards" if not schedule.split_backward else
+    split = ("no backward (a step without a gradient, e.g. evaluation)" if schedule.forward_only else
+             "whole backwards" if not schedule.split_backward else
              "backwards split into input (I) and weight (W) passes, "
              + (f"weight passes delayed by {list(schedule.weight_delays)} compute tasks per mesh"
                 if schedule.weight_delays is not None else "stage s holding back s weight passes"))
@@ -48,10 +49,10 @@ def describe_pipeline(compiled: Any) -> str:
         placed = (f"{sharded} sharded over {', '.join(map(repr, sorted(set().union(*split_over))))}, the rest replicated"
                   if sharded else "all replicated")
         others = [str(r) for r in stage.inputs if r.kind is not RefKind.PARAM]
-        lines.append(
-            f"  stage {stage.index}: mesh {home} {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}; "
-            f"{len(specs)} parameter leaves ({placed}); also reads {', '.join(others) or 'nothing else'}"
-        )
+        reads = (f"reads {', '.join(others) or 'nothing'}" if graph.forward_only else
+                 f"{len(specs)} parameter leaves ({placed}); also reads {', '.join(others) or 'nothing else'}")
+        lines.append(f"  stage {stage.index}: mesh {home} {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}; "
+                     f"{reads}")
     edges = graph.edges()
     for t in compiled.program.transfers:
         how = compiled.moves.of(t.move_key).summary()
@@ -63,8 +64,18 @@ def describe_pipeline(compiled: Any) -> str:
                  + " ".join(map(str, schedule.order)))
     mb = compiled.micro_batching
     aux = ", ".join(f"aux{k} {r.value}" for k, r in enumerate(mb.aux))
-    lines.append(f"  micro-batches combine: loss and gradients by {mb.reduction}" + (f"; {aux}" if aux else "")
+    hoisted = f"{mb.whole_batch_values} value(s) of the batch alone computed once on the whole batch"
+    if graph.forward_only:
+        # No loss: each output combines by its own rule (sums of shares are exact, as for a loss).
+        combine = f"the step's outputs, each as its aux rule says ({hoisted})"
+    else:
+        how = (f"exactly (each micro-batch's share of the whole batch's loss, summed; {hoisted})" if mb.exact else
+               f"by {mb.reduction} (per micro-batch: each micro-batch a batch of its own)")
+        combine = f"loss and gradients {how}"
+    lines.append(f"  micro-batches combine: {combine}" + (f"; {aux}" if aux else "")
                  + (f"; {len(mb.fold_keys)} PRNG key(s) folded with the micro-batch index" if mb.fold_keys else ""))
+    lines += [f"  not exact: {finding}" for finding in mb.inexact]
+    lines += _marker_lines(compiled)
     lines += _gradient_lines(compiled)
     lines += _stacked_lines(compiled)
     for phase, steps in (("before the pipeline", compiled.split.before), ("after it", compiled.split.after)):
@@ -80,10 +91,33 @@ def describe_pipeline(compiled: Any) -> str:
 
 
 def _values_str(split: Any, values: Sequence[Any]) -> str:
-    """``values`` for a description: each one, or a count when there are many."""
+    """``values`` for a description: each one named as the step's author knows it
+    (``_value_str``), or a count when there are many, with where they were computed when that
+    is one place."""
     if len(values) <= 3:
-        return ", ".join(f"{v} {split.avals[v].str_short()}" for v in values)
-    return f"{len(values)} values ({split.avals[values[0]].str_short()}, ...)"
+        return ", ".join(_value_str(split, v) for v in values)
+    origins = {split.origins.get(v) for v in values}
+    common = f"; each computed at {origins.pop()}" if len(origins) == 1 and None not in origins else ""
+    return f"{len(values)} values ({split.avals[values[0]].str_short()}, ...{common})"
+
+
+def _value_str(split: Any, ref: Any) -> str:
+    """A moved ``OuterRef`` of the step (a computed one: step inputs are placed, not moved) and
+    its type, named for the step's author: the loss, an aux value or a gradient by its position,
+    any other value by where the step's code computed it (its number among the traced step's
+    values means nothing to the author)."""
+    aval = split.avals[ref].str_short()
+    if ref.kind is OuterKind.VALUE:
+        return f"the {aval} computed at {split.origins[ref]}"
+    name = {OuterKind.LOSS: "the loss", OuterKind.AUX: f"aux{ref.index}",
+            OuterKind.GRAD: f"the gradient of differentiated leaf {ref.index}"}[ref.kind]
+    return f"{name} {aval}"
+
+
+def _marker_lines(compiled: Any) -> list[str]:
+    """Which of the model's stage markers cut, where the compiler chose them (``marker_grouping``)."""
+    grouping = compiled.graph.marker_grouping
+    return [] if grouping is None else [f"  {grouping.summary()}"]
 
 
 def _gradient_lines(compiled: Any) -> list[str]:

@@ -25,8 +25,8 @@ from ...compiler_pass import compiler_pass
 from ... import jax_ir
 from ..step_primitives import stage_boundary_p
 
-__all__ = ["Ref", "RefKind", "Stage", "StageGraph", "StageMarkerError", "count_markers", "first_user_frame",
-           "is_differentiable", "split_stages", "user_location", "verify_stage_graph"]
+__all__ = ["MarkerGrouping", "Ref", "RefKind", "Stage", "StageGraph", "StageMarkerError", "count_markers",
+           "first_user_frame", "is_differentiable", "split_stages", "user_location", "verify_stage_graph"]
 
 
 
@@ -84,6 +84,40 @@ class Stage:
 
 
 @dataclasses.dataclass(frozen=True)
+class MarkerGrouping:
+    """Which of a loss's stage markers cut it, chosen by ``marker_grouping.group_markers`` (defined
+    here, beside the ``StageGraph`` that records it, so that pass can import this module).
+
+    Invariants (``verify_marker_grouping``): ``cut_points`` are increasing marker numbers in
+    ``[0, len(locations))``, one fewer than the stages asked for; ``segment_costs`` has one
+    entry per segment, ``len(locations) + 1``, each non-negative.
+
+    Attributes:
+      cut_points: the markers that cut (0-based, in program order): ``split_stages``' ``cuts``.
+      locations: per marker, where the user's code called it (``user_location``).
+      segment_costs: per segment between consecutive markers (and before the first, after the
+        last), its estimated forward + backward FLOPs per micro-batch.
+    """
+
+    cut_points: tuple[int, ...]
+    locations: tuple[str, ...]
+    segment_costs: tuple[float, ...]
+
+    @property
+    def stage_costs(self) -> tuple[float, ...]:
+        """Per stage, the summed costs of the segments it groups."""
+        bounds = [0, *(c + 1 for c in self.cut_points), len(self.segment_costs)]
+        return tuple(float(sum(self.segment_costs[a:b])) for a, b in zip(bounds, bounds[1:]))
+
+    def summary(self) -> str:
+        """One line: how many markers, which cut and where, and the stages' costs."""
+        cuts = ", ".join(f"{c} ({self.locations[c]})" for c in self.cut_points)
+        costs = ", ".join(f"{c:.3g}" for c in self.stage_costs)
+        return (f"stage markers: {len(self.locations)} in the model; cuts at markers {cuts}, balanced by "
+                f"estimated flops (forward + backward): stage costs [{costs}]")
+
+
+@dataclasses.dataclass(frozen=True)
 class StageGraph:
     """Forward stages of a loss and where its value comes from.
 
@@ -92,6 +126,10 @@ class StageGraph:
       num_params, num_inputs: operand counts of the loss function.
       loss: the ``act`` value that is the loss.
       aux: the ``act`` value of each aux leaf the loss function returns (per micro-batch).
+      marker_grouping: which of the model's markers cut, where the compiler chose them from
+        more than the stages needed (``marker_grouping``); ``None``: no choice was made.
+      forward_only: the stages of a step without a gradient (``forward_step``): it has no
+        parameters and no value has a cotangent.
     """
 
     stages: tuple[Stage, ...]
@@ -99,6 +137,8 @@ class StageGraph:
     num_inputs: int
     loss: Ref
     aux: tuple[Ref, ...] = ()
+    marker_grouping: MarkerGrouping | None = None
+    forward_only: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -114,7 +154,10 @@ class StageGraph:
 
     def differentiated_slots(self, s: int) -> tuple[int, ...]:
         """Stage ``s``'s output slots that have a cotangent: floating values that are the loss
-        or that later stages read (aux-only outputs and integer, bool or key values have none)."""
+        or that later stages read (aux-only outputs and integer, bool or key values have none,
+        and in a ``forward_only`` graph none has)."""
+        if self.forward_only:
+            return ()
         stage = self.stages[s]
         return tuple(
             k for k, (r, aval) in enumerate(zip(stage.outputs, stage.jaxpr.out_avals))
@@ -289,6 +332,8 @@ def verify_stage_graph(graph: StageGraph) -> None:
                 raise PlanVerificationError(f"stage {stage.index} reads {r} from a later stage")
         if len(stage.inputs) != len(stage.jaxpr.in_avals) or len(stage.outputs) != len(stage.jaxpr.out_avals):
             raise PlanVerificationError(f"stage {stage.index}: refs do not match its jaxpr's signature")
+    if graph.forward_only and graph.num_params:
+        raise PlanVerificationError(f"a forward-only graph has {graph.num_params} differentiated parameters")
     loss_stage = graph.stages[graph.loss.index]
     aval = loss_stage.jaxpr.out_avals[graph.loss.slot]
     if aval.shape != ():

@@ -437,7 +437,10 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
             io = stages[s]
             outputs = tuple(_output(io, s, k, m) for k in range(len(io.out_edges)))
             inputs = tuple(_received_act(e, m) for e in io.in_edges)
-            emit(home[s], RunForward(s, m, inputs, outputs, BufferId(BufferKind.RESIDUALS, s, m)))
+            residuals = BufferId(BufferKind.RESIDUALS, s, m)
+            emit(home[s], RunForward(s, m, inputs, outputs, residuals))
+            if schedule.forward_only:
+                emit(home[s], Free(residuals))  # no backward reads them (a forward-only stage keeps none)
             for b in inputs:
                 emit(home[s], Free(b))
             for b in outputs:

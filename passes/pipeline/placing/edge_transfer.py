@@ -142,9 +142,11 @@ def plan_edge_transfers(
     executor: str,
     strategy: str,
     data_axis: str,
+    forward_only: bool = False,
 ) -> tuple[EdgeTransfer, ...]:
     """Both moves of every edge ``(producer, consumer, producer slot)`` whose value travels as
-    ``avals[e]`` (``wire_format``); only the activation's for values without a cotangent.
+    ``avals[e]`` (``wire_format``); only the activation's for values without a cotangent, and
+    for every value of a ``forward_only`` step (no backward runs).
 
     A boundary value is sharded over its mesh's ``data_axis`` along the batch
     dimension (``mesh_assignment.batch_sharding``), the same way in both
@@ -154,8 +156,9 @@ def plan_edge_transfers(
     for e, ((p, c, slot), aval) in enumerate(zip(edges, avals)):
         shape = tuple(aval.shape)
         for direction, (a, b) in ((Direction.ACTIVATION, (p, c)), (Direction.COTANGENT, (c, p))):
-            if direction is Direction.COTANGENT and not is_differentiable(aval):
-                continue  # an integer, bool or key value: its cotangent is float0, never moved
+            if direction is Direction.COTANGENT and (forward_only or not is_differentiable(aval)):
+                # An integer, bool or key value's cotangent is float0; a forward-only step has none.
+                continue
             src = batch_sharding(meshes[a], shape, micro_batch_size, data_axis)
             dst = batch_sharding(meshes[b], shape, micro_batch_size, data_axis)
             processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]

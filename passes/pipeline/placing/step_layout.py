@@ -36,7 +36,9 @@ class Placement:
     """Where a step input or output leaf lives: one sharding per mesh it is on.
 
     A leaf on several meshes is one array replicated over all their devices.
-    No meshes: a batch leaf read only per micro-batch, never placed whole.
+    No meshes: a batch leaf read only per micro-batch, never placed whole; or, in a
+    forward-only step, a leaf nothing reads (an evaluation step given a train state leaves its
+    optimizer state where the train step keeps it).
     """
 
     shardings: tuple[NamedSharding, ...]
@@ -127,7 +129,7 @@ def _input_placements(graph: StageGraph, split: StepSplit, meshes, home, leaves,
         needs[leaf].add(home[graph.param_owner(k)])
     placements = []
     for i, (x, spec) in enumerate(zip(leaves, specs)):
-        if i in batch_leaves and not needs[i]:
+        if not needs[i] and (i in batch_leaves or graph.forward_only):
             placements.append(Placement((), ()))
             continue
         where = tuple(sorted(needs[i])) or (0,)

@@ -36,6 +36,10 @@ cannot deadlock.
 - ``zb_v`` and ``dualpipev`` (``v_schedules``): exactly two stages per mesh on the
   V placement (stages ``r`` and ``2P - 1 - r`` on mesh ``r``), split backwards
   with the weight passes placed by the schedule, at least ``2P`` micro-batches.
+- ``forward_only`` and ``forward_only_v`` (``forward_only``): forwards only, for a step without
+  a gradient (an evaluation step), on the loop resp. V placement. They are registered apart
+  (``FORWARD_ONLY_SCHEDULES``, by placement): a train step cannot run them, and the compiler,
+  not the user, picks the one with the train schedule's placement (``forward_only_schedule``).
 
 A new schedule is one function ``(num_meshes, stages_per_mesh, M) -> per-mesh
 compute tasks`` and one ``ScheduleKind`` in ``SCHEDULES``. A user's own order, loaded from
@@ -58,14 +62,16 @@ from collections.abc import Callable, Sequence
 
 from ...compiler_pass import compiler_pass
 from .dependency_graph import dependency_graph, launch_order, verify_acyclic
+from .forward_only import FORWARD_ONLY, FORWARD_ONLY_V, forward_only_actions
 from .interleaved_zero_bubble import interleaved_zb_actions, interleaved_zb_rounds
 from .pipeline_tasks import Task, TaskKind, task_dependencies
 from .v_schedules import V_STAGES_PER_MESH, dualpipev_actions, min_micro_batches_v, zb_v_actions
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 
-__all__ = ["PipelineSchedule", "SCHEDULES", "ScheduleKind", "StagePlacement", "check_stage_placement", "make_schedule",
-           "mesh_sequences", "schedule_kind", "verify_schedule"]
+__all__ = ["FORWARD_ONLY_SCHEDULES", "PipelineSchedule", "SCHEDULES", "ScheduleKind", "StagePlacement",
+           "check_stage_placement",
+           "forward_only_schedule", "make_schedule", "mesh_sequences", "schedule_kind", "verify_schedule"]
 
 
 class StagePlacement(enum.Enum):
@@ -114,6 +120,10 @@ class ScheduleKind:
         (``None``: one).
       size: ``(num_stages, num_meshes, num_micro_batches)``, the only size ``actions`` takes: a
         schedule given as data (``schedule_csv``); ``None``: any size the fields above allow.
+      task_name: how errors name a compute task of an order given as data, as its author wrote
+        it (a CSV's action, rank and cell); ``None``: as ``Task`` prints.
+      forward_only: ``actions`` runs forwards only (a step without a gradient): no backward
+        task and no cotangent transfer exists.
     """
 
     name: str
@@ -125,6 +135,8 @@ class ScheduleKind:
     stages_per_mesh: int | None = None
     min_micro_batches: Callable[[int], int] | None = None
     size: tuple[int, int, int] | None = None
+    task_name: Callable[[Task], str] | None = None
+    forward_only: bool = False
 
     def peak_live(self, stage: int, num_stages: int, num_micro_batches: int, num_meshes: int | None = None) -> int:
         """Micro-batches whose forward residuals stage ``stage`` holds at its peak (counted
@@ -161,6 +173,7 @@ class PipelineSchedule:
         after its input pass (``None`` for ``zb_h1`` and unsplit schedules).
       sequences: per mesh, its compute tasks in the order it runs them.
       order: every task once, in launch order.
+      forward_only: forwards and activation transfers only (``ScheduleKind.forward_only``).
     """
 
     name: str
@@ -172,6 +185,7 @@ class PipelineSchedule:
     sequences: tuple[tuple[Task, ...], ...]
     order: tuple[Task, ...]
     stage_mesh: tuple[int, ...]
+    forward_only: bool = False
 
     @property
     def num_meshes(self) -> int:
@@ -407,11 +421,12 @@ def make_schedule(
     split = kind.places_weight_passes or weight_delays is not None
     sequences = tuple(map(tuple, mesh_sequences(kind, num_stages, num_micro_batches, P, weight_delays)))
     stage_mesh = tuple(kind.placement.mesh_of(s, P) for s in range(num_stages))
-    graph = dependency_graph(sequences, edges, split, num_micro_batches)
-    verify_acyclic(graph, kind.name, given=kind.size is not None)
+    graph = dependency_graph(sequences, edges, split, num_micro_batches, kind.forward_only)
+    verify_acyclic(graph, kind.name, given=kind.size is not None, task_name=kind.task_name)
     order = launch_order(graph, sequences)
     schedule = PipelineSchedule(kind.name, num_stages, num_micro_batches, edges, split,
-                                None if weight_delays is None else tuple(weight_delays), sequences, order, stage_mesh)
+                                None if weight_delays is None else tuple(weight_delays), sequences, order, stage_mesh,
+                                kind.forward_only)
     verify_schedule(schedule)
     return schedule
 
@@ -429,9 +444,10 @@ def verify_schedule(schedule: PipelineSchedule) -> None:
     if len(schedule.stage_mesh) != S or not all(0 <= m < schedule.num_meshes for m in schedule.stage_mesh):
         raise PlanVerificationError(f"stage_mesh {schedule.stage_mesh} does not place {S} stages on "
                                     f"{schedule.num_meshes} meshes")
-    backward = (I, W) if schedule.split_backward else (B,)
+    backward = () if schedule.forward_only else (I, W) if schedule.split_backward else (B,)
+    transfers = (TaskKind.SEND_ACT,) if schedule.forward_only else (TaskKind.SEND_ACT, TaskKind.SEND_GRAD)
     expected = {Task(k, s, m) for k in (F, *backward) for s in range(S) for m in range(M)}
-    expected |= {Task(k, e, m) for k in (TaskKind.SEND_ACT, TaskKind.SEND_GRAD) for e in range(len(edges)) for m in range(M)}
+    expected |= {Task(k, e, m) for k in transfers for e in range(len(edges)) for m in range(M)}
     if len(schedule.order) != len(expected) or set(schedule.order) != expected:
         raise PlanVerificationError("the launch order does not run every task exactly once")
     for mesh, seq in enumerate(schedule.sequences):
@@ -466,6 +482,26 @@ def _one_round(num_meshes: int, num_micro_batches: int) -> int:
     return num_meshes
 
 
+def _forward_only(placement: StagePlacement) -> MeshActions:
+    """The forward-only actions (``forward_only.forward_only_actions``) on ``placement``."""
+    def actions(num_meshes: int, stages_per_mesh: int, m: int) -> list[list[Task]]:
+        return forward_only_actions([placement.mesh_of(s, num_meshes) for s in range(num_meshes * stages_per_mesh)],
+                                    num_meshes, m)
+
+    return actions
+
+
+def forward_only_schedule(train: str | ScheduleKind) -> ScheduleKind:
+    """The forward-only schedule for a step without a gradient compiled under the ``train``
+    schedule (a registered name or a ``ScheduleKind``): the registered one with ``train``'s
+    stage placement, so each stage runs on the mesh a train step runs it on.
+
+    Raises:
+      ValueError: ``train`` is not a schedule (``schedule_kind``).
+    """
+    return FORWARD_ONLY_SCHEDULES[schedule_kind(train).placement]
+
+
 # Name -> schedule; a new schedule is one actions function and one ScheduleKind here (its name
 # is resolved only here).
 SCHEDULES: dict[str, ScheduleKind] = {
@@ -485,4 +521,14 @@ SCHEDULES: dict[str, ScheduleKind] = {
                      places_weight_passes=True, stages_per_mesh=V_STAGES_PER_MESH,
                      min_micro_batches=min_micro_batches_v),
     )
+}
+
+# Per stage placement, the schedule of a step without a gradient (an evaluation step): not in
+# SCHEDULES, whose schedules train (a user or planner choosing among them); the compiler picks
+# one by the train schedule's placement (forward_only_schedule) and passes the kind itself.
+FORWARD_ONLY_SCHEDULES: dict[StagePlacement, ScheduleKind] = {
+    StagePlacement.LOOP: ScheduleKind(FORWARD_ONLY, _forward_only(StagePlacement.LOOP), virtual_stages=True,
+                                      forward_only=True),
+    StagePlacement.V: ScheduleKind(FORWARD_ONLY_V, _forward_only(StagePlacement.V), StagePlacement.V,
+                                   virtual_stages=True, stages_per_mesh=V_STAGES_PER_MESH, forward_only=True),
 }
