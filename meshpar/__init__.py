@@ -5,6 +5,7 @@ from meshpar.mesh import DeviceMesh
 from meshpar.sharding_spec import ShardingSpec
 from meshpar.tiles import Tile, tiles
 from meshpar.autodiff import AuxReduction, grad, value_and_grad
+from meshpar.passes.pipeline.cutting.exact_micro_batching import MicroBatchingWarning
 from meshpar.pipeshard_parallel import PipeshardParallel
 from meshpar.parallelize import ParallelizedStep, parallelize
 from meshpar import checkpoint, distributed, planning
@@ -37,6 +38,7 @@ __all__ = [
     "PeerLostError",
     "PipeshardParallel",
     "DeviceMesh",
+    "MicroBatchingWarning",
     "ReshardingPlan",
     "ReshardingTask",
     "SCHEDULES",

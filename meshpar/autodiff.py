@@ -9,17 +9,26 @@ micro-batch, and keeps what comes before and after (the update) as
 computations around the pipeline.
 
 Micro-batching semantics (what the pipeline returns for a batch cut into M
-micro-batches):
+micro-batches; the rules are ``meshpar.passes.pipeline.cutting.exact_micro_batching``'s):
 
-- loss and gradients: ``reduction="mean"`` (the default) averages the
-  micro-batches' losses and gradients, which equals the whole batch's when
-  the loss is a mean over examples; ``reduction="sum"`` adds them, which
-  equals it when the loss sums over examples.
+- loss and gradients, ``reduction=None`` (the default): inferred by the compiler. A loss that
+  is a sum over the batch rows, scaled by anything batch-independent (a mean, a weighted
+  mean whose normaliser is computed from the batch, inside the loss function or outside it)
+  micro-batches exactly: values of the batch alone (token counts, mask sums) are computed
+  once on the whole batch, each micro-batch computes its share with the whole batch's
+  normalisers, and the shares are summed: equal to ``jax.jit``. A loss that mixes rows after
+  parameters enter (BatchNorm statistics, a max or softmax over the batch) cannot be; the
+  step warns (``MicroBatchingWarning``) naming each such operation and its line, and
+  averages per-micro-batch losses and gradients; ``exact=True`` makes that an error.
+- ``reduction="mean"`` / ``"sum"``: per-micro-batch semantics, as named: each micro-batch
+  is a batch of its own, and the step's loss and gradients are the mean (resp. sum) of the
+  micro-batches'.
 - aux (``has_aux=True``): each leaf is combined over micro-batches by an
-  ``AuxReduction``: by default ``CONCAT`` along dimension 0 for leaves that
-  carry the batch dimension, else ``MEAN`` for floating leaves, ``SUM`` for
-  integer ones (counts add up) and ``LAST`` for the rest (bools, keys).
-  ``aux_reduction`` overrides it per leaf (a pytree prefix of the aux).
+  ``AuxReduction``: exactly where the loss is (a sum over rows: ``SUM`` of the shares; a
+  value per row: ``CONCAT`` along dimension 0; a batch-independent value: ``LAST``), else by
+  default ``CONCAT`` for leaves that carry the batch dimension, ``MEAN`` for floating leaves,
+  ``SUM`` for integer ones and ``LAST`` for the rest (bools, keys). ``aux_reduction``
+  overrides it per leaf (a pytree prefix of the aux).
 - PRNG keys: with ``fold_rng=True`` (the default) every key the loss reads
   once per step (typed ``jax.random.key`` or a raw ``uint32`` key) is
   replaced, for micro-batch ``m``, by ``jax.random.fold_in(key, m)``, so
@@ -109,9 +118,10 @@ def value_and_grad(
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
     *,
-    reduction: str = "mean",
+    reduction: str | None = None,
     aux_reduction: Any = None,
     fold_rng: bool = True,
+    exact: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """Like ``jax.value_and_grad`` (same positional signature); the keywords say how a
     ``meshpar.parallelize``-d step combines micro-batches (module docstring).
@@ -120,12 +130,15 @@ def value_and_grad(
       fun, argnums, has_aux, holomorphic, allow_int, reduce_axes: as for JAX. Inside a
         pipeline the differentiated arguments must be step inputs (e.g. ``state.params``),
         ``holomorphic`` and ``allow_int`` are not supported.
-      reduction: ``"mean"`` or ``"sum"``: the step's loss and gradients are the mean (resp.
-        sum) of the micro-batches'.
+      reduction: ``None``: inferred, exact where the loss allows (module docstring);
+        ``"mean"`` or ``"sum"``: per-micro-batch semantics, the step's loss and gradients the
+        mean (resp. sum) of the micro-batches'.
       aux_reduction: an ``AuxReduction`` (or its name) for the whole aux, or a dict naming
         some keys of an aux dict (nested as the aux is; unnamed keys keep their defaults),
         or a sequence as long as an aux tuple; ``None``: every leaf its default.
       fold_rng: fold each micro-batch's index into the PRNG keys the loss reads.
+      exact: raise, when the step compiles, if its micro-batches cannot reproduce the whole
+        batch's loss and gradients (instead of warning and combining per micro-batch).
 
     Returns:
       ``(loss, grads)``, or ``((loss, aux), grads)`` with ``has_aux``; ``grads`` is shaped
@@ -143,10 +156,16 @@ def value_and_grad(
     their mean, the others (counters, keys) as the last micro-batch's. Objects passed in
     non-differentiated positions are read, not updated.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    if reduction is not None and reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected None (inferred, exact where possible) or one of {REDUCTIONS}, "
+                         f"got {reduction!r}")
     if not isinstance(fold_rng, bool):
         raise TypeError(f"fold_rng: expected a bool, got {fold_rng!r}")
+    if not isinstance(exact, bool):
+        raise TypeError(f"exact: expected a bool, got {exact!r}")
+    if exact and reduction is not None:
+        raise ValueError(f"exact: True asks for the inferred, exact combination; reduction={reduction!r} asks for "
+                         f"per-micro-batch semantics; pass one of them")
     _check_aux_reduction(aux_reduction)
     if aux_reduction is not None and not has_aux:
         raise ValueError("aux_reduction: given, but has_aux=False (the loss function returns no aux)")
@@ -158,19 +177,19 @@ def value_and_grad(
 
     def wrapped(*args: Any) -> tuple[Any, Any]:
         if max(positions) < len(args) and any(has_variables(args[a]) for a in positions):
-            return _nnx_value_and_grad(fun, positions, several, has_aux, aux_reduction, reduction, fold_rng,
+            return _nnx_value_and_grad(fun, positions, several, has_aux, aux_reduction, reduction, fold_rng, exact,
                                        (holomorphic, allow_int, reduce_axes), args)
         if not is_tracing_pipeline():
             return plain(*args)
         return _pipeline_value_and_grad(fun, positions, several, has_aux, lambda: aux_reduction, reduction,
-                                        fold_rng, holomorphic or allow_int, args)
+                                        fold_rng, exact, holomorphic or allow_int, args)
 
     return wrapped
 
 
 def _pipeline_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], several: bool, has_aux: bool,
-                             aux_reduction_of: Callable[[], Any], reduction: str, fold_rng: bool,
-                             unsupported: bool, args: tuple) -> tuple[Any, Any]:
+                             aux_reduction_of: Callable[[], Any], reduction: str | None, fold_rng: bool,
+                             exact: bool, unsupported: bool, args: tuple) -> tuple[Any, Any]:
     """``value_and_grad`` while ``parallelize`` traces: binds ``pipeline_grad_p``.
     ``aux_reduction_of`` gives the aux reduction spec once ``fun`` has been traced."""
     if unsupported:
@@ -233,7 +252,7 @@ def _pipeline_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...]
     )
     outs = pipeline_grad_p.bind(
         *leaves, *closed.consts, *consts, loss_jaxpr=jax_ir.ClosedJaxpr(reordered, ()), num_diff=n,
-        num_aux=aux_tree.num_leaves, aux_reductions=reductions, reduction=reduction, fold_rng=fold_rng,
+        num_aux=aux_tree.num_leaves, aux_reductions=reductions, reduction=reduction, fold_rng=fold_rng, exact=exact,
     )
     value, aux, grads = outs[0], outs[1:1 + aux_tree.num_leaves], outs[1 + aux_tree.num_leaves:]
     grads = jax.tree.unflatten(treedef, grads)
@@ -244,8 +263,8 @@ def _pipeline_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...]
 
 
 def _nnx_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], several: bool, has_aux: bool,
-                        aux_reduction: Any, reduction: str, fold_rng: bool, jax_options: tuple,
-                        args: tuple) -> tuple[Any, Any]:
+                        aux_reduction: Any, reduction: str | None, fold_rng: bool, exact: bool,
+                        jax_options: tuple, args: tuple) -> tuple[Any, Any]:
     """``value_and_grad`` of a loss over NNX objects, as ``nnx.value_and_grad`` computes it: the
     gradient with respect to each differentiated object's ``nnx.Param``s (an ``nnx.State``), and
     the object's other Variables the loss updates (a dropout stream's counter, BatchNorm
@@ -288,7 +307,7 @@ def _nnx_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], sev
     holomorphic, allow_int, reduce_axes = jax_options
     if is_tracing_pipeline():
         (value, (aux, updates)), grads = _pipeline_value_and_grad(
-            functional, (0,), False, True, aux_reduction_of, reduction, fold_rng,
+            functional, (0,), False, True, aux_reduction_of, reduction, fold_rng, exact,
             holomorphic or allow_int, (params, rests, *others))
     else:
         (value, (aux, updates)), grads = jax.value_and_grad(
@@ -315,13 +334,14 @@ def grad(
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
     *,
-    reduction: str = "mean",
+    reduction: str | None = None,
     aux_reduction: Any = None,
     fold_rng: bool = True,
+    exact: bool = False,
 ) -> Callable[..., Any]:
     """Like ``jax.grad``: ``grads``, or ``(grads, aux)`` with ``has_aux``; see ``value_and_grad``."""
     vg = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, reduce_axes,
-                        reduction=reduction, aux_reduction=aux_reduction, fold_rng=fold_rng)
+                        reduction=reduction, aux_reduction=aux_reduction, fold_rng=fold_rng, exact=exact)
 
     def run(*args: Any) -> Any:
         value, grads = vg(*args)

@@ -20,10 +20,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.autodiff import tracing_pipeline
 from meshpar.batch_arguments import batch_size as check_batch, check_same_host_batch, describe_arguments
-from meshpar.grad_call import find_grad_call
+from meshpar.grad_call import pipeline_call
 from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_variables, has_variables,
                                partition_specs, returning_updates)
 from meshpar.passes.pipeline.describe_pipeline import describe_pipeline
+from meshpar.passes.pipeline.cutting.exact_micro_batching import micro_batch_step
 from meshpar.passes.pipeline.cutting.micro_batching import resolve_micro_batching
 from meshpar.passes.pipeline_driver import CompiledPipeline, compile_pipeline, state_counterparts
 from meshpar.passes.pipeline.cutting.stage_graph import StageGraph, StageMarkerError, user_location
@@ -110,7 +111,9 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     check_same_host_batch(args, method.batch_argnums, method.timeout_s)
     M = method.num_micro_batches
     if batch_size % M:
-        raise ValueError(f"num_micro_batches: {M} does not divide the batch size {batch_size}")
+        divisors = ", ".join(str(d) for d in range(1, batch_size + 1) if batch_size % d == 0)
+        raise ValueError(f"num_micro_batches: {M} does not divide the batch size {batch_size}; pass one of "
+                         f"{divisors}, or a batch whose size {M} divides")
     micro_batch_size = batch_size // M
     # Traced twice: per micro-batch for the stages, and at the whole batch's shapes for what
     # runs once per step around the pipeline (a count over the whole batch, the update).
@@ -134,7 +137,9 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     outer, out_shapes = trace_at(batch_size)
     # 2. Everything else is the pass pipeline's: stages, meshes, layout,
     # stage parts, transfers, schedule and program, each verified.
-    grad_micro, grad_whole = (find_grad_call(name, jaxpr, nnx_arguments) for jaxpr in (micro, outer))
+    # A step without a gradient (an evaluation step) becomes one forward-only equation.
+    (_, grad_micro), (outer, grad_whole) = (pipeline_call(name, jaxpr, nnx_arguments, batch_leaves)
+                                                  for jaxpr in (micro, outer))
     params = grad_micro.params
     num_diff, num_aux = params["num_diff"], params["num_aux"]
     if len(grad_micro.invars) != len(grad_whole.invars) or num_aux != grad_whole.params["num_aux"]:
@@ -146,7 +151,7 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
     probe = M if M > 1 or batch_size == 1 else _smallest_factor(batch_size)
     if probe != M:
         probed, _ = trace_at(batch_size // probe)
-        grad_probe = find_grad_call(name, probed, nnx_arguments)
+        _, grad_probe = pipeline_call(name, probed, nnx_arguments, batch_leaves)
     else:
         grad_probe = grad_micro
     micro_batching = resolve_micro_batching(
@@ -154,6 +159,11 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
         [v.aval for v in grad_whole.invars[num_diff:]], [v.aval for v in grad_whole.outvars[1:1 + num_aux]],
         probe, user_location(grad_whole))
     micro_batching = dataclasses.replace(micro_batching, num_micro_batches=M)
+    # Exact where the loss allows: values of the batch alone hoisted into the step, the loss
+    # rewritten so its micro-batches' shares sum to the whole batch's.
+    stepped = micro_batch_step(outer, grad_micro.params, grad_whole.params, grad_probe.params if probe > 1 else None,
+                               micro_batching, name, user_location(grad_whole))
+    outer, params, micro_batching = stepped.outer, stepped.grad_params, stepped.micro_batching
     devices = list(method.devices) if method.devices is not None else jax.devices()
     out_tree = jax.tree.structure(out_shapes)
     if nnx_arguments:
@@ -172,14 +182,17 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
         if micro_batch_size % count:
             raise ValueError(f"micro-batches of {micro_batch_size} examples do not split into {count} replicas")
         replica, _ = trace_at(micro_batch_size // count)
-        return find_grad_call(name, replica, nnx_arguments).params["loss_jaxpr"]
+        _, grad_replica = pipeline_call(name, replica, nnx_arguments, batch_leaves)
+        return stepped.share_loss(grad_replica.params["loss_jaxpr"], M * count)
 
     compiled = compile_pipeline(
         outer, params, micro_batching, leaves, partition_specs(args), frozenset(batch_leaves), replaced,
         devices, method.pipeline_options(micro_batch_size), functools.partial(_check_num_stages, method),
         replica_loss,
     )
-    if method.single_program and compiled.graph.num_stages == 1 and M == 1:
+    # A forward-only step leaves the inputs it does not read unplaced (a train state's optimizer
+    # state stays where the train step keeps it), which one jitted program cannot express.
+    if method.single_program and compiled.graph.num_stages == 1 and M == 1 and not compiled.graph.forward_only:
         step = _single_program(compiled, outer, out_tree, method, replaced)
         return CompiledStep(step, state_updates, compiled, step.run_as_given if step.places_own_inputs else None,
                             in_tree)
@@ -222,7 +235,9 @@ def _smallest_factor(n: int) -> int:
 
 def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
     """Checks the model's stages against ``num_stages`` and the stage placement, which
-    ``PipeshardParallel`` could check only for a stage count it was given."""
+    ``PipeshardParallel`` could check only for a stage count it was given. Markers are candidate
+    cuts: the compiler groups more than ``num_stages - 1`` of them (``marker_grouping``), so only
+    too few of them, or ``auto_layers`` making another count, remain to report."""
     S = graph.num_stages
     if method.num_stages is not None and method.num_stages != S:
         if S == 1:
@@ -240,8 +255,10 @@ def _check_num_stages(method: PipeshardParallel, graph: StageGraph) -> None:
                 f"{S - 1} automatic markers (numbered from 0) cut"
             )
         raise StageMarkerError(
-            f"num_stages: {method.num_stages} stages asked for, but the model's "
-            f"{S - 1} stage markers make {S} stages; pass num_stages={S} (or None), or move the markers"
+            f"num_stages: {method.num_stages} stages asked for, but the model's {S - 1} stage markers make "
+            f"{S} stages; pass num_stages={S} (or None) or fewer (markers are candidate cuts: the compiler "
+            f"groups more than num_stages - 1 of them, but adds none), or call meshpar.mark_stage_boundary() "
+            f"where more stages should end"
         )
     if method.num_stages is None:
         method.check_placement(S, "stage markers + 1")

@@ -96,6 +96,12 @@ class MicroBatching:
       fold_keys: the operands (same indexing) that are PRNG keys folded with the
         micro-batch index.
       num_micro_batches: M.
+      exact: the loss was rewritten so that its micro-batches' shares sum to the whole batch's
+        (``exact_micro_batching``): ``reduction`` is then ``"sum"``.
+      whole_batch_values: how many values of the loss are computed once on the whole batch
+        (its last operands, each read whole by every micro-batch).
+      inexact: where parameter-dependent values mix batch rows, so that micro-batches cannot
+        reproduce the whole batch (the loss then combines per micro-batch, by ``reduction``).
     """
 
     reduction: str
@@ -103,6 +109,9 @@ class MicroBatching:
     per_micro_batch: tuple[bool, ...]
     fold_keys: frozenset[int]
     num_micro_batches: int
+    exact: bool = False
+    whole_batch_values: int = 0
+    inexact: tuple[Any, ...] = ()
 
     @property
     def loss_seed(self) -> float:
@@ -161,5 +170,5 @@ def resolve_micro_batching(
                              f"{'floating values' if r is AuxReduction.MEAN else 'numbers'} (at {where})")
         aux.append(r)
     keys = key_operands(params["loss_jaxpr"], params["num_diff"]) if params["fold_rng"] else frozenset()
-    return MicroBatching(params["reduction"], tuple(aux), tuple(per_mb),
+    return MicroBatching(params["reduction"] or "mean", tuple(aux), tuple(per_mb),
                          frozenset(k for k in keys if not per_mb[k]), m)
