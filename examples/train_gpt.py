@@ -52,37 +52,15 @@ def job_devices(count: int) -> list:
     return cpus[:count]
 
 
-def main() -> None:
-    # Importing JAX starts no backend: the device count below still takes effect.
-    import meshpar
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--schedule", default="eager_1f1b", choices=sorted(meshpar.SCHEDULES))
-    parser.add_argument("--stages-per-mesh", type=int, default=1,
-                        help="stages each of the two meshes runs (above 1: a schedule taking virtual stages)")
-    parser.add_argument("--weight-delay", default="auto", choices=["false", "true", "auto"],
-                        help="split backwards and delay the weight-gradient passes (ignored by schedules "
-                             "placing weight passes themselves, zb_h1)")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--scan-layers", action="store_true",
-                        help="stack the blocks in one nn.scan (no markers): meshpar cuts the scan into the stages, "
-                             "each holding only its slice of the stacked parameters")
-    args = parser.parse_args()
-
+def main_job(args: argparse.Namespace, devices: list) -> tuple:
+    """The main job's ``(train_step, method, state, batch)`` for the command line's ``args`` on
+    ``devices`` (benchmarks time the same job)."""
     import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)
-    devices = job_devices(8)
-    if devices[0].platform != jax.default_backend():
-        # The model, its batch and the jax.jit reference live on the job's devices too.
-        jax.config.update("jax_default_device", devices[0])
     import jax.numpy as jnp
-    import numpy as np
     import optax
     from flax.training import train_state
 
+    import meshpar
     from examples.gpt import GPT, gpt_batch, gpt_loss
 
     # Two emulated hosts of 4 devices, linked at 10 Gbit/s: the planner sees
@@ -113,9 +91,50 @@ def main() -> None:
         weight_delay=(False if meshpar.SCHEDULES[args.schedule].places_weight_passes
                       else {"false": False, "true": True, "auto": "auto"}[args.weight_delay]),
     )
+    return train_step, method, state, batch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The main job's command line (``argv``; ``None``: the process's own)."""
+    import meshpar
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedule", default="eager_1f1b", choices=sorted(meshpar.SCHEDULES))
+    parser.add_argument("--stages-per-mesh", type=int, default=1,
+                        help="stages each of the two meshes runs (above 1: a schedule taking virtual stages)")
+    parser.add_argument("--weight-delay", default="auto", choices=["false", "true", "auto"],
+                        help="split backwards and delay the weight-gradient passes (ignored by schedules "
+                             "placing weight passes themselves, zb_h1)")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--scan-layers", action="store_true",
+                        help="stack the blocks in one nn.scan (no markers): meshpar cuts the scan into the stages, "
+                             "each holding only its slice of the stacked parameters")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    # Importing JAX starts no backend: the device count below still takes effect.
+    import meshpar
+
+    args = parse_args()
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    devices = job_devices(8)
+    if devices[0].platform != jax.default_backend():
+        # The model, its batch and the jax.jit reference live on the job's devices too.
+        jax.config.update("jax_default_device", devices[0])
+    import jax.numpy as jnp
+    import numpy as np
+
+    train_step, method, state, batch = main_job(args, devices)
     step = meshpar.parallelize(train_step, method=method)
+    params, model_seq_len = state.params, batch["x"].shape[1]
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"GPT: {n_params} parameters, batch {args.batch_size} x {model.seq_len} tokens, "
+    print(f"GPT: {n_params} parameters, batch {args.batch_size} x {model_seq_len} tokens, "
           f"(data, model, pipeline) = (2, 2, 2) on {len(devices)} {devices[0].platform} devices")
     print(step.get_executable(state, batch).describe())
 

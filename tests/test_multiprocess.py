@@ -1,6 +1,7 @@
 """meshpar across two (and three) local processes (gloo over localhost), 4 CPU devices each."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -146,3 +147,31 @@ def test_four_processes_with_the_data_axis_across_them():
                      "gradient_reduction=per_micro_batch, a global batch fed by its four processes,"):
             assert f"process {pid}: {name} matches" in r.stdout, output
         assert f"process {pid}: ALL OK" in r.stdout, output
+
+
+@pytest.mark.multiprocess
+def test_a_global_batch_read_outside_the_loss_across_two_processes():
+    """Each process feeds its own rows as a global array; the step computes a normaliser from the
+    mask and returns a metric of the batch (README's masked mean): under 1F1B, 2 stages and 4
+    micro-batches, the loss, the metric (on both processes) and the parameters equal jax.jit's
+    on the full batch, the batch moved by planned moves and never fetched to a host."""
+    results, output = run_all_ok("mp_batch_outside_loss_worker.py", timeout_s=120)
+    for r in results:
+        assert "planned whole moves of" in r.stdout and "unplanned placement refused" in r.stdout, output
+        assert all(f"step {i} loss" in r.stdout for i in range(3)), output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_v"])
+def test_the_lm1b_pattern_across_two_processes(schedule):
+    """flax's lm1b train step as written (normaliser inside the loss function, batch read
+    outside it), each process feeding its own rows as a global array: the loss, read on both
+    processes, and the parameters equal jax.jit's on the full batch. Only the first step
+    compiles: the state it returns, spanning both processes, runs the programs it compiled."""
+    results, output = run_all_ok("mp_public_lm_worker.py", timeout_s=240, args=[schedule])
+    assert all("step 2 loss" in r.stdout for r in results), output
+    for pid, r in enumerate(results):
+        compiled = [int(n) for n in re.findall(rf"process {pid}: step \d loss \S+ matches, (\d+) programs compiled",
+                                               r.stdout)]
+        # The first step compiling something shows that the worker's listener hears compilations.
+        assert len(compiled) == 3 and compiled[0] > 0 and compiled[1:] == [0, 0], output
