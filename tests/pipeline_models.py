@@ -12,6 +12,7 @@ from flax import nnx
 from flax.training import train_state
 
 import meshpar
+import meshpar.runtime.placement as placement
 
 
 
@@ -120,3 +121,27 @@ def nnx_mse_step(model, optimizer, batch):
     loss, grads = meshpar.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
     optimizer.update(model, grads)
     return loss
+
+
+class MoveCounter:
+    """Counts the moves of the given leaves while active: ``jax.device_put`` of one of them, or
+    ``runtime.placement.put`` returning another array than the one it was given (a copy)."""
+
+    def __init__(self, monkeypatch, leaves):
+        self.names = {id(x): str(path) for path, x in leaves}
+        self.moved: list[str] = []
+        device_put, put = jax.device_put, placement.put
+
+        def counted_device_put(x, *args, **kwargs):
+            if id(x) in self.names:
+                self.moved.append(f"jax.device_put {self.names[id(x)]}")
+            return device_put(x, *args, **kwargs)
+
+        def counted_put(value, *args, **kwargs):
+            out = put(value, *args, **kwargs)
+            if id(value) in self.names and out is not value:
+                self.moved.append(f"placement.put {self.names[id(value)]}")
+            return out
+
+        monkeypatch.setattr(jax, "device_put", counted_device_put)
+        monkeypatch.setattr(placement, "put", counted_put)

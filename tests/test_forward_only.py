@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 import meshpar
-import meshpar.runtime.placement as placement
 from examples.mlp import MLP
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import FORWARD_ONLY_SCHEDULES, StagePlacement, make_schedule
 from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind
-from pipeline_models import TensorParallel, TwoStages, assert_trees_close, make_state
+from pipeline_models import MoveCounter, TensorParallel, TwoStages, assert_trees_close, make_state
 
 M = 4
 
@@ -48,30 +47,6 @@ def _assert_metrics_equal(got, want):
     np.testing.assert_array_equal(np.asarray(got["pred"]), np.asarray(want["pred"]))
 
 
-class _MoveCounter:
-    """Counts the moves of the given leaves while active: ``jax.device_put`` of one of them, or
-    ``runtime.placement.put`` returning another array than the one it was given (a copy)."""
-
-    def __init__(self, monkeypatch, leaves):
-        self.names = {id(x): str(path) for path, x in leaves}
-        self.moved: list[str] = []
-        device_put, put = jax.device_put, placement.put
-
-        def counted_device_put(x, *args, **kwargs):
-            if id(x) in self.names:
-                self.moved.append(f"jax.device_put {self.names[id(x)]}")
-            return device_put(x, *args, **kwargs)
-
-        def counted_put(value, *args, **kwargs):
-            out = put(value, *args, **kwargs)
-            if id(value) in self.names and out is not value:
-                self.moved.append(f"placement.put {self.names[id(value)]}")
-            return out
-
-        monkeypatch.setattr(jax, "device_put", counted_device_put)
-        monkeypatch.setattr(placement, "put", counted_put)
-
-
 def _train_then_eval(monkeypatch, model, method, steps=2):
     """``steps`` train steps of ``model`` under ``method`` and jax.jit, an eval step after each,
     then the next train step: every result equal to jax.jit's. Returns the eval step, the
@@ -87,7 +62,7 @@ def _train_then_eval(monkeypatch, model, method, steps=2):
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
         if step == steps - 1:
             with monkeypatch.context() as patch:
-                counter = _MoveCounter(patch, jax.tree_util.tree_leaves_with_path(par))
+                counter = MoveCounter(patch, jax.tree_util.tree_leaves_with_path(par))
                 metrics = evaluate(par, batch)
         else:
             metrics = evaluate(par, batch)
@@ -134,7 +109,7 @@ def test_eval_between_train_steps_moves_no_parameter(monkeypatch, stage_mesh_sha
     # The counter sees moves: a fresh state's parameters are placed on the stage meshes.
     fresh = make_state(model(), batch["x"][:1])
     with monkeypatch.context() as patch:
-        counter = _MoveCounter(patch, jax.tree_util.tree_leaves_with_path(fresh.params))
+        counter = MoveCounter(patch, jax.tree_util.tree_leaves_with_path(fresh.params))
         evaluate(fresh, batch)
     assert {m.split(" ", 1)[1] for m in counter.moved} == {str(p) for p, _ in jax.tree_util.tree_leaves_with_path(
         fresh.params)}

@@ -11,7 +11,7 @@ import pytest
 import meshpar
 from examples import flax_image_classifier as classifier
 from examples import flax_lm as lm
-from pipeline_models import assert_trees_close
+from pipeline_models import MoveCounter, assert_trees_close
 
 M = 4
 
@@ -73,3 +73,25 @@ def test_the_imagenet_pattern_with_batch_norm_warns_and_runs_per_micro_batch():
     assert_trees_close(got_state.batch_stats, want_state.batch_stats, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"exact: .*flax_image_classifier\.py:\d+"):
         meshpar.parallelize(classifier.make_train_step(exact=True), method=method)(state, batch)
+
+
+def test_the_lm1b_eval_step_runs_in_the_trained_pipeline_moving_no_parameter(monkeypatch):
+    """flax's ``eval_step(params, batch)`` (no gradient), under the train step's method: its
+    metrics equal jax.jit's, and calling it between train steps moves no parameter."""
+    state = lm.make_state(lm.PaddedLM(), lm.lm_batch(0)["inputs"][:1])
+    method = meshpar.PipeshardParallel(num_micro_batches=M, num_stages=2, stage_mesh_shape=(2, 2),
+                                       logical_axis_rules=lm.LOGICAL_AXIS_RULES)
+    train, evaluate = meshpar.parallelize(lm.train_step, method=method), meshpar.parallelize(lm.eval_step,
+                                                                                            method=method)
+    ref = par = state
+    for step in range(2):
+        batch = lm.lm_batch(step)
+        ref, _ = jax.jit(lm.train_step)(ref, batch)
+        par, _ = train(par, batch)
+        with monkeypatch.context() as patch:
+            counter = MoveCounter(patch, jax.tree_util.tree_leaves_with_path(par.params))
+            got = evaluate(par.params, lm.lm_batch(10 + step))
+        assert_trees_close(got, jax.jit(lm.eval_step)(ref.params, lm.lm_batch(10 + step)), rtol=1e-5, atol=1e-5)
+        if step:
+            assert counter.moved == [], counter.moved
+    assert "forward_only" in evaluate.get_executable(par.params, lm.lm_batch(0)).describe()
