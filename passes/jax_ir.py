@@ -21,11 +21,17 @@ time, naming the version in a comment, so the rest of meshpar reads one IR:
   ``with_context_mesh`` rebuilds a context from its own fields, whatever they are.
 - Tracing caches: ``trace_context_flag`` adds a flag to their keys (``config.bool_state``'s
   ``include_in_trace_context``, the same in 0.10.2 to 0.12).
+- Cluster detection: ``ClusterEnv.auto_detect_unset_distributed_params`` takes
+  ``(coordinator_address, num_processes, process_id, local_device_ids,
+  cluster_detection_method, initialization_timeout)`` in 0.10.2 to 0.12 (older JAX lacked the
+  last two); ``detect_distributed_params`` calls it by those names and reads the launchers
+  from ``ClusterEnv._cluster_types``.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -51,7 +57,9 @@ from jax.extend.core import primitives as prims
 
 # What jax.extend does not export (JAX 0.10.2 to 0.12): effect registries, transformation rule
 # tables, dead-code elimination, the PRNG's key-wrapping primitive, the concrete context mesh,
-# equation contexts, trace-context flags, and the distributed runtime's and backend's state.
+# equation contexts, trace-context flags, the launchers JAX detects, and the distributed runtime's
+# and backend's state.
+from jax._src import clusters as _clusters
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import distributed as _distributed
@@ -66,8 +74,9 @@ from jax._src.random.prng import random_wrap_p
 
 __all__ = [
     "AbstractValue", "Atom", "ClosedJaxpr", "DebugInfo", "DropVar", "Effect", "Jaxpr", "JaxprEqn", "Literal",
-    "Primitive", "ShapedArray", "Var", "backends_are_initialized", "bind_equation", "call_body", "check_jaxpr",
-    "compiled_count", "concrete_mesh", "cross_host_transfer_settings", "dce_jaxpr", "dce_rule", "distributed_client",
+    "Primitive", "ShapedArray", "Var", "backends_are_initialized", "bind_equation", "call_body",
+    "check_jaxpr", "cluster_launchers", "compiled_count", "concrete_mesh", "cross_host_transfer_settings",
+    "dce_jaxpr", "dce_rule", "detect_distributed_params", "distributed_client", "distributed_params",
     "eval_jaxpr", "inline_requested", "jaxpr_as_fun", "join_effects", "nested_jaxprs", "new_jaxpr_eqn",
     "new_source_info", "no_effects", "random_wrap_p", "register_effect_type", "register_primitive_rules",
     "scan_operand_counts", "trace_context_flag", "typematch", "user_frames", "with_context_mesh",
@@ -214,6 +223,54 @@ def compiled_count(jitted: Any) -> int:
 def distributed_client() -> Any:
     """The distributed runtime's key-value client, or ``None`` in a single-process run."""
     return _distributed.global_state.client
+
+
+def distributed_params() -> tuple[str, int, int] | None:
+    """``(coordinator_address, num_processes, process_id)`` this process joined its job with
+    through ``jax.distributed.initialize``, or ``None`` when it has not."""
+    state = _distributed.global_state
+    if state.client is None:
+        return None
+    return state.coordinator_address or "", state.num_processes, state.process_id
+
+
+def cluster_launchers() -> dict[str, tuple[str | None, bool, bool]]:
+    """The launchers JAX's cluster detection knows, by class name in the order it tries them:
+    ``(cluster_detection_method, present, opt_in_only)`` for each. The method is the name
+    ``cluster_detection_method`` picks it by (``None`` where JAX gives it none, as Kubernetes'
+    in 0.10.2); ``present`` whether this process's environment looks launched by it (an
+    opt-in one, mpi4py's, only says whether it is installed); ``opt_in_only`` whether JAX
+    tries it only when named."""
+    return {env.__name__: (env.name or None, bool(env.is_env_present()), bool(env.opt_in_only_method))
+            for env in _clusters.ClusterEnv._cluster_types}
+
+
+def detect_distributed_params(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    local_device_ids: list[int] | None,
+    cluster_detection_method: str | None,
+    initialization_timeout: int,
+) -> tuple[str | None, int | None, int | None, list[int] | None]:
+    """What ``jax.distributed.initialize`` would join with: each of the four that is ``None``
+    filled as JAX fills it, from ``JAX_COORDINATOR_ADDRESS`` / ``JAX_LOCAL_DEVICE_IDS`` and then
+    from the first launcher JAX detects (or the one ``cluster_detection_method`` names; JAX's
+    ``"deactivate"`` skips detection). Still ``None`` where nothing gave it. Finding the
+    coordinator may talk to the launcher (mpi4py broadcasts it from rank 0, Kubernetes asks its
+    API server, waiting up to ``initialization_timeout``), so every process must call this."""
+    # JAX 0.10.2 to 0.12 read these two variables in State.initialize, before detecting.
+    coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
+    if local_device_ids is None and (env_ids := os.environ.get("JAX_LOCAL_DEVICE_IDS")):
+        local_device_ids = [int(i) for i in env_ids.split(",")]
+    if cluster_detection_method == "deactivate" or None not in (
+            coordinator_address, num_processes, process_id, local_device_ids):
+        return coordinator_address, num_processes, process_id, local_device_ids
+    address, count, index, local = _clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id,
+        local_device_ids=local_device_ids, cluster_detection_method=cluster_detection_method,
+        initialization_timeout=initialization_timeout)
+    return address, count, index, None if local is None else list(local)
 
 
 def backends_are_initialized() -> bool:

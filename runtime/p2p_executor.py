@@ -81,11 +81,21 @@ def require_cross_host_transfers(what: str) -> None:
     if native and not forced_over_network:
         return
     if not server_address:
+        joined = jax_ir.distributed_params()
+        line = ("meshpar.distributed.initialize()" if joined is None else
+                f"meshpar.distributed.initialize(coordinator_address={joined[0]!r}, num_processes={joined[1]}, "
+                f"process_id={joined[2]})")
         raise RuntimeError(
-            f"{what} moves data between processes with jax.device_put, which on "
-            f"{jax.default_backend()} needs a cross-host transfer server: start every process with "
-            f"meshpar.distributed.initialize(coordinator_address, num_processes, process_id) instead of "
-            f"jax.distributed.initialize (or use executor='collective')"
+            f"{what} moves data between processes with jax.device_put, which on {jax.default_backend()} needs "
+            f"a cross-host transfer server, and this process's backend started without one. Start every "
+            f"process with {line} instead of jax.distributed.initialize (under srun, mpirun or another "
+            f"launcher JAX detects, meshpar.distributed.initialize() with no arguments); or call "
+            f"meshpar.distributed.initialize() right after jax.distributed.initialize; or set "
+            f"jax.config.update('jax_cpu_collectives_implementation', 'gloo'), "
+            f"jax.config.update('jax_cross_host_transfer_socket_address', '<this host's IP>:<a free port>') and "
+            f"jax.config.update('jax_cross_host_transport_addresses', '<this host's IP>:0'). Each of these "
+            f"before anything touches JAX's backend (jax.devices(), creating an array); or use "
+            f"executor='collective'"
         )
 
 
