@@ -41,11 +41,15 @@ print(f"process {pid}: first step done", flush=True)
 
 client = kv_client()
 if pid == 1:
+    # Leave only once process 0 has its first step's outputs: under load it may still be pulling
+    # the shared loss from this process, and the test is about a peer lost in the second step.
+    client.blocking_key_value_get("peer_loss/first_done", 60_000)
     client.key_value_set("peer_loss/going", mode)
     print(f"process 1: gone at {time.time():.3f}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     time.sleep(600)  # a stopped process stays here until the test kills it
 
+client.key_value_set("peer_loss/first_done", "1")
 client.blocking_key_value_get("peer_loss/going", 60_000)
 time.sleep(0.5)  # a killed peer's sockets are closed by then
 start = time.monotonic()
