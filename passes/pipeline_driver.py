@@ -36,7 +36,11 @@ pass that made it):
     gradient reduction among them -> ``PipelineProgram``;
 11. ``lower_step``: the whole step around it (inputs placed, the work before and
     after the pipeline, micro-batches combined, gradients reduced on their
-    owners' meshes, outputs assembled) -> ``StepProgram``.
+    owners' meshes, outputs assembled) -> ``StepProgram``;
+12. ``launch_sequences``: per process, the programs it launches on each mesh and the
+    cross-process transfers it numbers -> ``LaunchSequences``, whose verifier refuses a
+    step whose processes would launch a mesh's programs, or number a transfer, differently
+    (a deadlock).
 
 Like XLA's ``HloPassPipeline``, a verifier failure names the pass whose
 output broke the invariant.
@@ -79,6 +83,7 @@ from .pipeline.lowering.fused_runs import fuse_compute_runs
 from .pipeline.placing.step_layout import StepLayout, layout_step, verify_step_layout
 from .pipeline.step_primitives import pipeline_grad_p, stage_boundary_p
 from .pipeline.lowering.step_program import StepProgram, lower_step, verify_step_program
+from .pipeline.lowering.launch_sequences import LaunchSequences, launch_sequences, verify_launch_sequences
 from .pipeline.cutting.split_scans import verify_split_scans
 from .pipeline.placing.stacked_leaves import (GatheredArray, LeafPieces, StackedArray, gathered_arrays,
                                               split_stacked_leaves, stacked_arrays, stacked_params, take_pieces,
@@ -117,6 +122,7 @@ class CompiledPipeline:
     leaf_pieces: LeafPieces | None = None
     stacked_arrays: dict[int, StackedArray] = dataclasses.field(default_factory=dict)
     gathered_arrays: dict[int, GatheredArray] = dataclasses.field(default_factory=dict)
+    launches: LaunchSequences | None = None
 
     @property
     def stage_meshes(self) -> tuple[Mesh, ...]:
@@ -310,11 +316,15 @@ def compile_pipeline(
                                                  options.micro_batch_size, pieces, held, gathered, feeds,
                                                  batch_placements),
                 lambda sp: verify_step_program(sp, split, graph, program))
+    # Every process's launches, computed alike on every process: checked before the first step.
+    launches = _run("launch_sequences", lambda: launch_sequences(step, program, moves, meshes),
+                    verify_launch_sequences)
     kernels = _run("stage_kernels", lambda: stage_kernels(graph, parts, program, layout, meshes,
                                                           micro_batching.loss_seed, gradients),
                    lambda ks: verify_stage_kernels(ks, program))
     return CompiledPipeline(graph, split, meshes, layout, parts, schedule, program, durations, micro_batching, moves,
-                            options.micro_batch_size, step, kernels, gradients, pieces, held, gathered)
+                            options.micro_batch_size, step, kernels, gradients, pieces, held, gathered,
+                            launches)
 
 
 @compiler_pass
