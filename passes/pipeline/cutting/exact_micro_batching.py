@@ -161,9 +161,10 @@ def plan_exact_micro_batching(
     """
     num_aux = len(micro.out_avals) - 1
     try:
-        hoisted = _hoistable(micro, num_diff, per_micro_batch, varying, whole)
+        # Checked first: the hoisting walks both traces' equations side by side.
         if [e.primitive for e in micro.jaxpr.eqns] != [e.primitive for e in whole.jaxpr.eqns]:
             raise StructureMismatch("the two traces' equations differ")
+        hoisted = _hoistable(micro, num_diff, per_micro_batch, varying, whole)
         micro_h, whole_h = _hoist(micro, hoisted), _hoist(whole, hoisted)
         in_kinds = [RowKind.CONST] * num_diff + [RowKind.ROW if p else RowKind.CONST for p in per_micro_batch] \
             + [RowKind.CONST] * len(hoisted)
@@ -332,11 +333,14 @@ class MicroBatchedStep:
     def share_loss(self, loss: jax_ir.ClosedJaxpr, parts: int) -> jax_ir.ClosedJaxpr:
         """``loss`` traced at ``1 / parts`` of the batch (a data-parallel replica's share of a
         micro-batch), rewritten as the micro-batches' loss is."""
-        if self.plan is None:
-            return loss
-        rewritten = rewrite_loss(loss, self.plan, parts)
-        verify_rewritten_loss(loss, rewritten, self.plan)
-        return rewritten
+        return loss if self.plan is None else _verified_share(loss, self.plan, parts)
+
+
+def _verified_share(loss: jax_ir.ClosedJaxpr, plan: ExactMicroBatching, parts: int) -> jax_ir.ClosedJaxpr:
+    """``rewrite_loss``, checked by ``verify_rewritten_loss``."""
+    rewritten = rewrite_loss(loss, plan, parts)
+    verify_rewritten_loss(loss, rewritten, plan)
+    return rewritten
 
 
 @compiler_pass
@@ -387,8 +391,7 @@ def micro_batch_step(outer: jax_ir.ClosedJaxpr, micro: dict, whole: dict, probe:
         warnings.warn(f"meshpar: {name}: values that micro-batches cannot reproduce ({where}): {inexact}; they "
                       f"combine by their default reductions (floats averaged), the loss and gradients exactly",
                       MicroBatchingWarning, stacklevel=2)
-    loss = rewrite_loss(micro["loss_jaxpr"], plan, M)
-    verify_rewritten_loss(micro["loss_jaxpr"], loss, plan)
+    loss = _verified_share(micro["loss_jaxpr"], plan, M)
     resolved = {"reduction": "sum", "aux_reductions": plan.aux}
     stepped = hoist_into_step(outer, whole["loss_jaxpr"], plan, resolved)
     combined = dataclasses.replace(
