@@ -1,4 +1,4 @@
-"""Checkpoint and resume of a parallelized step's state with orbax-checkpoint.
+"""Checkpoint and resume of a parallelized step's state, as one global orbax checkpoint.
 
 ::
 
@@ -6,32 +6,32 @@
     meshpar.checkpoint.save("ckpt/2", state)
     state = meshpar.checkpoint.restore("ckpt/2", abstract)             # resumes bit for bit
 
-A checkpoint directory holds one orbax checkpoint per process, ``process_<i>``, which process
-``i`` writes alone from the shards its devices hold: a stage mesh's leaves are written by the
-process owning the mesh, a leaf spanning several processes' devices by each of them (its own
-shards). Not one orbax checkpoint for the job: orbax, like JAX's array serialization, writes
-only SPMD arrays, with shards on every process; it refuses an array whose devices are all this
-process's ("host local") and fails on one with no shard here, and an MPMD pipeline's stage
-meshes hold only such arrays. Each part is written with the setup of orbax's local (emergency)
-checkpoints: this process its part's primary, each of its shards written once. With several
-processes an array one process holds whole goes as a numpy array, the only form in which orbax
-writes it, written by its holder (orbax's numpy handler writes from process 0 only).
+A checkpoint is the one orbax writes for the state as a whole (``ocp.StandardCheckpointer``'s
+format: OCDBT, every leaf one global array, the tree's metadata), so plain orbax reads it with no
+meshpar installed, into any sharding::
 
-Beside its part each process writes ``process_<i>.regions.json``: per leaf, the boxes of it
-its part holds. A leaf restores from this process's own part when that holds every shard the
-target layout puts here (the same layout: each process reads only what it wrote). Otherwise
-(another number of processes, other stage meshes or stage count, or a plain ``jax.jit`` state
-on one device) it is read from every part holding a box of it and assembled on the host, bit
-for bit; that needs every part readable from this process (a file system all hosts share)
-and host memory for the whole leaf.
+    target = jax.eval_shape(lambda: state)           # with the shardings wanted, e.g. one device
+    state = ocp.StandardCheckpointer().restore("ckpt/2", target)
+
+Each process writes its own chunks of every array: the shards its devices hold that are their
+box's first replica, so every box is written once, by the process holding it. orbax's own array
+handler cannot: it refuses an array whose devices are all one process's, and fails on one with no
+shard here, and an MPMD pipeline's stage meshes hold only such arrays (``_ProcessChunksHandler``
+writes them through orbax's tensorstore specs instead). orbax commits the checkpoint atomically:
+it is written under a temporary name, renamed once every process finished, so a save cut short
+leaves no checkpoint at ``directory`` and the previous one readable.
+
+``restore`` reads, per leaf, only the boxes the target sharding puts on this process's devices,
+so it restores under any layout and number of processes: the saving job's, another stage count,
+or a plain ``jax.jit`` state on one device.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,7 +41,7 @@ import tensorstore as ts
 from etils import epath
 
 from meshpar.parallelize import ParallelizedStep
-from meshpar.runtime.coordination import agree
+from meshpar.runtime.coordination import CoordinationError, agree, kv_client
 from meshpar.runtime.remote import absent
 
 __all__ = ["state_shardings", "save", "restore"]
@@ -49,9 +49,8 @@ __all__ = ["state_shardings", "save", "restore"]
 # Leaves of an abstract state that ``restore`` returns as the saved number, of their own type.
 _NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
 
-# The array format the parts are written in, named once: a leaf split between parts is read box
-# by box straight from tensorstore (``_read_boxes``), which must open it as it was written.
-_USE_ZARR3 = False
+# Saves made by this process: names each save's coordination keys.
+_saves = 0
 
 
 def state_shardings(step: ParallelizedStep, *args: Any, argnum: int = 0) -> Any:
@@ -97,13 +96,14 @@ def state_shardings(step: ParallelizedStep, *args: Any, argnum: int = 0) -> Any:
 
 
 def save(directory: str | os.PathLike, state: Any, *, timeout_s: float = 120.0) -> None:
-    """Writes ``state`` as a new checkpoint in ``directory``; returns once every process's part is on disk.
+    """Writes ``state`` as a new global orbax checkpoint at ``directory``; returns once it is committed.
 
-    Every process calls it with the same path (on a file system all of them share, or on each
-    host's own disk) and the same state: the one a step returned, or any pytree of arrays and
-    numbers. Process ``i`` writes ``directory/process_<i>``: the leaves it holds shards of, and
-    every host value (Python and numpy numbers, in the dtype the step would place them as: a
-    Python int as int32). Nothing is written until every process has seen ``directory`` absent.
+    Every process calls it with the same path, on a file system all of them share, and the same
+    state: the one a step returned, or any pytree of arrays and numbers. Each process writes the
+    chunks of every array its devices hold (each box once, by the holder of its first replica);
+    process 0 writes the numbers (Python and numpy scalars, in the dtype a step places them in: a
+    Python int as int32) and the tree's metadata, and commits the checkpoint by renaming it into
+    place once every process finished.
 
     Args:
       directory: the checkpoint's directory; must not exist (its parent is created if needed).
@@ -115,41 +115,60 @@ def save(directory: str | os.PathLike, state: Any, *, timeout_s: float = 120.0) 
         typed PRNG key array, naming it.
       FileExistsError: ``directory`` exists.
       meshpar.runtime.coordination.CoordinationError: another process did not reach, or did not
-        finish, the same save within ``timeout_s``.
+        finish, the same save within ``timeout_s``, naming it.
     """
+    global _saves
     directory = _path(directory)
     if os.path.exists(directory):
         raise FileExistsError(f"directory: {directory} already exists; save writes a new checkpoint directory")
-    flat = jax.tree_util.tree_flatten_with_path(state)[0]
-    held = {}
-    for path, leaf in flat:
-        name = jax.tree_util.keystr(path)
-        value = _writable(name, leaf) if isinstance(leaf, jax.Array) else _host_value(name, leaf)
-        if value is not None:
-            held[name] = value
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = [_array(jax.tree_util.keystr(path), leaf) if isinstance(leaf, jax.Array)
+              else _host_value(jax.tree_util.keystr(path), leaf) for path, leaf in flat]
     everyone = list(range(jax.process_count()))
+    what = f"meshpar.checkpoint.save({directory!r})"
     # Every process checked that the directory is absent before any creates it.
     agree("checkpoint/save", {"directory": directory, "leaves": len(flat)}, everyone, timeout_s=timeout_s,
-          what=f"meshpar.checkpoint.save({directory!r})")
-    os.makedirs(directory, exist_ok=True)
-    if held:  # orbax refuses an empty tree: a process holding nothing writes no part
-        with _checkpointer() as checkpointer:
-            checkpointer.save(_part(directory, jax.process_index()), args=ocp.args.PyTreeSave(held))
-    with open(_regions_path(directory, jax.process_index()), "w") as f:
-        json.dump({name: _regions(value) for name, value in held.items()}, f)
-    agree("checkpoint/saved", {"directory": directory}, everyone, timeout_s=timeout_s,
-          what=f"meshpar.checkpoint.save({directory!r}) finishing")
+          what=what)
+    written = f"meshpar/checkpoint/{_saves}/written"
+    _saves += 1
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
+    handler = _ProcessChunksHandler(written)
+    tree = jax.tree_util.tree_unflatten(treedef, leaves)
+    saving = _InThread(lambda: _checkpointer(handler).save(directory, args=ocp.args.PyTreeSave(tree)),
+                       name=f"meshpar checkpoint save {directory}")
+    # orbax's own barriers wait 300 s; a peer that dies while saving is named sooner: once this
+    # process's chunks are on disk, each other process has timeout_s to record that its are.
+    while not saving.done.wait(0.05):
+        if handler.written.is_set():
+            late = _not_written(written, everyone, timeout_s)
+            if late:
+                raise CoordinationError(
+                    f"{what}: {_processes(late)} did not write {'their' if len(late) > 1 else 'its'} chunks "
+                    f"within {timeout_s:g} s of process {jax.process_index()} (exited, or not saving); no "
+                    f"checkpoint was committed at {directory}")
+            if not saving.done.wait(timeout_s):
+                raise CoordinationError(f"{what}: the commit did not finish within {timeout_s:g} s of every "
+                                        f"process writing its chunks (is process 0 alive?)")
+            break
+    if saving.error is not None:
+        late = _not_written(written, everyone, 0.0)
+        if late:
+            raise CoordinationError(f"{what}: {_processes(late)} did not write {'their' if len(late) > 1 else 'its'} "
+                                    f"chunks (exited, or not saving); no checkpoint was committed at {directory}"
+                                    ) from saving.error
+        raise saving.error
 
 
 def restore(directory: str | os.PathLike, abstract_state: Any, *, timeout_s: float = 120.0) -> Any:
     """The state saved in ``directory``, bit for bit, as arrays shaped, typed and sharded as ``abstract_state`` says.
 
-    Every process calls it with the same arguments; each reads only its own part, and only the
-    leaves with shards on its devices; a leaf it holds no shard of comes back without shards
-    here, as a step returns such leaves.
+    Every process calls it with the same arguments; each reads only the boxes of each leaf that
+    its sharding puts on this process's devices, whatever layout and number of processes saved
+    it. A leaf with no shard here comes back without shards here, as a step returns such leaves.
+    Any orbax checkpoint of a tree like ``abstract_state`` restores, not only meshpar's.
 
     Args:
-      directory: a checkpoint ``save`` wrote.
+      directory: a checkpoint ``save`` (or orbax) wrote.
       abstract_state: a pytree of ``jax.ShapeDtypeStruct`` with shardings, like the saved state
         (``state_shardings`` gives the one a step keeps its state in); its other parts, such as a
         ``TrainState``'s ``apply_fn`` and ``tx``, are returned as they are. A leaf may also be a
@@ -162,57 +181,42 @@ def restore(directory: str | os.PathLike, abstract_state: Any, *, timeout_s: flo
       A pytree like ``abstract_state`` of ``jax.Array``, and numbers where it holds numbers.
 
     Raises:
-      FileNotFoundError: ``directory`` does not exist.
+      FileNotFoundError: ``directory`` holds no committed checkpoint.
       TypeError: a leaf of ``abstract_state`` is neither a ``jax.ShapeDtypeStruct`` with a
         sharding nor a number, naming it.
-      ValueError: a leaf is not in this process's part (saved with another layout or number of
-        processes), or was saved with another shape or dtype (a number: other than a scalar of
-        the dtype JAX gives it, e.g. int32 for an ``int``), naming it.
+      ValueError: a leaf is not in the checkpoint, or was saved with another shape or dtype (a
+        number: other than a scalar of the dtype JAX gives it, e.g. int32 for an ``int``),
+        naming it.
       meshpar.runtime.coordination.CoordinationError: another process did not finish the same
         restore within ``timeout_s``.
     """
     directory = _path(directory)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"directory: no checkpoint at {directory}")
+    saved = _saved_leaves(directory)
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    names = [jax.tree_util.keystr(path) for path, _ in flat]
-    wanted, numbers = {}, {}
-    for name, (_, leaf) in zip(names, flat):
+    restored = []
+    for path, leaf in flat:
+        name = jax.tree_util.keystr(path)
+        stored = ".".join(ocp.tree.str_keypath(path))
         if isinstance(leaf, _NUMBER_TYPES):
-            numbers[name] = leaf
+            # A number saved by save() or returned by a step is a scalar of JAX's dtype for it (an int: int32).
+            dtype = jax.dtypes.canonicalize_dtype(np.result_type(leaf))
+            _check_saved(name, stored, saved, (), dtype, directory)
+            restored.append(type(leaf)(_open(directory, stored)[()].read().result().item()))
             continue
         if not isinstance(leaf, jax.ShapeDtypeStruct) or not isinstance(leaf.sharding, jax.sharding.Sharding):
             raise TypeError(f"abstract_state{name}: expected a jax.ShapeDtypeStruct with a sharding "
                             f"(meshpar.checkpoint.state_shardings gives them) or a number, got {leaf!r}")
-        if leaf.sharding.addressable_devices:
-            wanted[name] = leaf
-    restored = {}
-    if wanted or numbers:
-        me = jax.process_index()
-        part = _part(directory, me)
-        regions = _saved_regions(directory)
-        with _checkpointer() as checkpointer:
-            saved = checkpointer.metadata(part).item_metadata.tree if os.path.isdir(part) else {}
-            if regions is None:  # written before regions were recorded: this process's own part only
-                own, elsewhere = wanted, {}
-            else:
-                own = {n: leaf for n, leaf in wanted.items() if _covers(regions.get(me, {}).get(n), leaf)}
-                elsewhere = {n: leaf for n, leaf in wanted.items() if n not in own}
-            _check_saved(own, saved, part)
-            if own:
-                restored = checkpointer.restore(part, args=ocp.args.PyTreeRestore(
-                    item=own, partial_restore=True,
-                    restore_args={name: ocp.ArrayRestoreArgs(sharding=leaf.sharding, global_shape=leaf.shape,
-                                                             dtype=leaf.dtype) for name, leaf in own.items()}))
-            for name, leaf in elsewhere.items():
-                restored[name] = _assembled(checkpointer, directory, regions, name, leaf)
-            for name, leaf in numbers.items():
-                restored[name] = _number(checkpointer, directory, regions, name, leaf)
+        _check_saved(name, stored, saved, leaf.shape, leaf.dtype, directory)
+        if not leaf.sharding.addressable_devices:
+            restored.append(absent(leaf.shape, leaf.dtype, leaf.sharding))
+            continue
+        store = _open(directory, stored)
+        restored.append(jax.make_array_from_callback(
+            leaf.shape, leaf.sharding, lambda index, store=store: np.asarray(store[index].read().result()),
+            dtype=leaf.dtype))
     agree("checkpoint/restored", {"directory": directory, "leaves": len(flat)}, list(range(jax.process_count())),
           timeout_s=timeout_s, what=f"meshpar.checkpoint.restore({directory!r})")
-    return jax.tree_util.tree_unflatten(treedef, [
-        restored[name] if name in restored else absent(leaf.shape, leaf.dtype, leaf.sharding)
-        for name, (_, leaf) in zip(names, flat)])
+    return jax.tree_util.tree_unflatten(treedef, restored)
 
 
 def _path(directory: Any) -> str:
@@ -221,119 +225,12 @@ def _path(directory: Any) -> str:
     return os.path.abspath(os.fspath(directory))
 
 
-def _part(directory: str, process: int) -> str:
-    return os.path.join(directory, f"process_{process}")
-
-
-def _regions_path(directory: str, process: int) -> str:
-    return os.path.join(directory, f"process_{process}.regions.json")
-
-
-def _regions(value: Any) -> list[list[list[int]]]:
-    """The boxes of a leaf a part holds (per dimension ``[start, stop)``): a host value whole,
-    an array the distinct boxes of its shards here."""
-    shape = np.shape(value)
-    if not isinstance(value, jax.Array):
-        return [[[0, int(n)] for n in shape]]
-    boxes = {tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(shard.index, shape))
-             for shard in value.addressable_shards}
-    return [[[int(a), int(b)] for a, b in box] for box in sorted(boxes)]
-
-
-def _saved_regions(directory: str) -> dict[int, dict[str, list]] | None:
-    """Per process that saved, per leaf, the boxes its part holds; ``None`` for a checkpoint
-    written without them."""
-    found = {}
-    for entry in os.listdir(directory):
-        if entry.startswith("process_") and entry.endswith(".regions.json"):
-            with open(os.path.join(directory, entry)) as f:
-                found[int(entry[len("process_"):-len(".regions.json")])] = json.load(f)
-    return found or None
-
-
-def _boxes_here(leaf: jax.ShapeDtypeStruct) -> list[tuple[tuple[int, int], ...]]:
-    """The boxes of ``leaf`` its sharding puts on this process's devices."""
-    return [tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, leaf.shape))
-            for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values()]
-
-
-def _covers(regions: list | None, leaf: jax.ShapeDtypeStruct) -> bool:
-    """Whether a part holding ``regions`` of a leaf holds each box ``leaf`` needs here whole."""
-    if regions is None:
-        return False
-    return all(any(all(r[0] <= a and b <= r[1] for (a, b), r in zip(box, region)) for region in regions)
-               for box in _boxes_here(leaf))
-
-
-def _assembled(checkpointer: ocp.Checkpointer, directory: str, regions: dict[int, dict[str, list]], name: str,
-               leaf: jax.ShapeDtypeStruct) -> jax.Array:
-    """Leaf ``name`` read from every part holding a box of it, assembled on the host, laid out as ``leaf``.
-
-    Raises:
-      ValueError: naming the leaf, when no part holds it, or the parts leave part of it unsaved.
-    """
-    value = np.zeros(leaf.shape, leaf.dtype)
-    filled = np.zeros(leaf.shape, bool)
-    holders = sorted(p for p, leaves in regions.items() if name in leaves)
-    if not holders:
-        raise ValueError(f"abstract_state{name}: in no part of the checkpoint at {directory}")
-    for p in holders:
-        part = _part(directory, p)
-        saved = checkpointer.metadata(part).item_metadata.tree
-        _check_saved({name: leaf}, saved, part)
-        boxes = [tuple(slice(a, b) for a, b in region) for region in regions[p][name]]
-        for box, data in zip(boxes, _read_boxes(part, name, boxes)):
-            value[box] = data
-            filled[box] = True
-    if not filled.all():
-        raise ValueError(f"abstract_state{name}: the checkpoint's parts hold only part of it "
-                         f"({int(filled.sum())} of {filled.size} elements)")
-    return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index: value[index], dtype=leaf.dtype)
-
-
-def _number(checkpointer: ocp.Checkpointer, directory: str, regions: dict[int, dict[str, list]] | None, name: str,
-            leaf: Any) -> Any:
-    """Scalar leaf ``name`` as saved, as a number of ``leaf``'s type: read from this process's
-    part when it holds it, else from the first part that does (every part holds a scalar whole).
-
-    Raises:
-      ValueError: naming the leaf, when no part holds it, or it was saved as other than a scalar
-        of the dtype JAX gives ``leaf``.
-    """
-    me = jax.process_index()
-    holders = [me] if regions is None or name in regions.get(me, {}) else sorted(
-        p for p, leaves in regions.items() if name in leaves)
-    if not holders:
-        raise ValueError(f"abstract_state{name}: in no part of the checkpoint at {directory}")
-    part = _part(directory, holders[0])
-    saved = checkpointer.metadata(part).item_metadata.tree if os.path.isdir(part) else {}
-    # A number saved by save() or returned by a step is a scalar of JAX's dtype for it (an int: int32).
-    dtype = jax.dtypes.canonicalize_dtype(np.result_type(leaf))
-    _check_saved({name: jax.ShapeDtypeStruct((), dtype)}, saved, part)
-    (value,) = _read_boxes(part, name, [()])
-    return type(leaf)(value.item())
-
-
-def _read_boxes(part: str, name: str, boxes: Sequence[tuple[slice, ...]]) -> list[np.ndarray]:
-    """The ``boxes`` of leaf ``name`` that part ``part`` holds, each read alone: a part holds only
-    the chunks its process wrote, and orbax reads a leaf whole (a missing chunk is an error)."""
-    path = epath.Path(part)
-    ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(path)
-    context = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
-    info = ocp.type_handlers.ParamInfo(name=name, parent_dir=path, use_zarr3=_USE_ZARR3, ts_context=context)
-    store = ts.open(ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt), context=context).result()
-    return [np.asarray(store[box].read().result()) for box in boxes]
-
-
-def _writable(name: str, leaf: jax.Array) -> jax.Array | np.ndarray | None:
-    """``leaf`` as orbax can write it from this process alone; ``None`` if it has no shard here."""
+def _array(name: str, leaf: jax.Array) -> jax.Array:
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         # orbax restores one as a key only with its array metadata store, which it does not export.
         raise TypeError(f"state{name}: a typed PRNG key array; keep jax.random.key_data(key) in the state "
                         f"instead (uint32 data, saved and restored bit for bit)")
-    if not leaf.addressable_shards:
-        return None
-    return np.asarray(leaf) if leaf.is_fully_addressable and jax.process_count() > 1 else leaf
+    return leaf
 
 
 def _host_value(name: str, leaf: Any) -> np.ndarray:
@@ -343,41 +240,119 @@ def _host_value(name: str, leaf: Any) -> np.ndarray:
     return value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
 
 
-def _check_saved(wanted: dict[str, jax.ShapeDtypeStruct], saved: Any, part: str) -> None:
-    for name, leaf in wanted.items():
-        if name not in saved:
-            raise ValueError(
-                f"abstract_state{name}: not in {part}, which holds what this process held when saved; "
-                f"restore with the processes and the step layout the checkpoint was saved with")
-        meta = saved[name]
-        if tuple(meta.shape) != tuple(leaf.shape) or np.dtype(meta.dtype) != np.dtype(leaf.dtype):
-            raise ValueError(f"abstract_state{name}: expected {leaf.dtype}{list(leaf.shape)}, "
-                             f"but the checkpoint holds {np.dtype(meta.dtype)}{list(meta.shape)}")
+def _saved_leaves(directory: str) -> dict[str, Any]:
+    """Per stored leaf name (orbax's: the key path joined by dots), its metadata (shape, dtype)."""
+    if not os.path.isfile(os.path.join(directory, "_METADATA")):
+        if any(entry.startswith("process_") for entry in (os.listdir(directory) if os.path.isdir(directory) else ())):
+            raise FileNotFoundError(
+                f"directory: {directory} holds one part per process, the format meshpar wrote before its "
+                f"checkpoints were global orbax checkpoints; restore it with the meshpar release that wrote it")
+        raise FileNotFoundError(f"directory: no checkpoint at {directory} (none, or one not committed)")
+    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(directory)).tree
+    return {meta.name: meta for meta in jax.tree.leaves(tree, is_leaf=lambda x: hasattr(x, "name"))
+            if hasattr(meta, "name")}
 
 
-class _NumpyHandler(ocp.type_handlers.NumpyHandler):
-    """orbax's numpy handler, written by the process saving: orbax's writes from process 0 only,
-    taking a numpy value for one every process has the same of, but a part here is one process's."""
+def _check_saved(name: str, stored: str, saved: dict[str, Any], shape: tuple[int, ...], dtype: Any,
+                 directory: str) -> None:
+    if stored not in saved:
+        raise ValueError(f"abstract_state{name}: not in the checkpoint at {directory}, whose {len(saved)} "
+                         f"leaves are named like {sorted(saved)[:3]} (orbax's names: key paths joined by dots)")
+    meta = saved[stored]
+    if tuple(meta.shape) != tuple(shape) or np.dtype(meta.dtype) != np.dtype(dtype):
+        raise ValueError(f"abstract_state{name}: expected {np.dtype(dtype)}{list(shape)}, "
+                         f"but the checkpoint holds {np.dtype(meta.dtype)}{list(meta.shape)}")
 
-    async def _background_serialize(self, values: Sequence[np.ndarray], infos: Sequence[Any],
-                                     args: Sequence[Any]) -> None:
+
+def _open(directory: str, stored: str) -> ts.TensorStore:
+    """Leaf ``stored`` of the checkpoint, opened for reading with the spec orbax reads it with."""
+    path = epath.Path(directory)
+    ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(path)
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
+    info = ocp.type_handlers.ParamInfo(name=stored, parent_dir=path, ts_context=context)
+    return ts.open(ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt), context=context).result()
+
+
+def _not_written(written: str, processes: list[int], timeout_s: float) -> list[int]:
+    """The processes that did not record under ``written``, within ``timeout_s`` from now, that their chunks are on disk."""
+    client = kv_client()
+    if client is None:
+        return []
+    deadline = time.monotonic() + timeout_s
+    late = []
+    for p in processes:
+        try:
+            client.blocking_key_value_get(f"{written}/{p}", max(1, int(1000 * (deadline - time.monotonic()))))
+        except Exception:  # noqa: BLE001 -- the client raises DEADLINE_EXCEEDED for a key not set in time
+            late.append(p)
+    return late
+
+
+def _processes(indices: list[int]) -> str:
+    return ("process " if len(indices) == 1 else "processes ") + ", ".join(map(str, indices))
+
+
+class _InThread:
+    """``run()`` in a daemon thread: ``done`` is set when it returned or raised (``error``)."""
+
+    def __init__(self, run: Callable[[], Any], name: str) -> None:
+        self.done, self.error = threading.Event(), None
+
+        def target() -> None:
+            try:
+                run()
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                self.error = e
+            finally:
+                self.done.set()
+
+        threading.Thread(target=target, daemon=True, name=name).start()
+
+
+class _ProcessChunksHandler(ocp.type_handlers.ArrayHandler):
+    """orbax's array handler, writing a global array's chunks from the processes holding them.
+
+    Each process writes the shards it holds that are their box's first replica (so each box
+    once, whichever process holds it) into the array's OCDBT database of this process, which
+    orbax merges into the checkpoint's on commit; chunks are shards, as orbax writes them. Then
+    it records under ``written`` that its chunks are on disk (named by ``save`` when a process
+    did not). Reading is orbax's.
+    """
+
+    def __init__(self, written: str) -> None:
+        super().__init__(enable_write_sharding_file=False)
+        self._written = written
+        self.written = threading.Event()
+
+    async def serialize(self, values: Any, infos: Any, args: Any = None) -> list:
+        args = args or [ocp.type_handlers.SaveArgs()] * len(values)
         writes = []
         for value, info, arg in zip(values, infos, args):
+            mine = [shard for shard in value.addressable_shards if shard.replica_id == 0]
+            if not mine:
+                continue
             await info.await_path_creation()
             tspec = ocp.type_handlers.get_json_tspec_write(
-                info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape, local_shape=value.shape,
-                dtype=value.dtype, process_index=jax.process_index() if info.is_ocdbt_checkpoint else None, arg=arg)
-            writes.append(self._open_and_write(value, tspec, info.ts_context))
-        await asyncio.gather(*writes)
+                info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
+                local_shape=value.sharding.shard_shape(value.shape), dtype=value.dtype,
+                process_index=jax.process_index() if info.is_ocdbt_checkpoint else None, arg=arg)
+            store = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
+            writes += [store[shard.index].write(np.asarray(shard.data)) for shard in mine]
+        for write in writes:
+            await write
+        client = kv_client()
+        if client is not None:
+            client.key_value_set(f"{self._written}/{jax.process_index()}", "1")
+        self.written.set()
+        return []
 
 
-def _checkpointer() -> ocp.Checkpointer:
-    """A synchronous orbax checkpointer of this process's part, run by this process alone."""
-    options = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={jax.process_index()})
+def _checkpointer(handler: _ProcessChunksHandler) -> ocp.Checkpointer:
+    """A synchronous orbax checkpointer of one global checkpoint, run by every process, its arrays
+    written by ``handler``."""
+    options = ocp.options.MultiprocessingOptions(primary_host=0, active_processes=set(range(jax.process_count())))
     registry = ocp.type_handlers.create_type_handler_registry(
-        (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)),
-        (np.ndarray, _NumpyHandler()),
-    )
-    handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=registry,
-                                          use_zarr3=_USE_ZARR3)
-    return ocp.Checkpointer(handler, multiprocessing_options=options)
+        (jax.Array, handler), (np.ndarray, ocp.type_handlers.NumpyHandler()))
+    return ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=registry),
+        multiprocessing_options=options)
