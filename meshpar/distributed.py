@@ -81,6 +81,10 @@ def heartbeat_timeout(timeout_s: float) -> int:
 _JAX_INITIALIZATION_TIMEOUT_S = 300
 
 
+# How long a transfer waits for its peer's transfer server address (JAX's flag; absent: left alone).
+_TRANSFER_TIMEOUT = "jax_cross_host_transfer_timeout_seconds"
+
+
 def _launchers_looked_for(cluster_detection_method: str | None) -> str:
     """The launchers detection tried, for an error saying none was found."""
     if cluster_detection_method == "deactivate":
@@ -106,10 +110,16 @@ def _detection_method(cluster_detection_method: str | None) -> None:
 
 
 def _use_transfer_server(coordinator_address: str, transfer_address: str | None,
-                         transport_addresses: tuple[str, ...] | None) -> None:
-    """Sets gloo as the CPU collectives and this process's transfer server addresses; JAX reads
-    them when its backend starts."""
+                         transport_addresses: tuple[str, ...] | None, timeout_s: float) -> None:
+    """Sets gloo as the CPU collectives, this process's transfer server addresses and how long a
+    transfer waits for a peer's server (``timeout_s``); JAX reads them when its backend starts."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A process's first pull from a peer waits, inside jax.device_put, for the peer's server
+    # address, which the peer publishes at its own first cross-process transfer: for a peer
+    # killed before that, JAX's default (60 s) held the survivor's step that long. Tied to
+    # timeout_s, as the heartbeat is, unless set already.
+    if jax.config.values.get(_TRANSFER_TIMEOUT, 0) is None:
+        jax.config.update(_TRANSFER_TIMEOUT, heartbeat_timeout(timeout_s))
     if transfer_address is None:
         # Port 0 does not work: the transfer server publishes the address it
         # was given, not the port it bound.
@@ -187,7 +197,10 @@ def initialize(
         given to meshpar's methods (their default is 120 s too). Sets
         ``heartbeat_timeout_seconds`` to ``heartbeat_timeout(timeout_s)``
         unless ``kwargs`` has it. Heartbeats come from a thread of JAX's
-        own, so a long compile does not miss them.
+        own, so a long compile does not miss them. Also sets how long a
+        transfer waits for its peer's transfer server to start
+        (``jax_cross_host_transfer_timeout_seconds``, JAX's default 60 s)
+        to the same, unless already set.
       transfer_address: ``ip:port`` for this process's transfer server;
         default this machine's address towards the coordinator and a free
         port. ``""`` leaves the setting alone.
@@ -257,7 +270,7 @@ def initialize(
                 f"process_id={joined[2]}), which these cannot change: "
                 f"{', '.join(f'{k}={v!r}' for k, v in refused.items())}; call meshpar.distributed.initialize() "
                 f"without them")
-        _use_transfer_server(joined[0], transfer_address, transport_addresses)
+        _use_transfer_server(joined[0], transfer_address, transport_addresses, timeout_s)
         return
     _detection_method(cluster_detection_method)
     if None in (coordinator_address, num_processes, process_id):
@@ -282,7 +295,7 @@ def initialize(
         raise ValueError(f"num_processes: expected a positive integer, detected {num_processes!r}")
     if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
         raise ValueError(f"process_id: expected an integer in [0, {num_processes}), got {process_id!r}")
-    _use_transfer_server(coordinator_address, transfer_address, transport_addresses)
+    _use_transfer_server(coordinator_address, transfer_address, transport_addresses, timeout_s)
     kwargs.setdefault("heartbeat_timeout_seconds", heartbeat_timeout(timeout_s))
     detection = {k: v for k, v in (("local_device_ids", local_device_ids),
                                    ("cluster_detection_method", cluster_detection_method)) if v is not None}

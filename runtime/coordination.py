@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
@@ -21,8 +22,9 @@ import jax
 from meshpar.passes import jax_ir
 
 __all__ = [
-    "Arrival", "CoordinationError", "PeerLostError", "agree", "kv_client", "not_delivered", "owns_a_device_of",
-    "raise_lost_peer", "senders", "wait_arrivals", "wait_ready",
+    "Arrival", "CoordinationError", "LaunchRendezvous", "PeerLostError", "agree", "kv_client", "not_delivered",
+    "owns_a_device_of",
+    "raise_lost_collective_peer", "raise_lost_peer", "senders", "wait_arrivals", "wait_ready",
 ]
 
 
@@ -100,6 +102,55 @@ def agree(topic: str, value: dict, participants: Sequence[int], *, timeout_s: fl
     if disagree:
         lines = "; ".join(f"process {p} has {v}" for p, v in disagree)
         raise CoordinationError(f"{what}: processes disagree: process {me} has {value}; {lines}")
+
+
+class LaunchRendezvous:
+    """The processes of one mesh meeting on the host before each launch of a program on it.
+
+    Call ``meet()`` before every launch on the mesh; every process owning a device of it makes
+    the same launches in the same order (``passes.pipeline.lowering.launch_sequences`` verifies
+    it), so the ``n``-th meeting of each is the same launch. Why: a program whose collectives
+    span processes parks XLA:CPU's device threads in gloo until every peer joins it, and those
+    threads also serve the transfer server's pulls (each copies a buffer to the host first). A
+    peer that still waits for a value this process sends, before it can launch the same program,
+    then never gets it: both wait until their timeouts (the four-process test's hang, 3 runs in
+    12 under load). Waiting on the host instead keeps the threads free until every peer is ready
+    to launch. The keys of a meeting are deleted once every peer has passed the next one.
+
+    Args:
+      name: names the mesh, the same on every process (its devices' ids).
+      peers: the other processes owning a device of the mesh.
+      timeout_s: how long to wait for each peer at a meeting.
+      where: describes the mesh for error messages.
+    """
+
+    def __init__(self, name: str, peers: Sequence[int], timeout_s: float, where: str) -> None:
+        self.name, self.peers, self.timeout_s, self.where = name, tuple(peers), timeout_s, where
+        self.meetings = 0
+
+    def meet(self) -> None:
+        """Returns once every peer has reached this meeting.
+
+        Raises:
+          CoordinationError: naming the peer that did not reach it within ``timeout_s``.
+        """
+        client = kv_client()
+        if client is None or not self.peers:
+            return
+        me, n = jax.process_index(), self.meetings
+        self.meetings += 1
+        client.key_value_set(f"meshpar/launch/{self.name}/{n}/{me}", "")
+        for p in self.peers:
+            try:
+                client.blocking_key_value_get(f"meshpar/launch/{self.name}/{n}/{p}", int(self.timeout_s * 1000))
+            except Exception as e:  # the client raises JaxRuntimeError(DEADLINE_EXCEEDED)
+                raise CoordinationError(
+                    f"launch {n} on {self.where}: process {p} did not reach it within {self.timeout_s:g} s "
+                    f"(process {me} is waiting to launch it; is process {p} alive and responsive, and did "
+                    f"every process make the same meshpar calls?)"
+                ) from e
+        if n:  # every peer set its key n, so it has read this process's key n - 1
+            client.key_value_delete(f"meshpar/launch/{self.name}/{n - 1}/{me}")
 
 
 def wait_ready(arrays: Sequence[jax.Array], timeout_s: float, what: str, names: Sequence[str] | None = None) -> None:
@@ -201,11 +252,49 @@ def raise_lost_peer(error: Exception, arrivals: Sequence[Arrival], what: str, do
     """Raises ``error`` (the runtime's, e.g. ``INTERNAL: SocketServer: Connection closed``) as a
     ``PeerLostError`` naming the value, the processes sending it and what this process was
     ``doing`` when one of ``arrivals`` has failed in transit; as it is when none has (the error
-    is this process's own). Waits for none of them."""
-    lost = _lost_peer(arrivals, what, doing)
+    is this process's own). Waits for none of them. A first transfer from a process that never
+    started its transfer server is raised as a ``CoordinationError`` naming it (``_unstarted_peer``)."""
+    lost = _lost_peer(arrivals, what, doing) or _unstarted_peer(error, what, doing)
     if lost is None:
         raise error
     raise lost from error
+
+
+# The key JAX's cross-host transfer server publishes a process's address under (XLA's
+# pjrt_transfer_server.cc), at that process's first cross-process transfer. A process's first
+# pull from another waits for it, in the call that moves the value (``jax.device_put``), for
+# ``jax_cross_host_transfer_timeout_seconds`` (``meshpar.distributed.initialize`` sets it).
+_TRANSFER_SERVER_ADDRESS = re.compile(r"ifrt_cross_host_socket_address_(\d+)")
+
+
+def _unstarted_peer(error: Exception, what: str, doing: str) -> CoordinationError | None:
+    """The error for ``error`` when it is JAX's wait for a process's transfer server address timing
+    out: that process exited (or is stuck) before its first cross-process transfer. ``None`` else."""
+    message = str(error)
+    found = _TRANSFER_SERVER_ADDRESS.search(message)
+    if found is None or "DEADLINE_EXCEEDED" not in message:
+        return None
+    p = int(found.group(1))
+    return CoordinationError(
+        f"{what}: process {p} did not start its cross-host transfer server in time ({message}). "
+        f"Process {jax.process_index()} was {doing}; is process {p} alive (see its log), and did every "
+        f"process make the same meshpar calls?"
+    )
+
+
+def raise_lost_collective_peer(error: Exception, peers: Sequence[int], what: str) -> NoReturn:
+    """Raises ``error``, a program's failure, as a ``PeerLostError`` naming ``peers`` (the other
+    processes its collectives run with) when gloo, XLA:CPU's cross-process collectives, failed
+    (``Gloo all-reduce failed: ... Connection reset by peer``: one of them exited or the
+    connection to it broke); as it is otherwise (the error is this process's own)."""
+    if not peers or "gloo" not in str(error).lower():
+        raise error
+    lost = _processes(peers) if len(peers) == 1 else f"one of {_processes(peers)}"
+    raise PeerLostError(
+        f"{what}: lost {lost}: its collectives with {_processes(peers)} failed ({error}). "
+        f"Process {jax.process_index()} was running it; {lost} exited or the connection to it broke "
+        f"(see its log)"
+    ) from error
 
 
 def _lost_peer(arrivals: Sequence[Arrival], what: str, doing: str) -> PeerLostError | None:

@@ -21,6 +21,7 @@ from meshpar.runtime.p2p_executor import P2PReshardExecutable
 from meshpar.runtime.remote import absent
 from meshpar.runtime.resharding_executor import ReshardingExecutable
 from meshpar.runtime.signal_move import SignalMove
+from meshpar.runtime.stage_executables import on_mesh
 
 __all__ = ["MOVE_HANDLERS", "Move", "prepare_move"]
 
@@ -36,8 +37,10 @@ def _local(move: PlannedMove, timeout_s: float) -> Move:
     key = move.key
     if not owns_a_device_of(key.dst.mesh):
         return _nothing(move)
-    # Two stages on one mesh: the value stays on its devices, relaid out there if need be.
-    return (lambda x: x) if key.src == key.dst else jax.jit(lambda x: x, out_shardings=key.dst)
+    # Two stages on one mesh: the value stays on its devices, relaid out there if need be (a
+    # program launched as every program on the mesh is: collectives where it spans processes).
+    return (lambda x: x) if key.src == key.dst else on_mesh(jax.jit(lambda x: x, out_shardings=key.dst),
+                                                            key.dst.mesh, timeout_s)
 
 
 def _device_put(move: PlannedMove, timeout_s: float) -> Move:

@@ -131,7 +131,7 @@ class PipelineExecutable:
         # What each step instruction runs, prepared once (by the instruction's identity).
         self._ready: dict[int, Any] = {}
         # Per CombineMicroBatches instruction (by id), its program on its mesh.
-        self._combiners: dict[int, Callable] = {}
+        self._combiners: dict[int, tuple[Callable, Callable | None]] = {}
         self._compute_fns: list[Callable] = []
         self.stacked_leaves: StackedLeaves | None = None
         self.peak_live_activations: list[int] = [0] * len(kernels)
@@ -199,7 +199,9 @@ class PipelineExecutable:
             self._ready[id(ins)] = (move, None, None)
             return
         avals = [self.step_program.avals[r] for r in ins.move.values]
-        self._ready[id(ins)] = (move, _packer(ins.via.src), _unpacker(avals, ins.unpacked))
+        # Packing relays values out over their mesh: collectives where it spans processes.
+        self._ready[id(ins)] = (move, on_mesh(_packer(ins.via.src), ins.via.src.mesh, self.timeout_s),
+                                on_mesh(_unpacker(avals, ins.unpacked), ins.unpacked[0].mesh, self.timeout_s))
 
     def _prepare_feed(self, ins: FeedStages) -> None:
         M = ins.num_micro_batches
@@ -486,11 +488,16 @@ class PipelineExecutable:
             return
         parts = [state.run.results[b] for b in ins.buffers]
         if id(ins) not in self._combiners:
-            self._combiners[id(ins)] = on_mesh(_combiner(ins.how, len(parts), ins.per_replica), self.meshes[ins.mesh],
-                                               self.timeout_s)
-        combined = from_wire(self._combiners[id(ins)](parts), ins.aval)
-        state.values[(ins.value, ins.mesh)] = combined if ins.sharding is None else jax.device_put(combined,
-                                                                                                   ins.sharding)
+            mesh = self.meshes[ins.mesh]
+            # Relaying the combined value out over its mesh is a program of its own (collectives
+            # where the mesh spans processes), launched as every program on the mesh is.
+            relay = None if ins.sharding is None else on_mesh(jax.jit(lambda x: x, out_shardings=ins.sharding), mesh,
+                                                              self.timeout_s)
+            self._combiners[id(ins)] = (on_mesh(_combiner(ins.how, len(parts), ins.per_replica), mesh, self.timeout_s),
+                                        relay)
+        combine, relay = self._combiners[id(ins)]
+        combined = from_wire(combine(parts), ins.aval)
+        state.values[(ins.value, ins.mesh)] = combined if relay is None else relay(combined)
 
     def _reduce_gradient(self, ins: ReduceGradient, state: _StepState) -> None:
         grads = state.run.grads[ins.stage]

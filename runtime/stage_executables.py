@@ -44,7 +44,7 @@ from meshpar.passes.pipeline.placing.data_replicas import StageReplicas
 from meshpar.passes.pipeline.cutting.stage_graph import RefKind
 from meshpar.passes.pipeline.lowering.stage_kernels import StageKernel
 from meshpar.passes.pipeline.placing.wire_format import from_wire, to_wire
-from meshpar.runtime.coordination import wait_ready
+from meshpar.runtime.coordination import LaunchRendezvous, raise_lost_collective_peer, wait_ready
 from meshpar.runtime.flat_values import flatten, unflatten
 
 __all__ = ["StageExecutables", "compile_stage", "on_mesh", "runs_alone"]
@@ -68,19 +68,34 @@ def runs_alone(mesh: Mesh) -> bool:
 
 def on_mesh(fn: Callable, mesh: Mesh, timeout_s: float) -> Callable:
     """``fn`` traced with ``mesh`` in context: bare ``PartitionSpec`` constraints in the user's
-    step resolve to the stage's own mesh. Where ``runs_alone(mesh)``, each call returns once its
-    program has finished (waiting at most ``timeout_s``, then ``CoordinationError``).
+    step resolve to the stage's own mesh. Where ``runs_alone(mesh)``, each call first meets the
+    mesh's other processes on the host (``LaunchRendezvous``: no device thread waits in a
+    collective for a peer that is not ready to launch it) and returns once its program has
+    finished (each wait at most ``timeout_s``, then ``CoordinationError`` naming the late process).
     ``run.temp_bytes(*args)`` is the bytes per device the compiled program for ``args`` needs
     besides its arguments and results (XLA's memory analysis; compiled once more for it, so
     for measurements only)."""
     alone = runs_alone(mesh)
     where = f"mesh {dict(mesh.shape)} of devices {[d.id for d in mesh.devices.flat]}"
+    # The other processes its collectives run with: a failure in them names these (a killed
+    # peer fails gloo's collectives at once; without this the step raised gloo's bare error).
+    peers = tuple(sorted({d.process_index for d in mesh.devices.flat} - {jax.process_index()}))
+    waiting = f"a program on {where} finishing before the next launch (its collectives run with " \
+              f"process{'es' if len(peers) > 1 else ''} {', '.join(map(str, peers))})"
+    rendezvous = _rendezvous(mesh, peers, timeout_s, where) if alone else None
 
     def run(*args):
-        with jax.set_mesh(mesh):
-            out = fn(*args)
-        if alone:
-            wait_ready(jax.tree.leaves(out), timeout_s, f"a program on {where} finishing before the next launch")
+        if rendezvous is not None:
+            rendezvous.meet()
+        try:
+            with jax.set_mesh(mesh):
+                out = fn(*args)
+            if alone:
+                wait_ready(jax.tree.leaves(out), timeout_s, waiting)
+        except jax.errors.JaxRuntimeError as e:
+            if peers:
+                raise_lost_collective_peer(e, peers, f"a program on {where}")
+            raise
         return out
 
     def temp_bytes(*args) -> int:
@@ -91,6 +106,18 @@ def on_mesh(fn: Callable, mesh: Mesh, timeout_s: float) -> Callable:
     # enters the mesh itself: a fused run of passes), and the mesh.
     run.jitted, run.mesh, run.temp_bytes = fn, mesh, temp_bytes  # type: ignore[attr-defined]
     return run
+
+
+# One rendezvous per mesh (by its devices) and timeout: every program launched on a mesh counts
+# its meetings, whichever executable launched it.
+_rendezvous_of: dict[tuple, LaunchRendezvous] = {}
+
+
+def _rendezvous(mesh: Mesh, peers: tuple[int, ...], timeout_s: float, where: str) -> LaunchRendezvous:
+    ids = tuple(d.id for d in mesh.devices.flat)
+    if ids not in _rendezvous_of:
+        _rendezvous_of[ids] = LaunchRendezvous("-".join(map(str, ids)), peers, timeout_s, where)
+    return _rendezvous_of[ids]
 
 
 @dataclasses.dataclass(frozen=True)

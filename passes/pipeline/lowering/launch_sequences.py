@@ -131,7 +131,11 @@ class _Walk:
                 for h in step:
                     self.transfer(f"{what}: hop of piece {h.piece} in step {k}, device {h.src_device} -> "
                                   f"{h.dst_device}", device[h.src_device], device[h.dst_device])
-        # LOCAL and DEVICE_PUT stay within one process (``choose_transfer``): nothing to pair.
+        elif key.kind is TransferKind.LOCAL and key.src != key.dst:
+            # A relayout on its mesh, a program there (the runtime's ``_local`` move).
+            keys = frozenset(device_key(d) for d in key.dst.mesh.devices.flat)
+            self.on_mesh(self.mesh_devices.index(keys), what)
+        # DEVICE_PUT stays within one process (``choose_transfer``): nothing to pair.
 
     def pipeline(self, program: PipelineProgram) -> None:
         for mesh, ins in program.launch_sequence():
@@ -168,6 +172,8 @@ class _Walk:
                 self.pipeline(program)
             elif isinstance(ins, CombineMicroBatches):
                 self.on_mesh(ins.mesh, str(ins))
+                if ins.sharding is not None:
+                    self.on_mesh(ins.mesh, f"relayout of the {ins}")
             elif isinstance(ins, ReduceGradient):
                 if ins.move is not None:
                     self.move(ins.move.move_key, str(ins))
