@@ -35,17 +35,13 @@ def _kill_session(session: int) -> None:
                 continue
 
 
-def mpirun(nproc: int, devices: int, timeout_s: float = 240) -> tuple[str, str]:
-    """Runs the worker under ``mpirun -np nproc`` with ``devices`` CPU devices per process;
-    the job must exit 0 with every rank printing ``ALL OK``. Returns the job's output and a
-    failure message holding the command, its exit status and the output's end."""
-    launcher = shutil.which("mpirun")
-    if launcher is None:
-        pytest.fail("mpirun is not on PATH: .ci/run installs Open MPI (apt-get install openmpi-bin); "
-                    "install it the same way to run this test")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_INHERITED_PREFIXES)}
+def launch(command: list[str], nproc: int, keep: tuple[str, ...] = (), timeout_s: float = 240) -> tuple[str, str]:
+    """Runs ``command`` (a launcher starting ``nproc`` workers) with this environment less an
+    enclosing job's launcher variables (but those named in ``keep``); the job must exit 0 with
+    every rank printing ``ALL OK``. Returns the job's output and a failure message holding the
+    command, its exit status and the output's end."""
+    env = {k: v for k, v in os.environ.items() if k in keep or not k.startswith(_INHERITED_PREFIXES)}
     env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    command = [launcher, *MPIRUN_FLAGS, "-np", str(nproc), sys.executable, WORKER, str(devices)]
     # A session of its own: mpirun puts each rank in a process group of its own, and a killed
     # mpirun leaves its ranks running (holding the output pipe open); the session holds them all.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -53,7 +49,7 @@ def mpirun(nproc: int, devices: int, timeout_s: float = 240) -> tuple[str, str]:
     try:
         out = proc.communicate(timeout=timeout_s)[0]
     except subprocess.TimeoutExpired:
-        # SIGTERM makes mpirun end its ranks; whatever is left after that is killed.
+        # SIGTERM makes the launcher end its ranks; whatever is left after that is killed.
         proc.terminate()
         try:
             out = proc.communicate(timeout=15)[0]
@@ -68,12 +64,9 @@ def mpirun(nproc: int, devices: int, timeout_s: float = 240) -> tuple[str, str]:
     return out, message
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc,devices", [(2, 4), (4, 2)])
-def test_mpirun_trains_a_pipelined_gpt_equal_to_jax_jit(nproc, devices):
-    # mpirun forwards each rank's output in pieces that may split a line from its newline, so
-    # each rank's messages are looked for in the whole output rather than line by line.
-    out, message = mpirun(nproc, devices)
+def check_trained(out: str, message: str, nproc: int, devices: int) -> None:
+    """Every rank of the worker's job joined as itself, saw the stage meshes laid out as ``nproc``
+    processes of ``devices`` devices make them, and ran its three steps."""
     spans = {2: ("[0]", "[1]"), 4: ("[0, 1]", "[2, 3]")}[nproc]
     for rank in range(nproc):
         assert f"process {rank}: joined as process {rank} of {nproc} with {devices} devices each" in out, message
@@ -81,3 +74,22 @@ def test_mpirun_trains_a_pipelined_gpt_equal_to_jax_jit(nproc, devices):
             assert f"process {rank}: stage {stage} on processes {processes}" in out, message
         for i in range(3):
             assert f"process {rank}: step {i} loss" in out, message
+
+
+def mpirun(nproc: int, devices: int, timeout_s: float = 240) -> tuple[str, str]:
+    """The worker under ``mpirun -np nproc`` with ``devices`` CPU devices per process (``launch``)."""
+    launcher = shutil.which("mpirun")
+    if launcher is None:
+        pytest.fail("mpirun is not on PATH: .ci/run installs Open MPI (apt-get install openmpi-bin); "
+                    "install it the same way to run this test")
+    return launch([launcher, *MPIRUN_FLAGS, "-np", str(nproc), sys.executable, WORKER, str(devices)], nproc,
+                  timeout_s=timeout_s)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("nproc,devices", [(2, 4), (4, 2)])
+def test_mpirun_trains_a_pipelined_gpt_equal_to_jax_jit(nproc, devices):
+    # mpirun forwards each rank's output in pieces that may split a line from its newline, so
+    # each rank's messages are looked for in the whole output rather than line by line.
+    out, message = mpirun(nproc, devices)
+    check_trained(out, message, nproc, devices)
