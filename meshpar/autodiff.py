@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from meshpar.passes import jax_ir
 from meshpar.nnx_state import has_variables
-from meshpar.passes.pipeline.cutting.micro_batching import REDUCTIONS, AuxReduction
+from meshpar.passes.pipeline.cutting.micro_batching import REDUCTIONS, AuxReduction, LossReduction
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
 __all__ = ["AuxReduction", "grad", "is_tracing_pipeline", "value_and_grad", "tracing_pipeline"]
@@ -118,7 +118,7 @@ def value_and_grad(
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
     *,
-    reduction: str | None = None,
+    reduction: str | LossReduction | None = None,
     aux_reduction: Any = None,
     fold_rng: bool = True,
     exact: bool = False,
@@ -156,16 +156,20 @@ def value_and_grad(
     their mean, the others (counters, keys) as the last micro-batch's. Objects passed in
     non-differentiated positions are read, not updated.
     """
-    if reduction is not None and reduction not in REDUCTIONS:
-        raise ValueError(f"reduction: expected None (inferred, exact where possible) or one of {REDUCTIONS}, "
-                         f"got {reduction!r}")
+    if reduction is not None:
+        # The API boundary: the name resolves here, once; the compiler takes the LossReduction.
+        try:
+            reduction = LossReduction.of(reduction, "reduction")
+        except ValueError:
+            raise ValueError(f"reduction: expected None (inferred, exact where possible) or one of {REDUCTIONS}, "
+                             f"got {reduction!r}") from None
     if not isinstance(fold_rng, bool):
         raise TypeError(f"fold_rng: expected a bool, got {fold_rng!r}")
     if not isinstance(exact, bool):
         raise TypeError(f"exact: expected a bool, got {exact!r}")
     if exact and reduction is not None:
-        raise ValueError(f"exact: True asks for the inferred, exact combination; reduction={reduction!r} asks for "
-                         f"per-micro-batch semantics; pass one of them")
+        raise ValueError(f"exact: True asks for the inferred, exact combination; reduction={reduction.value!r} "
+                         f"asks for per-micro-batch semantics; pass one of them")
     _check_aux_reduction(aux_reduction)
     if aux_reduction is not None and not has_aux:
         raise ValueError("aux_reduction: given, but has_aux=False (the loss function returns no aux)")
@@ -188,7 +192,7 @@ def value_and_grad(
 
 
 def _pipeline_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], several: bool, has_aux: bool,
-                             aux_reduction_of: Callable[[], Any], reduction: str | None, fold_rng: bool,
+                             aux_reduction_of: Callable[[], Any], reduction: LossReduction | None, fold_rng: bool,
                              exact: bool, unsupported: bool, args: tuple) -> tuple[Any, Any]:
     """``value_and_grad`` while ``parallelize`` traces: binds ``pipeline_grad_p``.
     ``aux_reduction_of`` gives the aux reduction spec once ``fun`` has been traced."""
@@ -263,7 +267,7 @@ def _pipeline_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...]
 
 
 def _nnx_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...], several: bool, has_aux: bool,
-                        aux_reduction: Any, reduction: str | None, fold_rng: bool, exact: bool,
+                        aux_reduction: Any, reduction: LossReduction | None, fold_rng: bool, exact: bool,
                         jax_options: tuple, args: tuple) -> tuple[Any, Any]:
     """``value_and_grad`` of a loss over NNX objects, as ``nnx.value_and_grad`` computes it: the
     gradient with respect to each differentiated object's ``nnx.Param``s (an ``nnx.State``), and
@@ -334,7 +338,7 @@ def grad(
     allow_int: bool = False,
     reduce_axes: Sequence[Any] = (),
     *,
-    reduction: str | None = None,
+    reduction: str | LossReduction | None = None,
     aux_reduction: Any = None,
     fold_rng: bool = True,
     exact: bool = False,

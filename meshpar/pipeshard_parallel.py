@@ -2,7 +2,10 @@
 
 The options are flat keywords (``PipeshardParallel(num_stages=4, schedule="1f1b")``);
 ``pipeline_options`` groups them as the compiler reads them
-(``passes.pipeline.pipeline_options``).
+(``passes.pipeline.pipeline_options``). This is the API boundary of a pipeline's policies: each
+name the user gives (schedule, resharding strategy, balancer, executor, gradient reduction) is
+checked when given and resolved here, by its registry or enum, to the object the compiler takes;
+the fields keep what the user passed.
 """
 
 from __future__ import annotations
@@ -19,18 +22,21 @@ from jax.sharding import Mesh
 from meshpar.cluster import Cluster
 from meshpar.logical_partitioning import check_logical_axis_rules
 from meshpar.passes.model.devices import DeviceKey, device_key, device_name
-from meshpar.passes.pipeline.placing.edge_transfer import EXECUTORS, SIGNAL
+from meshpar.passes.pipeline.placing.edge_transfer import Executor
 from meshpar.passes.pipeline.placing.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
-from meshpar.passes.pipeline.pipeline_options import (GRADIENT_REDUCTIONS, GradientOptions, PipelineOptions,
+from meshpar.passes.pipeline.pipeline_options import (GradientOptions, GradientReduction, PipelineOptions,
                                                       PlacementOptions, ScheduleOptions, TransferOptions)
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import ScheduleKind, check_stage_placement, schedule_kind
 from meshpar.passes.simulation.weight_delay import check_weight_delay
-from meshpar.passes.resharding.balancers import get_balancer
-from meshpar.passes.resharding.strategies import get_strategy
+from meshpar.passes.resharding.balancers import Balancer, get_balancer
+from meshpar.passes.resharding.strategies import Strategy, get_strategy
 
 __all__ = ["AUTO", "PipeshardParallel"]
 
 AUTO = "auto"
+# ``resharding="signal"``: the executor ``"signal"`` under the name it was first given (a
+# strategy's argument); resolved here, so past the API it is ``Executor.SIGNAL`` alone.
+SIGNAL = "signal"
 # Stage passes per fused program by default (``fuse_compute``).
 FUSE_COMPUTE = 1
 
@@ -79,14 +85,16 @@ class PipeshardParallel:
         transfer round trip, by the cost model). With ``gpipe`` the weight
         passes then trail the next micro-batch's activation pass. ``zb_h1``,
         ``zb_v`` and ``dualpipev`` always split and place weight passes themselves.
-      resharding, balancer: strategy and balancer of cross-mesh transfers.
-        ``resharding="signal"`` sends one byte per transfer instead, with the
-        same dependencies, and delivers zeros: the schedule's communication
-        upper bound, for benchmarks only (the step's numbers are not kept).
+      resharding, balancer: strategy and balancer of cross-mesh transfers: a name in
+        ``meshpar.STRATEGIES`` (resp. ``meshpar.BALANCERS``) or the object itself.
+        ``resharding="signal"`` is ``executor="signal"`` (below), under its older name.
       executor: how values cross meshes: ``"auto"`` (``jax.device_put``
         when one process owns both meshes, else asynchronous p2p moves that
-        overlap with compute), ``"p2p"``, or ``"collective"`` (one
-        ``ppermute`` program over both meshes: the no-overlap baseline).
+        overlap with compute), ``"p2p"``, ``"collective"`` (one
+        ``ppermute`` program over both meshes: the no-overlap baseline), or
+        ``"signal"``: one byte per transfer instead, with the same dependencies,
+        delivering zeros: the schedule's communication upper bound, for benchmarks
+        only (the step's numbers are not kept).
       cluster: hosts and bandwidths for planning transfers; default one host
         per process.
       timeout_s: how long a process waits for its peers (agreeing on the
@@ -136,12 +144,12 @@ class PipeshardParallel:
     num_stages: int | None = None
     stage_mesh_shape: tuple[int, int] | None = None
     schedule: str | ScheduleKind = "1f1b"
-    resharding: str = "broadcast"
-    balancer: str = "ensemble"
+    resharding: str | Strategy = "broadcast"
+    balancer: str | Balancer = "ensemble"
     cluster: Cluster | None = None
     batch_argnums: tuple[int, ...] = (1,)
     devices: Sequence[Any] | None = None
-    executor: str = "auto"
+    executor: str | Executor = "auto"
     timeout_s: float = 120.0
     weight_delay: bool | str = False
     data_axis: str = "data"
@@ -150,10 +158,19 @@ class PipeshardParallel:
     single_program: bool = True
     auto_layers: int | None = None
     stages_per_mesh: int | None = None
-    gradient_reduction: str = "per_step"
+    gradient_reduction: str | GradientReduction = "per_step"
     accumulation_dtype: Any = "float32"
     fuse_compute: int | None = FUSE_COMPUTE
     logical_axis_rules: Sequence[tuple[str, str | None]] | None = None
+
+    @property
+    def schedule_kind(self) -> ScheduleKind:
+        """``schedule`` resolved: the registered ``ScheduleKind`` it names, or itself.
+
+        Raises:
+          ValueError: naming ``schedule`` and the registered names.
+        """
+        return schedule_kind(self.schedule)
 
     @property
     def planned(self) -> bool:
@@ -176,7 +193,7 @@ class PipeshardParallel:
                                  f"got {self.stages_per_mesh!r}")
             object.__setattr__(self, "stages_per_mesh", int(self.stages_per_mesh))
         if self.planned:
-            if schedule_kind(self.schedule).size is not None:
+            if self.schedule_kind.size is not None:
                 raise ValueError(f"schedule: {self.schedule.name!r} is an order of one size (loaded from CSV), but "
                                  f"'auto' plans the stages and micro-batches; pass num_stages, num_micro_batches "
                                  f"and stage_mesh_shape for its size {self.schedule.size} (stages, meshes, "
@@ -202,22 +219,16 @@ class PipeshardParallel:
                 raise ValueError(f"cut_points: expected a tuple of increasing marker numbers (0-based), got {cuts!r}")
             if self.num_stages is not None and self.num_stages != len(cuts) + 1:
                 raise ValueError(f"num_stages: {self.num_stages}, but cut_points={cuts!r} make {len(cuts) + 1} stages")
-        if self.gradient_reduction not in GRADIENT_REDUCTIONS:
-            raise ValueError(f"gradient_reduction: expected one of {GRADIENT_REDUCTIONS}, "
-                             f"got {self.gradient_reduction!r}")
+        GradientReduction.of(self.gradient_reduction, "gradient_reduction")
         self._check_accumulation_dtype()
         if not self._is_count(self.num_micro_batches):
             raise ValueError(f"num_micro_batches: expected a positive integer, got {self.num_micro_batches!r}")
         if self.num_stages is not None and not self._is_count(self.num_stages):
             raise ValueError(f"num_stages: expected a positive integer (stage markers + 1) or None, "
                              f"got {self.num_stages!r}")
-        schedule_kind(self.schedule)
-        check_weight_delay(self.weight_delay, self.schedule)
-        if self.resharding != SIGNAL:
-            get_strategy(self.resharding)
+        check_weight_delay(self.weight_delay, self.schedule_kind)
+        self._transfer_policies()
         get_balancer(self.balancer)
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"executor: expected one of {EXECUTORS}, got {self.executor!r}")
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected a positive number of seconds, got {self.timeout_s!r}")
         if self.cluster is not None and not isinstance(self.cluster, Cluster):
@@ -253,6 +264,22 @@ class PipeshardParallel:
             object.__setattr__(self, "devices", tuple(devices))
             # The devices are known without starting JAX's backend: check them now too.
             self.check_devices()
+
+    def _transfer_policies(self) -> tuple[Executor, Strategy]:
+        """``executor`` and ``resharding`` resolved: ``resharding="signal"`` is the signal executor
+        (with the default strategy, which a signal move does not plan with).
+
+        Raises:
+          ValueError: naming ``executor`` or ``resharding`` (unknown, or ``"signal"`` asked for
+            beside another executor).
+        """
+        executor = Executor.of(self.executor, "executor")
+        if isinstance(self.resharding, str) and self.resharding == SIGNAL:  # the alias, at the API
+            if executor not in (Executor.AUTO, Executor.SIGNAL):
+                raise ValueError(f"resharding: 'signal' sends one byte per transfer (executor='signal'), but "
+                                 f"executor={self.executor!r} asks for another executor; pass one of them")
+            return Executor.SIGNAL, get_strategy("broadcast")
+        return executor, get_strategy(self.resharding, "resharding")
 
     @staticmethod
     def _is_count(x: Any) -> bool:
@@ -332,19 +359,27 @@ class PipeshardParallel:
             ``num_micro_batches``, with a fix.
         """
         # Always: a V schedule (zb_v, dualpipev) rejects one stage per mesh too.
-        check_stage_placement(self.schedule, num_stages, self.num_meshes(num_stages, counted), self.num_micro_batches)
+        check_stage_placement(self.schedule_kind, num_stages, self.num_meshes(num_stages, counted),
+                              self.num_micro_batches)
 
     def pipeline_options(self, micro_batch_size: int) -> PipelineOptions:
         """These options grouped for the compiler, for micro-batches of ``micro_batch_size``.
 
-        Each group field reads the field of the same name here, except the schedule's ``name``
-        (``schedule``) and the bandwidths (``cluster``'s): a field added to a group and here
-        reaches the compiler without another list to update.
+        Each group field reads the field of the same name here, except the resolved policies
+        (the schedule's ``kind`` from ``schedule``, the transfers' ``strategy`` from
+        ``resharding``, and the executor, balancer and gradient reduction, each resolved from its
+        name) and the bandwidths (``cluster``'s): a field added to a group and here reaches the
+        compiler without another list to update.
         """
         cluster = self.cluster
+        executor, strategy = self._transfer_policies()
         # Without a cluster the cost model prices transfers at Cluster.from_devices' defaults,
         # as the default cluster of one host per process would.
-        renamed = {"name": self.schedule,
+        renamed = {"kind": self.schedule_kind,
+                   "executor": executor,
+                   "strategy": strategy,
+                   "balancer": get_balancer(self.balancer),
+                   "gradient_reduction": GradientReduction.of(self.gradient_reduction, "gradient_reduction"),
                    "inter_host_bandwidth": cluster.inter_host_bandwidth if cluster else 1.25e9,
                    "intra_host_bandwidth": cluster.intra_host_bandwidth if cluster else 100e9,
                    "accumulation_dtype": jnp.dtype(self.accumulation_dtype)}

@@ -1,4 +1,8 @@
-"""``meshpar.reshard``: move a sharded array onto another mesh, by plan."""
+"""``meshpar.reshard``: move a sharded array onto another mesh, by plan.
+
+The API boundary of a single move: the user's names (``strategy``, ``balancer``, ``executor``,
+``order``) are resolved here, once, to the objects the compiler and runtime take.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,9 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from meshpar.cluster import Cluster
-from meshpar.passes.pipeline.placing.edge_transfer import EXECUTORS, TransferKind
+from meshpar.passes.pipeline.placing.edge_transfer import Executor, TransferKind
 from meshpar.passes.pipeline.placing.plan_moves import (
-    P2P_ORDERS, MoveKey, MoveOptions, default_cluster, plan_move, resharding_task,
+    MoveKey, MoveOptions, TransferOrder, default_cluster, plan_move, resharding_task,
 )
 from meshpar.passes.resharding.balancers import get_balancer
 from meshpar.passes.resharding.plan_resharding import plan_resharding
@@ -24,6 +28,10 @@ from meshpar.runtime.remote import absent
 from meshpar.runtime.resharding_executor import ReshardingExecutable
 
 __all__ = ["EXECUTORS", "reshard", "plan_for", "plan_between", "prepare_reshard"]
+
+# What ``reshard`` runs a move with: ``"auto"`` is p2p (signal moves exist only in a pipeline).
+_KINDS = {Executor.AUTO: TransferKind.P2P, Executor.P2P: TransferKind.P2P, Executor.COLLECTIVE: TransferKind.COLLECTIVE}
+EXECUTORS = tuple(e.value for e in _KINDS)
 
 
 def _named(sharding: Any, ndim: int, arg: str) -> NamedSharding:
@@ -37,8 +45,7 @@ def _named(sharding: Any, ndim: int, arg: str) -> NamedSharding:
 
 
 @functools.lru_cache(maxsize=256)
-def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, executor, order):
-    kind = TransferKind.COLLECTIVE if executor == "collective" else TransferKind.P2P
+def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, kind, order):
     move = plan_move(MoveKey.of(kind, shape, dtype, src, dst), MoveOptions(strategy, balancer, cluster, chunks, order))
     if kind is TransferKind.COLLECTIVE:
         return ReshardingExecutable(move.program, shape, dtype, src, dst), move.plan
@@ -69,18 +76,16 @@ def prepare_reshard(shape, dtype, src: NamedSharding, dst: NamedSharding, *, str
         raise TypeError(f"src: expected a jax.sharding.NamedSharding, got {type(src).__name__}")
     if not isinstance(dst, NamedSharding):
         raise TypeError(f"dst: expected a jax.sharding.NamedSharding, got {type(dst).__name__}")
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
-    if order not in P2P_ORDERS:
-        raise ValueError(f"order: expected one of {P2P_ORDERS}, got {order!r}")
-    get_strategy(strategy)
-    get_balancer(balancer)
+    chosen = Executor.of(executor, "executor", among=_KINDS)
+    order = TransferOrder.of(order, "order")
+    strategy = get_strategy(strategy)
+    balancer = get_balancer(balancer)
     if cluster is None:
         cluster = default_cluster(src, dst)
     elif not isinstance(cluster, Cluster):
         raise TypeError(f"cluster: expected a meshpar.Cluster, got {type(cluster).__name__}")
-    executor = "p2p" if executor == "auto" else executor
-    return _executable(tuple(shape), np.dtype(dtype), src, dst, cluster, strategy, balancer, chunks, executor, order)
+    return _executable(tuple(shape), np.dtype(dtype), src, dst, cluster, strategy, balancer, chunks, _KINDS[chosen],
+                       order)
 
 
 def _prepare(x, dst, **kwargs):
@@ -159,8 +164,9 @@ def reshard(
         topic = "reshard/" + hashlib.sha256(repr((x.shape, what)).encode()).hexdigest()[:16]
         agree(
             topic,
-            {"fingerprint": executable.program.fingerprint, "strategy": strategy, "balancer": balancer,
-             "executor": "p2p" if p2p else "collective", "order": order},
+            {"fingerprint": executable.program.fingerprint, "strategy": get_strategy(strategy).name,
+             "balancer": get_balancer(balancer).name, "executor": "p2p" if p2p else "collective",
+             "order": TransferOrder.of(order, "order").value},
             participants,
             timeout_s=timeout_s,
             what=f"meshpar.reshard of {x.shape} {x.dtype}",

@@ -169,7 +169,7 @@ def compile_pipeline(
             "forward_operands", lambda: forward_operands(outer, grad_params, micro_batching),
             lambda result: verify_forward_operands(*result))
         options = dataclasses.replace(options, schedule=dataclasses.replace(
-            options.schedule, name=forward_only_schedule(options.schedule.name), weight_delay=False))
+            options.schedule, kind=forward_only_schedule(options.schedule.kind), weight_delay=False))
     num_diff = grad_params["num_diff"]
 
     def layered(loss: jax_ir.ClosedJaxpr) -> jax_ir.ClosedJaxpr:
@@ -217,7 +217,7 @@ def compile_pipeline(
         warnings.warn(f"meshpar: {stage}", stacklevel=2)
     S = graph.num_stages
     axis_names = (options.placement.data_axis, options.placement.model_axis)
-    placed = place_stages(list(devices), S, options.schedule.name, options.schedule.num_micro_batches,
+    placed = place_stages(list(devices), S, options.schedule.kind, options.schedule.num_micro_batches,
                           options.placement.stage_meshes, options.placement.stage_mesh_shape,
                           options.placement.stages_per_mesh, axis_names)
     meshes, home, num_meshes = placed.meshes, placed.stage_mesh, len(placed.meshes)
@@ -242,7 +242,7 @@ def compile_pipeline(
         counterparts), lambda sp: verify_step_split(sp, num_meshes))
     layout = _run("layout_step", lambda: layout_step(
         graph, split, meshes, home, leaves, specs, batch_leaves, options.micro_batch_size, counterparts,
-        options.transfers.executor, options.transfers.resharding, micro_batching.per_micro_batch,
+        options.transfers.executor, micro_batching.per_micro_batch,
         micro_batching.fold_keys, axis_names=axis_names), lambda lay: verify_step_layout(lay, split, meshes, home))
     held: dict[int, StackedArray] = {}
     gathered: dict[int, GatheredArray] = {}
@@ -255,7 +255,7 @@ def compile_pipeline(
         rest = {i: s for i, s in piece_shardings.items() if i not in held}
         gathered = gathered_arrays(pieces, rest, {i: leaf_avals[i].shape for i in rest},
                                    {i: leaf_avals[i].dtype for i in rest}, {i: user_specs[i] for i in rest}, axis_names,
-                                   options.transfers.executor, options.transfers.resharding)
+                                   options.transfers.executor)
     parts = tuple(
         _run(f"stage_parts (stage {s.index})", lambda s=s: stage_parts(s, graph.differentiated_slots(s.index)), lambda p, s=s: verify_stage_parts(s, p))
         for s in graph.stages
@@ -267,8 +267,8 @@ def compile_pipeline(
     triples = [(p, c, ref.slot) for p, c, ref in edges]
     transfers = _run("plan_edge_transfers", lambda: plan_edge_transfers(
         triples, [wire_aval(graph.stages[p].jaxpr.out_avals[ref.slot]) for p, _, ref in edges],
-        placed.stage_meshes, options.micro_batch_size, options.transfers.executor, options.transfers.resharding,
-        options.placement.data_axis, graph.forward_only),
+        placed.stage_meshes, options.micro_batch_size, options.transfers.executor, options.placement.data_axis,
+        graph.forward_only),
         lambda ts: verify_edge_transfers(ts, triples, placed.stage_meshes))
     M = options.schedule.num_micro_batches
     feeds = _run("global_batch_feeds", lambda: global_batch_feeds(layout, leaves, M),
@@ -280,7 +280,7 @@ def compile_pipeline(
             + [key for feed in feeds for key in feed.moves] + [key for p in batch_placements for key in p.moves])
     transfer_options = options.transfers
     moves = _run("plan_moves", lambda: plan_moves(keys, MoveOptions(
-        transfer_options.resharding, transfer_options.balancer, transfer_options.cluster)),
+        transfer_options.strategy, transfer_options.balancer, transfer_options.cluster)),
         lambda table: verify_move_table(table, keys))
     schedule_edges = [(p, c) for p, c, _ in edges]
     inter, intra = options.transfers.inter_host_bandwidth, options.transfers.intra_host_bandwidth
@@ -289,10 +289,11 @@ def compile_pipeline(
                                    gradients=reductions)
     # A collective program holds both meshes; any other move runs beside their compute.
     overlap = not all(t.kind is TransferKind.COLLECTIVE for t in transfers)
-    delays = weight_delays(options.schedule.weight_delay, options.schedule.name, options.schedule.num_micro_batches,
+    delays = weight_delays(options.schedule.weight_delay, options.schedule.kind, options.schedule.num_micro_batches,
                            schedule_edges, durations, overlap, num_meshes)
     schedule = _run("make_schedule", lambda: make_schedule(
-        options.schedule.name, S, options.schedule.num_micro_batches, schedule_edges, delays, num_meshes), verify_schedule)
+        options.schedule.kind, S, options.schedule.num_micro_batches, schedule_edges, delays, num_meshes),
+        verify_schedule)
     if schedule.stage_mesh != placed.stage_mesh:
         raise PlanVerificationError(f"after pass make_schedule: the schedule places stages on meshes "
                                     f"{schedule.stage_mesh}, the mesh map on {placed.stage_mesh}")

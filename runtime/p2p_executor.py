@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding
 from meshpar.passes import jax_ir
 from meshpar.passes.model.devices import device_key
 from meshpar.passes.pipeline.placing.mesh_assignment import device_sharding
-from meshpar.passes.pipeline.placing.plan_moves import P2P_ORDERS, move_device_ids
+from meshpar.passes.pipeline.placing.plan_moves import TransferOrder, move_device_ids
 from meshpar.passes.resharding.hop_program import HopProgram
 from meshpar.passes.resharding.round_gates import Gate
 from meshpar.runtime.coordination import wait_ready
@@ -141,7 +141,7 @@ class P2PReshardExecutable:
       program: the lowered plan (``lower_to_hops`` or ``replicate_scalar``).
       dtype: the array's dtype.
       src, dst: source and destination ``NamedSharding``.
-      order: ``"gated"``, ``"eager"`` or ``"rounds"`` (see the module docstring).
+      order: a ``TransferOrder``: gated, eager or rounds (see the module docstring).
       gates: ``"gated"``'s gates (``passes.round_gates``), hosts being processes.
       timeout_s: how long ``"rounds"`` waits for one round's arrivals (a call
         may say otherwise).
@@ -157,12 +157,12 @@ class P2PReshardExecutable:
         src: NamedSharding,
         dst: NamedSharding,
         *,
-        order: str = "gated",
+        order: TransferOrder = TransferOrder.GATED,
         timeout_s: float = 120.0,
         gates: tuple[Gate, ...] = (),
     ) -> None:
-        if order not in P2P_ORDERS:
-            raise ValueError(f"order: expected one of {P2P_ORDERS}, got {order!r}")
+        if not isinstance(order, TransferOrder):
+            raise TypeError(f"order: expected a TransferOrder (resolve a name with TransferOrder.of), got {order!r}")
         self.program = program
         self.shape = tuple(program.shape)
         self.dtype = np.dtype(dtype)
@@ -185,7 +185,7 @@ class P2PReshardExecutable:
         self._whole, self._cuts = self._compile_cuts(local)
         self._steps, self._absent = self._split_hops(local, me)
         self._round_starts = {first for first, _ in program.rounds[1:]}
-        self.gates = gates if order == "gated" else ()
+        self.gates = gates if order.gated else ()
         self._gates_at: dict[int, list[Gate]] = {}
         for g in self.gates:
             self._gates_at.setdefault(program.rounds[g.round][0], []).append(g)
@@ -307,7 +307,7 @@ class P2PReshardExecutable:
         arrivals: list[jax.Array] = []
         tokens: dict = {}
         for k, (local_hops, cross_hops) in enumerate(self._steps):
-            if self.order == "rounds" and k in self._round_starts:
+            if self.order.waits_for_rounds and k in self._round_starts:
                 wait_ready(arrivals, timeout_s, f"a round of a p2p resharding (before step {k})")
                 arrivals = []
             for gate in self._gates_at.get(k, ()):

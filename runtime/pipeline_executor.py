@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -206,26 +206,26 @@ class PipelineExecutable:
     def _prepare_feed(self, ins: FeedStages) -> None:
         M = ins.num_micro_batches
         # Every process joins each move of a global batch, whichever stage reads it.
-        prepared = {(f.stage, f.position): ("global", f, [self._move(k) for k in f.moves])
-                    for f in ins.global_batches}
+        prepared: dict[tuple[int, int], _Feeding] = {
+            (f.stage, f.position): _GlobalBatch(f, tuple(self._move(k) for k in f.moves)) for f in ins.global_batches}
         for feed in ins.stages:
             for op, owner in zip(feed.operands, feed.fetched_from):
                 key = (feed.stage, op.position)
                 if key in prepared:
                     continue
                 if op.fetch is not None:
-                    prepared[key] = ("fetch", self._move(op.fetch.move_key), owner)
+                    prepared[key] = _Fetched(self._move(op.fetch.move_key), owner)
                 elif not self.local[feed.stage]:
                     continue
                 elif op.fold_key:
-                    prepared[key] = ("fold", _FOLD_ALL)
+                    prepared[key] = _FoldedKey(_FOLD_ALL)
                 elif op.per_micro_batch:
                     # The whole value placed once, micro-batches leading, then cut by one program.
-                    prepared[key] = ("slices", *_slicer(op.sharding, M))
+                    prepared[key] = _Sliced(*_slicer(op.sharding, M))
                 elif op.source.kind is OuterKind.CONST:
-                    prepared[key] = ("const", put(self.step_program.consts[op.source.index], op.sharding))
+                    prepared[key] = _Constant(put(self.step_program.consts[op.source.index], op.sharding))
                 else:
-                    prepared[key] = ("value",)
+                    prepared[key] = _Computed()
         self._ready[id(ins)] = prepared
 
     def _prepare_gradient(self, ins: ReduceGradient) -> None:
@@ -421,51 +421,17 @@ class PipelineExecutable:
         """Each stage's operands: placed leaves, constants and values computed before the pipeline,
         fetched parameters, micro-batch slices sent straight from where the batch is to the stage
         that reads them, and keys folded with each micro-batch's index."""
-        prepared, leaves, placed = self._ready[id(ins)], state.leaves, state.placed
-        size, M = ins.micro_batch_size, ins.num_micro_batches
+        prepared = self._ready[id(ins)]
+        M = ins.num_micro_batches
         out: list[StageInputs | None] = []
         for feed in ins.stages:
-            s, mesh = feed.stage, feed.mesh
+            s = feed.stage
             fixed, columns = [], []
             for op in feed.operands:
                 how = prepared.get((s, op.position))
                 if how is None:  # an operand of a stage of another process's
                     continue
-                if how[0] == "fetch":
-                    # Every process joins the move, whether or not it owns stage s.
-                    fixed.append(how[1](placed[op.source.index][how[2]]))
-                    self._feeding(fixed[-1], op.fetch.move_key.src, s, f"parameter {op.source} fetched", state)
-                elif how[0] == "const":
-                    fixed.append(how[1])
-                elif how[0] == "value":
-                    fixed.append(self._value(op.source, mesh, state))
-                    if (op.source, mesh) in state.remote:
-                        state.feeding.append(state.remote.pop((op.source, mesh)))
-                elif how[0] == "fold":
-                    wait_pending(state.remote, [(op.source, mesh)], self.timeout_s, "moves around the pipeline",
-                                 f"folding key {op.source}")
-                    columns.append(how[1](self._value(op.source, mesh, state), M))
-                elif how[0] == "global":
-                    _, global_feed, moves = how
-                    leaf = leaves[global_feed.leaf]
-                    if leaf.sharding != global_feed.source:
-                        raise ValueError(f"batch leaf {global_feed.leaf}: laid out as {leaf.sharding}, but the step "
-                                         f"was compiled for {global_feed.source}")
-                    columns.append([move(micro_batch_view(leaf, rows, size))
-                                    for rows, move in zip(global_feed.rows, moves)])
-                    for m, (rows, moved) in enumerate(zip(global_feed.rows, columns[-1])):
-                        self._feeding(moved, rows.sharding, s, f"micro-batch {m} of batch leaf {global_feed.leaf}", state)
-                else:
-                    _, stacked, unstack = how
-                    if op.source.kind is OuterKind.IN and not state.placements[op.source.index].meshes:
-                        leaf = leaves[op.source.index]  # a batch leaf, never placed whole
-                        on_devices = isinstance(leaf, jax.Array) and leaf.is_fully_addressable \
-                            and jax.process_count() == 1
-                        leaf = leaf if on_devices else np.asarray(leaf)
-                    else:
-                        leaf = self._value(op.source, mesh, state)
-                    columns.append(unstack(put(leaf.reshape(M, size, *leaf.shape[1:]), stacked,
-                                               f"stage {s}'s operand {op.position} ({op.source})")))
+                (columns if how.per_micro_batch else fixed).append(how.operand(self, ins, feed, op, state))
             if not self.local[s]:
                 out.append(None)
                 continue
@@ -592,6 +558,111 @@ class PipelineExecutable:
             for s, zeros in zip(stages, make()):
                 grads[s] = zeros
         return grads
+
+
+class _Feeding:
+    """How one stage operand is fed, prepared once per ``FeedStages`` (``_prepare_feed``).
+
+    ``operand`` gives the operand for a step: one value read by every micro-batch, or (with
+    ``per_micro_batch``) a list of one value per micro-batch. Every process runs a feeding's
+    moves, whether or not it owns the stage.
+    """
+
+    per_micro_batch: ClassVar[bool] = False
+
+    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fetched(_Feeding):
+    """A parameter fetched from where its owner's mesh (``owner``) placed it, by ``move``."""
+
+    move: Move
+    owner: int
+
+    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
+        value = self.move(state.placed[op.source.index][self.owner])
+        ex._feeding(value, op.fetch.move_key.src, feed.stage, f"parameter {op.source} fetched", state)
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Constant(_Feeding):
+    """A constant of the step program, placed once where the stage reads it."""
+
+    value: Any
+
+    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class _Computed(_Feeding):
+    """A value placed or computed before the pipeline, on the stage's mesh."""
+
+    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
+        value = ex._value(op.source, feed.mesh, state)
+        if (op.source, feed.mesh) in state.remote:
+            state.feeding.append(state.remote.pop((op.source, feed.mesh)))
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _FoldedKey(_Feeding):
+    """A PRNG key folded with each micro-batch's index by ``fold``."""
+
+    fold: Callable
+    per_micro_batch: ClassVar[bool] = True
+
+    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
+        wait_pending(state.remote, [(op.source, feed.mesh)], ex.timeout_s, "moves around the pipeline",
+                     f"folding key {op.source}")
+        return self.fold(ex._value(op.source, feed.mesh, state), ins.num_micro_batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalBatch(_Feeding):
+    """A global batch leaf's micro-batches, each sent by one of ``moves`` straight from where the
+    batch is to the stage that reads it (``feed``: the leaf's ``GlobalBatchFeed``)."""
+
+    feed: Any
+    moves: tuple[Move, ...]
+    per_micro_batch: ClassVar[bool] = True
+
+    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
+        global_feed = self.feed
+        leaf = state.leaves[global_feed.leaf]
+        if leaf.sharding != global_feed.source:
+            raise ValueError(f"batch leaf {global_feed.leaf}: laid out as {leaf.sharding}, but the step "
+                             f"was compiled for {global_feed.source}")
+        column = [move(micro_batch_view(leaf, rows, ins.micro_batch_size))
+                  for rows, move in zip(global_feed.rows, self.moves)]
+        for m, (rows, moved) in enumerate(zip(global_feed.rows, column)):
+            ex._feeding(moved, rows.sharding, feed.stage, f"micro-batch {m} of batch leaf {global_feed.leaf}", state)
+        return column
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sliced(_Feeding):
+    """A per-micro-batch operand: the whole value placed once as ``stacked`` (micro-batches
+    leading), then cut into the micro-batches by one program, ``unstack``."""
+
+    stacked: NamedSharding
+    unstack: Callable
+    per_micro_batch: ClassVar[bool] = True
+
+    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
+        M, size = ins.num_micro_batches, ins.micro_batch_size
+        if op.source.kind is OuterKind.IN and not state.placements[op.source.index].meshes:
+            leaf = state.leaves[op.source.index]  # a batch leaf, never placed whole
+            on_devices = isinstance(leaf, jax.Array) and leaf.is_fully_addressable \
+                and jax.process_count() == 1
+            leaf = leaf if on_devices else np.asarray(leaf)
+        else:
+            leaf = ex._value(op.source, feed.mesh, state)
+        return self.unstack(put(leaf.reshape(M, size, *leaf.shape[1:]), self.stacked,
+                                f"stage {feed.stage}'s operand {op.position} ({op.source})"))
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""A cross-mesh move that carries one byte instead of the value (``resharding="signal"``).
+"""A cross-mesh move that carries one byte instead of the value (``executor="signal"``).
 
 The receiver's value is zeros of the value's shape, made from the byte that
 arrived, so it exists only after the sender's value did: the same

@@ -3,7 +3,7 @@
 import pytest
 
 import meshpar.distributed
-from meshpar.passes.pipeline.placing.edge_transfer import TransferKind, choose_transfer
+from meshpar.passes.pipeline.placing.edge_transfer import Executor, TransferKind, choose_transfer
 
 
 @pytest.mark.parametrize("executor, processes, ndim, expected", [
@@ -16,17 +16,22 @@ from meshpar.passes.pipeline.placing.edge_transfer import TransferKind, choose_t
     ("collective", [0, 1], 0, TransferKind.P2P),  # no plan for a scalar
 ])
 def test_choose_transfer(executor, processes, ndim, expected):
-    assert choose_transfer(executor, processes, ndim) is expected
+    assert choose_transfer(Executor.of(executor, "executor"), processes, ndim) is expected
 
 
-@pytest.mark.parametrize("executor", ["auto", "p2p", "collective"])
-def test_signal_strategy_always_sends_signals(executor):
-    assert choose_transfer(executor, [0, 1], 2, strategy="signal") is TransferKind.SIGNAL
+@pytest.mark.parametrize("processes, ndim", [([0, 0], 2), ([0, 1], 2), ([0, 1], 0)])
+def test_the_signal_executor_always_sends_signals(processes, ndim):
+    assert choose_transfer(Executor.SIGNAL, processes, ndim) is TransferKind.SIGNAL
+    assert choose_transfer(Executor.SIGNAL, processes, ndim, same_mesh=True) is TransferKind.LOCAL
 
 
-def test_choose_transfer_rejects_unknown_executors():
-    with pytest.raises(ValueError, match="executor: expected one of"):
-        choose_transfer("nccl", [0], 1)
+def test_executor_names_resolve_at_the_api_only():
+    with pytest.raises(ValueError, match=r"^executor: expected one of \('auto', 'p2p', 'collective', 'signal'\), "
+                                         r"got 'nccl'$"):
+        Executor.of("nccl", "executor")
+    # Past the API a name is refused, not compared.
+    with pytest.raises(TypeError, match="executor: expected an Executor"):
+        choose_transfer("auto", [0], 1)
 
 
 @pytest.mark.parametrize("kwargs, match", [

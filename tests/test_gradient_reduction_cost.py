@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from meshpar.passes.pipeline.pipeline_options import GradientReduction
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind, task_dependencies
 from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, Stage
@@ -78,7 +79,7 @@ def test_allreduce_seconds_rejects_an_empty_group(group_size):
 
 
 def _gradients(**changes):
-    return dataclasses.replace(StageGradients(1000, 2, 100.0, 0, "per_step"), **changes)
+    return dataclasses.replace(StageGradients(1000, 2, 100.0, 0, GradientReduction.PER_STEP), **changes)
 
 
 @pytest.mark.parametrize("changes, match", [
@@ -88,12 +89,16 @@ def _gradients(**changes):
     ({"bandwidth": float("inf")}, r"^StageGradients.bandwidth: expected finite positive bytes/s, got inf$"),
     ({"bandwidth": float("nan")}, r"^StageGradients.bandwidth: expected finite positive bytes/s, got nan$"),
     ({"mesh": -1}, r"^StageGradients.mesh: expected a mesh index, got -1$"),
-    ({"reduction": "per_batch"}, r"^StageGradients.reduction: expected one of \('per_step', 'per_micro_batch'\), "
-                                 r"got 'per_batch'$"),
 ])
 def test_stage_gradients_are_validated(changes, match):
     with pytest.raises(ValueError, match=match):
         _gradients(**changes)
+
+
+@pytest.mark.parametrize("name", ["per_batch", "per_step"])
+def test_stage_gradients_take_a_resolved_reduction_not_a_name(name):
+    with pytest.raises(TypeError, match=f"^StageGradients.reduction: expected a GradientReduction, got '{name}'$"):
+        _gradients(reduction=name)
 
 
 def test_stage_gradients_seconds_are_one_ring_all_reduce():
@@ -126,7 +131,7 @@ def test_per_micro_batch_lengthens_the_backward_and_the_weight_pass_by_the_ring(
     """Each backward all-reduces its parameter cotangents: the whole backward and the weight
     pass that makes them take one ring longer; the forward and the input pass do not."""
     args, plain = three_stages
-    gradients = [StageGradients(256 * (s + 1), 2, 1e3, s, "per_micro_batch") for s in range(3)]
+    gradients = [StageGradients(256 * (s + 1), 2, 1e3, s, GradientReduction.PER_MICRO_BATCH) for s in range(3)]
     priced = estimate_durations(*args, gradients=gradients)
     assert priced.reduction == ()
     assert (priced.activation, priced.gradient) == (plain.activation, plain.gradient)
@@ -140,12 +145,13 @@ def test_per_step_adds_up_each_meshs_stages_and_leaves_the_backwards(three_stage
     """Stages 0 and 2 labelled mesh 0 reduce together (one ring of their summed bytes), stage 1
     alone on mesh 1; a per-micro-batch stage leaves its mesh's entry at 0."""
     args, plain = three_stages
-    gradients = [StageGradients(1000, 2, 100.0, 0, "per_step"), StageGradients(1500, 2, 100.0, 1, "per_step"),
-                 StageGradients(500, 2, 100.0, 0, "per_step")]
+    gradients = [StageGradients(1000, 2, 100.0, 0, GradientReduction.PER_STEP),
+                 StageGradients(1500, 2, 100.0, 1, GradientReduction.PER_STEP),
+                 StageGradients(500, 2, 100.0, 0, GradientReduction.PER_STEP)]
     priced = estimate_durations(*args, gradients=gradients)
     assert priced.stages == plain.stages
     assert priced.reduction == (15.0, 15.0)  # 10 + 5 on mesh 0, 15 on mesh 1
-    mixed = [gradients[0], dataclasses.replace(gradients[1], reduction="per_micro_batch"), gradients[2]]
+    mixed = [gradients[0], dataclasses.replace(gradients[1], reduction=GradientReduction.PER_MICRO_BATCH), gradients[2]]
     priced = estimate_durations(*args, gradients=mixed)
     assert priced.reduction == (15.0, 0.0)
     assert priced.stages[1].backward == plain.stages[1].backward + 15.0
@@ -216,9 +222,9 @@ def test_from_cost_model_durations_per_step_beats_per_micro_batch_by_the_hand_ti
     r = 4096 / 1e6
     schedule = make_schedule("1f1b", 2, 2, [(0, 1)])
     per_micro_batch = simulate(schedule, estimate_durations(
-        *args, gradients=[StageGradients(4096, 2, 1e6, s, "per_micro_batch") for s in range(2)]))
+        *args, gradients=[StageGradients(4096, 2, 1e6, s, GradientReduction.PER_MICRO_BATCH) for s in range(2)]))
     per_step = simulate(schedule, estimate_durations(
-        *args, gradients=[StageGradients(4096, 2, 1e6, s, "per_step") for s in range(2)]))
+        *args, gradients=[StageGradients(4096, 2, 1e6, s, GradientReduction.PER_STEP) for s in range(2)]))
     assert per_micro_batch.step_seconds == pytest.approx(3 * (f + b + r), rel=1e-12)
     assert per_step.step_seconds == pytest.approx(3 * (f + b) + r, rel=1e-12)
     assert per_step.step_seconds < per_micro_batch.step_seconds

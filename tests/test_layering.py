@@ -158,7 +158,7 @@ def test_jax_internals_scan_sees_them():
 # shared base modules; the driver sits above them all. Inside the pipeline floor, its groups
 # follow the data flow the same way, above its shared primitives and options.
 FLOORS = ("model", "resharding", "pipeline", "simulation", "planning")
-BASE = {"meshpar.passes.jax_ir", "meshpar.passes.compiler_pass", "meshpar.passes.verification"}
+BASE = {"meshpar.passes.jax_ir", "meshpar.passes.compiler_pass", "meshpar.passes.verification", "meshpar.passes.policies"}
 PIPELINE_GROUPS = ("cutting", "scheduling", "placing", "lowering")
 PIPELINE_BASE = {"meshpar.passes.pipeline.step_primitives", "meshpar.passes.pipeline.pipeline_options"}
 

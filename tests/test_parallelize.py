@@ -238,7 +238,7 @@ def test_bad_method_arguments():
         meshpar.PipeshardParallel(num_micro_batches=0)
     with pytest.raises(ValueError, match="schedule: unknown 'zigzag'"):
         meshpar.PipeshardParallel(schedule="zigzag")
-    with pytest.raises(ValueError, match="strategy: unknown"):
+    with pytest.raises(ValueError, match="resharding: unknown .nccl.; expected one of"):
         meshpar.PipeshardParallel(resharding="nccl")
     with pytest.raises(ValueError, match="executor: expected one of"):
         meshpar.PipeshardParallel(executor="mpi")

@@ -14,8 +14,12 @@ from flax import linen as nn
 
 import meshpar
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.pipeline_options import (GradientOptions, PipelineOptions, PlacementOptions,
-                                                      ScheduleOptions, TransferOptions)
+from meshpar.passes.pipeline.pipeline_options import (GradientOptions, GradientReduction, PipelineOptions,
+                                                      PlacementOptions, ScheduleOptions, TransferOptions)
+from meshpar.passes.pipeline.placing.edge_transfer import Executor
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, schedule_kind
+from meshpar.passes.resharding.balancers import get_balancer
+from meshpar.passes.resharding.strategies import STRATEGIES, get_strategy
 from meshpar.passes.planning.layer_profile import LayerProfile, ModelProfile
 from meshpar.passes.planning.planner_meshpar import PipelinePlan, StagePlan
 from meshpar.planning import ParallelismPlan
@@ -25,7 +29,11 @@ GROUPS = (ScheduleOptions, PlacementOptions, TransferOptions, GradientOptions)
 # Options the API reads itself (where to run, how to trace and check): in no group.
 API_ONLY = {"devices", "batch_argnums", "single_program", "logical_axis_rules"}
 # Group fields named differently from the option they come from.
-RENAMED = {"name": "schedule"}
+RENAMED = {"kind": "schedule", "strategy": "resharding"}
+# Group fields holding the option resolved (a name becomes its object), as the API resolves it.
+RESOLVED = {"kind": schedule_kind, "strategy": get_strategy, "balancer": get_balancer,
+            "executor": lambda v: Executor.of(v, "executor"),
+            "gradient_reduction": lambda v: GradientReduction.of(v, "gradient_reduction")}
 # Group fields the cluster (or its default) decides.
 FROM_CLUSTER = {"inter_host_bandwidth", "intra_host_bandwidth"}
 
@@ -65,7 +73,7 @@ def test_accumulation_dtype_must_be_floating(value):
 @pytest.mark.parametrize("value", [jnp.float32, "float32", jnp.bfloat16, np.float64])
 def test_floating_accumulation_dtypes_are_taken(value):
     options = meshpar.PipeshardParallel(accumulation_dtype=value).pipeline_options(8)
-    assert options.gradients == GradientOptions("per_step", jnp.dtype(value))
+    assert options.gradients == GradientOptions(GradientReduction.PER_STEP, jnp.dtype(value))
 
 
 def test_stages_per_mesh_is_rejected_with_auto():
@@ -180,8 +188,23 @@ def test_groups_carry_the_options():
             if f.name in FROM_CLUSTER:
                 assert got == getattr(cluster, f.name), f.name
             else:
-                assert got == getattr(method, RENAMED.get(f.name, f.name)), f.name
-    assert options.schedule.name == "interleaved_1f1b" and options.placement.stages_per_mesh == 2
+                want = getattr(method, RENAMED.get(f.name, f.name))
+                assert got == RESOLVED.get(f.name, lambda v: v)(want), f.name
+    assert options.schedule.kind is SCHEDULES["interleaved_1f1b"] and options.placement.stages_per_mesh == 2
+    assert options.transfers.strategy is STRATEGIES["send_recv"] and options.transfers.executor is Executor.P2P
+
+
+def test_signal_is_an_executor():
+    for method in (meshpar.PipeshardParallel(executor="signal"), meshpar.PipeshardParallel(resharding="signal"),
+                   meshpar.PipeshardParallel(resharding="signal", executor="signal")):
+        transfers = method.pipeline_options(1).transfers
+        assert transfers.executor is Executor.SIGNAL and transfers.strategy is STRATEGIES["broadcast"]
+    with _raises("resharding: 'signal' sends one byte per transfer (executor='signal')", "executor='collective'"):
+        meshpar.PipeshardParallel(resharding="signal", executor="collective")
+    with _raises("resharding: unknown 'ring'", "broadcast"):
+        meshpar.PipeshardParallel(resharding="ring")
+    with _raises("executor: expected one of ('auto', 'p2p', 'collective', 'signal')", "'nccl'"):
+        meshpar.PipeshardParallel(executor="nccl")
 
 
 def test_default_bandwidths_are_the_default_clusters():

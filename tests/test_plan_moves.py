@@ -12,6 +12,7 @@ from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
 from meshpar.passes.pipeline.placing.plan_moves import (
     MOVE_EXECUTORS, MoveKey, MoveOptions, PlannedMove, plan_move, plan_moves, verify_planned_move,
 )
+from meshpar.passes.resharding.strategies import STRATEGIES
 from meshpar.passes.resharding.hop_program import HopProgram
 from meshpar.passes.resharding.transfer_program import TransferProgram
 from meshpar.passes.verification import PlanVerificationError
@@ -53,9 +54,10 @@ def test_each_executor_lowers_what_it_runs():
 
 
 def test_the_strategy_reaches_the_plan():
-    for strategy in ("broadcast", "send_recv"):
+    for name in ("broadcast", "send_recv"):
+        strategy = STRATEGIES[name]
         move = plan_move(_key(TransferKind.P2P), MoveOptions(strategy=strategy))
-        assert move.plan.strategy == strategy
+        assert move.plan.strategy is strategy
 
 
 def test_plan_moves_plans_each_distinct_move_once():

@@ -12,6 +12,8 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
+from meshpar.passes.pipeline.pipeline_options import GradientReduction
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
 from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.passes.planning.layer_profile import CrossingValue, LayerProfile, ModelProfile
@@ -41,7 +43,7 @@ def _ring_s(num_bytes, d, bandwidth):
     return 2 * (d - 1) / d * num_bytes / bandwidth
 
 
-def _brute_force(profile, S, M, schedule, budget, gradient_reduction="per_step"):
+def _brute_force(profile, S, M, schedule, budget, gradient_reduction=GradientReduction.PER_STEP):
     """The least bottleneck over every contiguous partition and every per-stage shape; per
     micro-batch, each backward includes the stage's gradient all-reduce over its data axis."""
     L, b, n = profile.num_layers, profile.batch_size // M, CLUSTER.num_devices // S
@@ -53,9 +55,9 @@ def _brute_force(profile, S, M, schedule, budget, gradient_reduction="per_step")
             options = []
             for shape in (sh for sh in _shapes(n) if b % sh[0] == 0):
                 mesh = stage_meshes(CLUSTER, [shape])[0]
-                if _memory(pre, i, j, shape, b, _live(schedule, s, S, M)) <= budget:
+                if _memory(pre, i, j, shape, b, _live(SCHEDULES[schedule], s, S, M)) <= budget:
                     f, bw = _stage_seconds(pre, i, j, shape, b, HW, tensor_parallel_bandwidth(CLUSTER, shape))
-                    if gradient_reduction == "per_micro_batch":
+                    if gradient_reduction is GradientReduction.PER_MICRO_BATCH:
                         d, t = shape
                         params = sum(x.param_bytes for x in profile.layers[i:j])
                         bw += _ring_s(params / t, d, _axis_bandwidth(CLUSTER, mesh, 0))
@@ -65,7 +67,7 @@ def _brute_force(profile, S, M, schedule, budget, gradient_reduction="per_step")
     return best
 
 
-@pytest.mark.parametrize("gradient_reduction", ["per_step", "per_micro_batch"])
+@pytest.mark.parametrize("gradient_reduction", list(GradientReduction), ids=str)
 @pytest.mark.parametrize("seed", range(6))
 def test_partition_dp_equals_brute_force(seed, gradient_reduction):
     rng = np.random.default_rng(seed)
@@ -77,7 +79,7 @@ def test_partition_dp_equals_brute_force(seed, gradient_reduction):
             budget = float(rng.choice([math.inf, 3e8]))
             want = _brute_force(profile, S, M, schedule, budget, gradient_reduction)
             got = _partition(_Prefix(profile), profile.num_layers, S, M, profile.batch_size // M,
-                             CLUSTER.num_devices // S, schedule, HW, CLUSTER, budget,
+                             CLUSTER.num_devices // S, SCHEDULES[schedule], HW, CLUSTER, budget,
                              gradient_reduction=gradient_reduction)
             if math.isinf(want):
                 assert got is None
@@ -106,7 +108,7 @@ def test_every_plan_fits_the_budget_and_the_error_names_the_least_memory():
             search(profile, CLUSTER, HW, **bad)
 
 
-@pytest.mark.parametrize("gradient_reduction", ["per_step", "per_micro_batch"])
+@pytest.mark.parametrize("gradient_reduction", list(GradientReduction), ids=str)
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("hardware", [HW, Hardware(1e13, total_flops=2e13, dispatch_s=1e-4)])
 def test_the_bound_never_exceeds_the_step_and_the_ranked_plans_are_the_fastest_of_all(seed, hardware,
@@ -126,7 +128,7 @@ def test_the_bound_never_exceeds_the_step_and_the_ranked_plans_are_the_fastest_o
     for p in everything:
         devices = first_devices(CLUSTER, p.num_devices)
         bound = _step_lower_bound(profile, devices, hardware, p.stages, p.num_micro_batches, gradient_reduction,
-                                  schedule=p.schedule, stages_per_mesh=p.stages_per_mesh)
+                                  schedule=SCHEDULES[p.schedule], stages_per_mesh=p.stages_per_mesh)
         assert bound <= p.predicted_step_s * (1 + 1e-12)
         assert p.predicted_step_s == predict(profile, devices, hardware, p.stages, p.num_micro_batches, p.schedule,
                                              gradient_reduction=gradient_reduction,
@@ -154,7 +156,7 @@ def test_per_micro_batch_reductions_are_priced_inside_the_backwards():
     # and backwards (and its reduction): f + M (f + b) + r, with r inside the backwards per
     # micro-batch.
     assert _step_lower_bound(profile, CLUSTER, HW, stages, 2) == pytest.approx(f + 2 * (f + b) + r, rel=1e-12)
-    assert _step_lower_bound(profile, CLUSTER, HW, stages, 2, "per_micro_batch") == pytest.approx(
+    assert _step_lower_bound(profile, CLUSTER, HW, stages, 2, GradientReduction.PER_MICRO_BATCH) == pytest.approx(
         f + 2 * (f + b + r), rel=1e-12)
 
 
@@ -320,6 +322,6 @@ def test_the_partition_dps_live_activations_are_what_the_simulated_schedule_keep
             stages = [StagePlan(k * (8 // S), (k + 1) * (8 // S), (1, 8 // S)) for k in range(S)]
             plan = predict(profile, CLUSTER, HW, stages, M, schedule)
             pre, b = _Prefix(profile), 16 // M
-            want = [float(_memory(pre, st.start, st.stop, st.shape, b, _live(schedule, k, S, M)))
+            want = [float(_memory(pre, st.start, st.stop, st.shape, b, _live(SCHEDULES[schedule], k, S, M)))
                     for k, st in enumerate(stages)]
             np.testing.assert_allclose(plan.peak_memory_bytes, want, rtol=1e-12)

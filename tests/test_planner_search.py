@@ -18,6 +18,7 @@ from flax.training import train_state
 import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
+from meshpar.passes.pipeline.pipeline_options import GradientReduction
 from meshpar.calibration import fit_scales
 from meshpar.cluster import Cluster
 from meshpar.parallelism_plan import ParallelismPlan
@@ -201,7 +202,7 @@ def test_a_model_axis_that_splits_nothing_repeats_the_work():
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("hardware", [HW, Hardware(1e13, total_flops=2e13, dispatch_s=1e-4, op_s=(1e-7, 1e-7),
                                                    task_s=1e-5)])
-@pytest.mark.parametrize("gradient_reduction", ["per_step", "per_micro_batch"])
+@pytest.mark.parametrize("gradient_reduction", list(GradientReduction), ids=str)
 def test_no_plan_of_a_layout_beats_its_layout_bound(seed, hardware, gradient_reduction):
     """The search takes layouts in the order of ``_layout_bound`` before cutting them: it must
     not exceed any plan of the layout, on the devices it uses."""
@@ -211,7 +212,8 @@ def test_no_plan_of_a_layout_beats_its_layout_bound(seed, hardware, gradient_red
                    num_ranked=10**6)
     assert {p.num_devices for p in plans} == {1, 2, 4, 8}
     for p in plans:
-        layout = _Layout(p.num_devices, p.num_meshes, p.stages_per_mesh, p.num_micro_batches, (p.schedule,))
+        layout = _Layout(p.num_devices, p.num_meshes, p.stages_per_mesh, p.num_micro_batches,
+                         (SCHEDULES[p.schedule],))
         lanes = float(np.sum(_layer_seconds(pre, first_devices(CLUSTER, p.num_devices), hardware, layout,
                                             profile.batch_size, gradient_reduction)))
         assert _layout_bound(pre, hardware, layout, profile.batch_size, lanes) <= p.predicted_step_s * (1 + 1e-12)

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import meshpar
+from meshpar.passes.pipeline.placing.plan_moves import TransferOrder
 from meshpar.passes.resharding.hop_program import lower_to_hops
 from meshpar.passes.resharding.round_gates import Gate, round_gates, verify_round_gates
 from meshpar.passes.verification import PlanVerificationError
@@ -84,7 +85,7 @@ def test_gated_moves_are_bit_exact(seed):
     gates = round_gates(program, host_of)
     expected = np.arange(96, dtype=np.float32).reshape(8, 12) * (seed + 1)
     x = jax.device_put(expected, src)
-    y = P2PReshardExecutable(program, np.float32, src, dst, order="gated", gates=gates)(x)
+    y = P2PReshardExecutable(program, np.float32, src, dst, order=TransferOrder.GATED, gates=gates)(x)
     assert y.sharding == dst
     for shard in y.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index])

@@ -402,7 +402,7 @@ def test_auto_weight_delays_are_never_slower_than_uniform_delays_or_no_split():
         edges = rng.choice(GRAPHS)(S)
         name = rng.choice(["gpipe", "1f1b", "eager_1f1b"])
         durations = TaskDurations(_random_stages(rng, S), *(tuple(rng.uniform(0, 4) for _ in edges) for _ in range(2)))
-        auto = weight_delays("auto", name, M, edges, durations, True)
+        auto = weight_delays("auto", SCHEDULES[name], M, edges, durations, True)
         assert len(auto) == S and all(0 <= d <= max_delay(S, M) for d in auto)
         best = _step(name, S, M, edges, durations, auto)
         for d in range(max_delay(S, M) + 1):
@@ -414,9 +414,10 @@ def test_auto_weight_delays_are_never_slower_than_uniform_delays_or_no_split():
                 assert best <= _step(name, S, M, edges, durations, moved) * (1 + 1e-9)
     local = TaskDurations((_stage(1, 3, 2), _stage(1, 4, 3), _stage(1, 4, 3)), (0.0, 0.0), (0.0, 0.0))
     assert [_step("gpipe", 3, 2, _chain(3), local, d) for d in ((0, 0, 0), (1, 1, 1))] == [24, 23]
-    assert _step("gpipe", 3, 2, _chain(3), local, weight_delays("auto", "gpipe", 2, _chain(3), local, True)) <= 23
+    assert _step("gpipe", 3, 2, _chain(3), local,
+                 weight_delays("auto", SCHEDULES["gpipe"], 2, _chain(3), local, True)) <= 23
     no_transfers = _uniform(2, 1, 1.0, 1.0, 1.0)
-    assert weight_delays("auto", "1f1b", 2, [(0, 1)], no_transfers, True) == (0, 2)
+    assert weight_delays("auto", SCHEDULES["1f1b"], 2, [(0, 1)], no_transfers, True) == (0, 2)
     assert [_step("1f1b", 2, 2, [(0, 1)], no_transfers, d) for d in ((0, 2), (0, 0))] == [7, 8]
 
 

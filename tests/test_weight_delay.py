@@ -25,16 +25,16 @@ def test_check_weight_delay_accepts_the_three_values(name):
     for value in (False, True, "auto"):
         if SCHEDULES[name].places_weight_passes and value is not False:
             with pytest.raises(ValueError, match=f"^weight_delay:.*{name}.*places the weight passes itself"):
-                check_weight_delay(value, name)
+                check_weight_delay(value, SCHEDULES[name])
         else:
-            check_weight_delay(value, name)
+            check_weight_delay(value, SCHEDULES[name])
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 @pytest.mark.parametrize("value", [1, 0, "yes", None, "AUTO", 1.0])
 def test_check_weight_delay_rejects_other_values(name, value):
     with pytest.raises(ValueError, match="^weight_delay:") as info:
-        check_weight_delay(value, name)
+        check_weight_delay(value, SCHEDULES[name])
     assert repr(value) in str(info.value)
 
 
@@ -47,8 +47,8 @@ def _chain(S):
 
 
 def test_false_and_true():
-    assert weight_delays(False, "1f1b", 4, _chain(2), _durations(2), True) is None
-    assert weight_delays(True, "gpipe", 4, _chain(3), _durations(3), False) == (1, 1, 1)
+    assert weight_delays(False, SCHEDULES["1f1b"], 4, _chain(2), _durations(2), True) is None
+    assert weight_delays(True, SCHEDULES["gpipe"], 4, _chain(3), _durations(3), False) == (1, 1, 1)
 
 
 @pytest.mark.parametrize("S, M, expected", [(1, 1, 1), (1, 4, 2), (3, 2, 3), (3, 8, 6), (4, 100, 8)])
@@ -65,23 +65,23 @@ def test_auto_picks_the_delays_the_simulator_finds_fastest():
     """Eager-1F1B, S = 3, M = 6, f = i = w = 1, transfers of 1: the last stage's weight passes
     waiting 4 tasks let its input passes, which the others wait for, run first."""
     durations = _durations(3, transfer=1.0)
-    auto = weight_delays("auto", "eager_1f1b", 6, _chain(3), durations, True)
+    auto = weight_delays("auto", SCHEDULES["eager_1f1b"], 6, _chain(3), durations, True)
     assert auto == (0, 0, 4)
     assert [_step("eager_1f1b", 6, durations, d) for d in (auto, (0, 0, 0), (1, 1, 1), None)] == [24, 26, 27, 28]
-    assert weight_delays("auto", "eager_1f1b", 6, _chain(3), durations, True) == auto  # deterministic
+    assert weight_delays("auto", SCHEDULES["eager_1f1b"], 6, _chain(3), durations, True) == auto  # deterministic
 
 
 def test_auto_with_transfers_longer_than_compute_splits_without_delaying():
     """1F1B with transfers of 5 (f = i = w = 1): sending cotangents after the input pass is what
     helps; a delayed weight pass only holds up the forwards behind it."""
     durations = _durations(3, transfer=5.0)
-    assert weight_delays("auto", "1f1b", 6, _chain(3), durations, True) == (0, 0, 0)
+    assert weight_delays("auto", SCHEDULES["1f1b"], 6, _chain(3), durations, True) == (0, 0, 0)
     assert [_step("1f1b", 6, durations, d) for d in ((0, 0, 0), (1, 1, 1), None)] == [69, 70, 74]
 
 
 def test_auto_with_one_stage_does_not_delay():
     """Nothing waits on a lone stage: every delay takes as long, and the smallest wins."""
-    assert weight_delays("auto", "1f1b", 4, [], _durations(1), True) == (0,)
+    assert weight_delays("auto", SCHEDULES["1f1b"], 4, [], _durations(1), True) == (0,)
 
 
 def test_auto_prefers_the_smaller_delay_on_a_tie():
@@ -91,7 +91,7 @@ def test_auto_prefers_the_smaller_delay_on_a_tie():
     durations = _durations(S)
     assert {_step("gpipe", M, durations, (0, 0, d)) for d in range(max_delay(S, M) + 1)} == {16}
     assert _step("gpipe", M, durations, (0, 1, 0)) == _step("gpipe", M, durations, (0, 0, 0)) == 16
-    assert weight_delays("auto", "gpipe", M, _chain(S), durations, True) == (0, 0, 0)
+    assert weight_delays("auto", SCHEDULES["gpipe"], M, _chain(S), durations, True) == (0, 0, 0)
 
 
 def test_estimate_durations_from_flops_and_bytes():

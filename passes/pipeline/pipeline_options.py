@@ -3,7 +3,9 @@
 Each group is what one concern of ``compile_pipeline`` needs: the schedule, where stages
 run, and how values cross meshes. Every value here has been checked by
 ``PipeshardParallel`` (which builds these, ``PipeshardParallel.pipeline_options``); the
-passes check only what the model decides (its stage count, its shapes).
+passes check only what the model decides (its stage count, its shapes). Every policy here is
+resolved: a ``ScheduleKind``, a ``Strategy``, a ``Balancer`` or an enum member, never the
+user's name for it.
 """
 
 from __future__ import annotations
@@ -15,15 +17,37 @@ from typing import Any
 from jax.sharding import Mesh
 
 from ..model.cluster import Cluster
+from ..policies import Policy
+from ..resharding.balancers import Balancer
+from ..resharding.strategies import Strategy
+from .placing.edge_transfer import Executor
 from .scheduling.pipeline_schedule import ScheduleKind
 
-__all__ = ["GRADIENT_REDUCTIONS", "GradientOptions", "PipelineOptions", "PlacementOptions", "ScheduleOptions",
-           "TransferOptions"]
+__all__ = ["GRADIENT_REDUCTIONS", "GradientOptions", "GradientReduction", "PipelineOptions", "PlacementOptions",
+           "ScheduleOptions", "TransferOptions"]
 
-# How a stage's parameter gradients are reduced over its mesh's data axis: once per step
-# (``data_replicas``: each device accumulates its own examples' partial sums) or inside every
-# micro-batch's backward (the SPMD default; kept for benchmarks).
-GRADIENT_REDUCTIONS = ("per_step", "per_micro_batch")
+
+class GradientReduction(Policy):
+    """How a stage's parameter gradients are reduced over its mesh's data axis."""
+
+    # Once per step (``data_replicas``: each device accumulates its own examples' partial sums).
+    PER_STEP = "per_step"
+    # Inside every micro-batch's backward (the SPMD default; kept for benchmarks).
+    PER_MICRO_BATCH = "per_micro_batch"
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether each backward reduces its own micro-batch's gradients (so the backward, not
+        the step, pays for the all-reduce)."""
+        return self is GradientReduction.PER_MICRO_BATCH
+
+    def reductions_per_step(self, num_micro_batches: int) -> int:
+        """All-reduces of a stage's gradients in a step of ``num_micro_batches``."""
+        return num_micro_batches if self.in_backward else 1
+
+
+# What the user may pass as ``gradient_reduction``.
+GRADIENT_REDUCTIONS = GradientReduction.names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +55,7 @@ class ScheduleOptions:
     """The order tasks run in.
 
     Attributes:
-      name: a key of ``pipeline_schedule.SCHEDULES``, or a ``ScheduleKind`` given as data
+      kind: the schedule: an entry of ``pipeline_schedule.SCHEDULES``, or one given as data
         (``schedule_csv.load_schedule_csv``).
       num_micro_batches: micro-batches per step, at least 1.
       weight_delay: ``False``, ``True`` or ``"auto"`` (``weight_delay.check_weight_delay``).
@@ -39,7 +63,7 @@ class ScheduleOptions:
         its own; ``None``: no limit.
     """
 
-    name: str | ScheduleKind
+    kind: ScheduleKind
     num_micro_batches: int
     weight_delay: bool | str
     fuse_compute: int | None = 1
@@ -80,17 +104,17 @@ class TransferOptions:
     """How values cross meshes, and what the cost model prices them at.
 
     Attributes:
-      executor: ``edge_transfer.EXECUTORS``: how a cross-mesh value moves.
-      resharding: a resharding strategy, or ``edge_transfer.SIGNAL``.
+      executor: how a cross-mesh value moves (``Executor.SIGNAL``: one byte instead).
+      strategy: the resharding strategy of planned moves.
       balancer: the resharding balancer.
       inter_host_bandwidth, intra_host_bandwidth: bytes/s, positive.
       timeout_s: seconds a process waits for its peers, positive.
       cluster: the hosts and links moves are planned on (``None``: one host per process).
     """
 
-    executor: str
-    resharding: str
-    balancer: str
+    executor: Executor
+    strategy: Strategy
+    balancer: Balancer
     inter_host_bandwidth: float
     intra_host_bandwidth: float
     timeout_s: float
@@ -102,12 +126,12 @@ class GradientOptions:
     """How parameter gradients accumulate over micro-batches and reduce over the data axis.
 
     Attributes:
-      gradient_reduction: one of ``GRADIENT_REDUCTIONS``.
+      gradient_reduction: how gradients reduce over the data axis.
       accumulation_dtype: the floating dtype gradients of narrower floating parameters
         (bfloat16, float16) accumulate in; wider ones accumulate in their own.
     """
 
-    gradient_reduction: str
+    gradient_reduction: GradientReduction
     accumulation_dtype: Any
 
 
@@ -120,4 +144,4 @@ class PipelineOptions:
     placement: PlacementOptions
     transfers: TransferOptions
     micro_batch_size: int
-    gradients: GradientOptions = GradientOptions("per_step", "float32")
+    gradients: GradientOptions = GradientOptions(GradientReduction.PER_STEP, "float32")

@@ -50,11 +50,13 @@ import numbers
 import numpy as np
 
 from ..model.cluster import Cluster
+from ..policies import Policy
 from ..simulation.collectives import ring_all_reduce_s
 
 from .layer_profile import LayerProfile
 
 __all__ = [
+    "GemmSplit",
     "DataModelShape",
     "LayerComm",
     "MeshBandwidths",
@@ -225,7 +227,20 @@ def mesh_bandwidths(cluster: Cluster, mesh: tuple[int, int], *, replicas: int = 
 # -- communication of a layer (§2.3, §3.2-3.3, Eq. 2) ---------------------------------------
 
 
-def gemm_all_reduce(first: str, rows: float, out_features: float, mesh: tuple[int, int]) -> tuple[int, float]:
+class GemmSplit(Policy):
+    """Which dimension of a GEMM's weight the mesh's first axis shards (§3.2, Fig. 5)."""
+
+    ROW = "row"  # W [Shard(0), Shard(1)]: the partial products are summed along mesh axis 1
+    COLUMN = "column"  # W [Shard(1), Shard(0)]: summed along mesh axis 2
+
+    @property
+    def reduced_axis(self) -> int:
+        """The mesh axis (1 or 2) the forward all-reduce runs along."""
+        return 1 if self is GemmSplit.ROW else 2
+
+
+def gemm_all_reduce(first: str | GemmSplit, rows: float, out_features: float,
+                    mesh: tuple[int, int]) -> tuple[int, float]:
     """The forward all-reduce of one GEMM ``Y = X W`` (``X`` of ``rows`` rows, ``W`` of
     ``out_features`` columns) on ``DeviceMesh(d1, d2)`` (§3.2, Fig. 5):
 
@@ -239,14 +254,12 @@ def gemm_all_reduce(first: str, rows: float, out_features: float, mesh: tuple[in
       ``(axis, elements)``: the mesh axis (1 or 2) of the all-reduce and the elements each
       device contributes; nothing moves when that axis has size 1.
     """
-    d1, d2 = _mesh(mesh)
+    dims = _mesh(mesh)
     _positive("rows", rows)
     _positive("out_features", out_features)
-    if first == "row":
-        return 1, rows * out_features / d2
-    if first == "column":
-        return 2, rows * out_features / d1
-    raise ValueError(f"first: expected 'row' or 'column', got {first!r}")
+    axis = GemmSplit.of(first, "first").reduced_axis
+    # Each device's partial Y keeps the output columns the other mesh axis shards.
+    return axis, rows * out_features / dims[2 - axis]
 
 
 def atp_pass_seconds(mesh: tuple[int, int], bandwidths: tuple[float, float], hidden_state_bytes: float) -> float:

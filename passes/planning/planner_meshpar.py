@@ -48,7 +48,7 @@ ones counted each time), and none is faster than the host launching its tasks on
 (``Hardware.dispatch_s``).
 
 The gradient all-reduce of a stage, a ring over its mesh's data axis of the parameter bytes
-each device holds, runs as ``gradient_reduction`` (``pipeline_options.GRADIENT_REDUCTIONS``)
+each device holds, runs as ``gradient_reduction`` (``pipeline_options.GradientReduction``)
 says: ``"per_step"`` once per step and mesh for all its stages, simulated right after the
 mesh's last gradient task; ``"per_micro_batch"`` in every backward, which it lengthens: ``M``
 per step, on the critical path, and counted in the partition DP's stage time.
@@ -67,9 +67,9 @@ import numpy as np
 from ..model.cluster import Cluster
 from ..model.mesh import DeviceMesh
 from ..model.sharding_spec import ShardingSpec
-from ..pipeline.pipeline_options import GRADIENT_REDUCTIONS
-from ..pipeline.scheduling.pipeline_schedule import (PipelineSchedule, check_stage_placement, make_schedule,
-                                                     mesh_sequences, schedule_kind)
+from ..pipeline.pipeline_options import GradientReduction
+from ..pipeline.scheduling.pipeline_schedule import (SCHEDULES, PipelineSchedule, ScheduleKind, check_stage_placement,
+                                                     make_schedule, mesh_sequences, schedule_kind)
 from ..resharding.plan_resharding import plan_resharding
 from ..resharding.resharding_task import ReshardingTask
 from ..simulation.collectives import ring_all_reduce_s
@@ -121,11 +121,6 @@ def tensor_parallel_bandwidth(cluster: Cluster, shape: tuple[int, int], first_de
     return mesh_bandwidths(cluster, shape, first_device=first_device).link[1]
 
 
-def _check_gradient_reduction(gradient_reduction: str) -> None:
-    if gradient_reduction not in GRADIENT_REDUCTIONS:
-        raise ValueError(f"gradient_reduction: expected one of {GRADIENT_REDUCTIONS}, got {gradient_reduction!r}")
-
-
 class _Prefix:
     """Prefix sums of the layers' figures: a span's totals in O(1), vectorised over spans. The
     figures a model axis splits (``LayerProfile.splits_over_model``) are kept apart from those
@@ -164,8 +159,8 @@ class _Prefix:
         return self.span(self._split[figure], i, j) / t + self.repeated(figure, i, j)
 
 
-def _live(schedule: str, s: int, S: int, M: int, num_meshes: int | None = None) -> int:
-    return schedule_kind(schedule).peak_live(s, S, M, num_meshes)
+def _live(schedule: ScheduleKind, s: int, S: int, M: int, num_meshes: int | None = None) -> int:
+    return schedule.peak_live(s, S, M, num_meshes)
 
 
 def _compute_s(pre: _Prefix, i, j, shape: tuple[int, int], b: int, hardware: Hardware):
@@ -201,15 +196,15 @@ def _memory(pre: _Prefix, i, j, shape: tuple[int, int], b: int, live: int):
     return static + live * per_live
 
 
-def _stage_mesh(schedule: str, num_stages: int, num_meshes: int) -> tuple[int, ...]:
-    placement = schedule_kind(schedule).placement
+def _stage_mesh(schedule: ScheduleKind, num_stages: int, num_meshes: int) -> tuple[int, ...]:
+    placement = schedule.placement
     return tuple(placement.mesh_of(s, num_meshes) for s in range(num_stages))
 
 
-def _compute_tasks_per_micro_batch(schedule: str) -> int:
+def _compute_tasks_per_micro_batch(schedule: ScheduleKind) -> int:
     """A stage's compute tasks per micro-batch: forward and backward, or forward, input and
     weight pass for a schedule that splits backwards."""
-    return 3 if schedule_kind(schedule).places_weight_passes else 2
+    return 3 if schedule.places_weight_passes else 2
 
 
 def _task_overhead(hardware: Hardware, stage: StagePlan) -> float:
@@ -234,7 +229,7 @@ def _shared_work_s(pre: _Prefix, hardware: Hardware, stages: Sequence[StagePlan]
 
 def _stage_costs(pre: _Prefix, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
                  stage_mesh: Sequence[int], meshes: Sequence[DeviceMesh], b: int,
-                 gradient_reduction: str) -> tuple[list[StageSeconds], tuple[float, ...]]:
+                 gradient_reduction: GradientReduction) -> tuple[list[StageSeconds], tuple[float, ...]]:
     """Per stage, one micro-batch's forward and backward seconds; and per mesh, the seconds of
     its one gradient all-reduce per step (its stages' together: ring time is linear in the
     bytes), empty with ``"per_micro_batch"``, whose backwards include theirs (module doc)."""
@@ -245,14 +240,14 @@ def _stage_costs(pre: _Prefix, cluster: Cluster, hardware: Hardware, stages: Seq
         f, bw = _stage_seconds(pre, st.start, st.stop, st.shape, b, hardware,
                                tensor_parallel_bandwidth(cluster, st.shape, int(offsets[m])))
         reduce = _gradient_all_reduce_s(pre, st.start, st.stop, st.shape, cluster, meshes[m])
-        if gradient_reduction == "per_micro_batch":
+        if gradient_reduction.in_backward:
             # The weight pass makes the parameter cotangents, so a split backward's input pass
             # (which the previous stage waits for) runs without the all-reduce.
             seconds.append(StageSeconds(f, bw + reduce, bw / 2, bw / 2 + reduce))
         else:
             seconds.append(StageSeconds(f, bw, bw / 2, bw / 2))
             reductions[m] += reduce
-    return seconds, (() if gradient_reduction == "per_micro_batch" else tuple(reductions))
+    return seconds, (() if gradient_reduction.in_backward else tuple(reductions))
 
 
 def _with_task_overheads(seconds: Sequence[StageSeconds], stages: Sequence[StagePlan],
@@ -293,8 +288,9 @@ def _first_forward_starts(seconds: Sequence[StageSeconds], edges: Sequence[tuple
 
 
 def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
-            num_micro_batches: int, schedule: str, planner: str = "meshpar", *,
-            gradient_reduction: str = "per_step", stages_per_mesh: int = 1) -> PipelinePlan:
+            num_micro_batches: int, schedule: str | ScheduleKind, planner: str = "meshpar", *,
+            gradient_reduction: str | GradientReduction = GradientReduction.PER_STEP,
+            stages_per_mesh: int = 1) -> PipelinePlan:
     """The step time and per-mesh memory of running ``stages`` (``stages_per_mesh`` on each mesh,
     as ``schedule`` places them, meshes cut from ``cluster``'s first devices) with
     ``num_micro_batches`` under ``schedule``: compute and tensor-parallel time per stage, every
@@ -306,15 +302,17 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
 
     Raises:
       ValueError: ``num_micro_batches`` not dividing the batch, ``gradient_reduction`` not
-        one of ``GRADIENT_REDUCTIONS``, a placement ``schedule`` cannot make, stages of one mesh
+        one of ``GradientReduction``'s names, a placement ``schedule`` cannot make, stages of one mesh
         with different shapes.
     """
-    _check_gradient_reduction(gradient_reduction)
+    # A planner entry point (tests and benchmarks price plans with it): names resolve here.
+    gradient_reduction = GradientReduction.of(gradient_reduction, "gradient_reduction")
+    schedule = schedule_kind(schedule)
     S, M = len(stages), num_micro_batches
     if profile.batch_size % M:
         raise ValueError(f"num_micro_batches: {M} does not divide the batch of {profile.batch_size}")
     b = profile.batch_size // M
-    layout = PipelinePlan(tuple(stages), M, schedule, 0.0, (0.0,), planner, stages_per_mesh)
+    layout = PipelinePlan(tuple(stages), M, schedule.name, 0.0, (0.0,), planner, stages_per_mesh)
     stage_mesh = layout.stage_mesh
     pre = _Prefix(profile)
     meshes = stage_meshes(cluster, layout.mesh_shapes)
@@ -341,7 +339,8 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
 
 
 def _step_lower_bound(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
-                      M: int, gradient_reduction: str = "per_step", *, schedule: str = "1f1b",
+                      M: int, gradient_reduction: GradientReduction = GradientReduction.PER_STEP, *,
+                      schedule: ScheduleKind = SCHEDULES["1f1b"],
                       stages_per_mesh: int = 1, pre: _Prefix | None = None) -> float:
     """No simulated step of ``stages`` under ``schedule`` is shorter: each mesh starts no earlier
     than the first forward of one of its stages can (``_first_forward_starts``), then runs its
@@ -351,7 +350,7 @@ def _step_lower_bound(profile: ModelProfile, cluster: Cluster, hardware: Hardwar
     ``profile``'s prefix sums, when already made."""
     pre = _Prefix(profile) if pre is None else pre
     b = profile.batch_size // M
-    layout = PipelinePlan(tuple(stages), M, schedule, 0.0, (0.0,), "meshpar", stages_per_mesh)
+    layout = PipelinePlan(tuple(stages), M, schedule.name, 0.0, (0.0,), "meshpar", stages_per_mesh)
     stage_mesh = layout.stage_mesh
     meshes = stage_meshes(cluster, layout.mesh_shapes)
     seconds, reductions = _stage_costs(pre, cluster, hardware, stages, stage_mesh, meshes, b, gradient_reduction)
@@ -390,8 +389,9 @@ def _edge_seconds_cached(cluster: Cluster, src: DeviceMesh, dst: DeviceMesh, num
     return plan_resharding(task, cluster, strategy="broadcast", balancer="load_balance").estimated_time
 
 
-def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: str, hardware: Hardware,
-               cluster: Cluster, budget: float, by_memory: bool = False, gradient_reduction: str = "per_step", *,
+def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: ScheduleKind, hardware: Hardware,
+               cluster: Cluster, budget: float, by_memory: bool = False,
+               gradient_reduction: GradientReduction = GradientReduction.PER_STEP, *,
                num_meshes: int | None = None, shapes: Sequence[tuple[int, int]] | None = None,
                lives: Sequence[int] | None = None) -> tuple[list[StagePlan], float] | None:
     """The contiguous partition into ``S`` stages of ``n`` devices each (placed on ``num_meshes``
@@ -409,7 +409,7 @@ def _partition(pre: _Prefix, L: int, S: int, M: int, b: int, n: int, schedule: s
     per_shape = []
     for shape in shapes:
         f, bw = _stage_seconds(pre, idx_i, idx_j, shape, b, hardware, tensor_parallel_bandwidth(cluster, shape))
-        if gradient_reduction == "per_micro_batch":
+        if gradient_reduction.in_backward:
             # Priced on the cluster's first devices, as the tensor-parallel bandwidth: where a
             # stage lands is known only once the partition is.
             bw = bw + _gradient_all_reduce_s(pre, idx_i, idx_j, shape, cluster, stage_meshes(cluster, [shape])[0])
@@ -454,7 +454,7 @@ class _Layout:
     num_meshes: int
     stages_per_mesh: int
     num_micro_batches: int
-    schedules: tuple[str, ...]
+    schedules: tuple[ScheduleKind, ...]
 
     @property
     def num_stages(self) -> int:
@@ -469,7 +469,7 @@ class _Layout:
         return self.num_stages == 1 and self.num_micro_batches == 1
 
 
-def _places(schedule: str, num_stages: int, num_meshes: int, num_micro_batches: int) -> bool:
+def _places(schedule: ScheduleKind, num_stages: int, num_meshes: int, num_micro_batches: int) -> bool:
     """Whether ``schedule`` runs ``num_stages`` stages on ``num_meshes`` meshes with
     ``num_micro_batches`` (the runtime's own check, ``check_stage_placement``)."""
     try:
@@ -493,13 +493,13 @@ def _layouts(profile: ModelProfile, cluster: Cluster, constraints: PlanConstrain
                 if S > L or constraints.num_stages not in (None, S):
                     continue
                 for M in micro:
-                    placed = tuple(s for s in constraints.schedule_names if _places(s, S, P, M))
+                    placed = tuple(s for s in constraints.schedule_kinds if _places(s, S, P, M))
                     if placed:
                         yield _Layout(n, P, v, M, placed)
 
 
 def _layer_seconds(pre: _Prefix, cluster: Cluster, hardware: Hardware, layout: _Layout, batch: int,
-                   gradient_reduction: str) -> np.ndarray:
+                   gradient_reduction: GradientReduction) -> np.ndarray:
     """Per layer, the least seconds it adds to the mesh running it in a step of ``layout``, over
     the shapes a mesh may take (those splitting the micro-batch) and the places a mesh may sit
     (its links): its ``M`` forwards and backwards with their tensor-parallel all-reduces, and
@@ -517,7 +517,7 @@ def _layer_seconds(pre: _Prefix, cluster: Cluster, hardware: Hardware, layout: _
         f, bw = _stage_seconds(pre, i, j, shape, b, hardware, tp)
         reduce = np.min([_gradient_all_reduce_s(pre, i, j, shape, cluster, mesh) for _, mesh in places.values()],
                         axis=0)
-        best = np.minimum(best, M * (f + bw) + (M if gradient_reduction == "per_micro_batch" else 1) * reduce)
+        best = np.minimum(best, M * (f + bw) + gradient_reduction.reductions_per_step(M) * reduce)
     return best
 
 
@@ -543,7 +543,7 @@ def _layout_bound(pre: _Prefix, hardware: Hardware, layout: _Layout, batch: int,
     return max(chain, lanes, launches * hardware.dispatch_s, shared)
 
 
-def _signature(layout: _Layout, schedule: str, stages: Sequence[StagePlan]) -> tuple:
+def _signature(layout: _Layout, schedule: ScheduleKind, stages: Sequence[StagePlan]) -> tuple:
     """What a plan runs: its stages, and the one program or each mesh's tasks in order and which
     stages it hosts (two schedules giving the same are one plan)."""
     if layout.one_program:
@@ -563,9 +563,9 @@ class _Partitions:
         self._pre, self._profile, self._cluster, self._hardware = pre, profile, cluster, hardware
         self._constraints = constraints
         self._found: dict[tuple, tuple[list[StagePlan], float] | None] = {}
-        self._live: dict[tuple[str, int, int, int], tuple[int, ...]] = {}
+        self._live: dict[tuple[ScheduleKind, int, int, int], tuple[int, ...]] = {}
 
-    def __call__(self, layout: _Layout, schedule: str) -> list[StagePlan] | None:
+    def __call__(self, layout: _Layout, schedule: ScheduleKind) -> list[StagePlan] | None:
         """The fastest partition of ``layout`` under ``schedule`` fitting the budget, or ``None``."""
         S, M, budget = layout.num_stages, layout.num_micro_batches, self._constraints.budget
         # No stage keeps more than M micro-batches alive: when the fastest partition of all fits
@@ -577,7 +577,7 @@ class _Partitions:
         exact = self._dp(layout, self._lives(layout, schedule), budget)
         return None if exact is None else exact[0]
 
-    def _lives(self, layout: _Layout, schedule: str) -> tuple[int, ...]:
+    def _lives(self, layout: _Layout, schedule: ScheduleKind) -> tuple[int, ...]:
         S, P, M = layout.num_stages, layout.num_meshes, layout.num_micro_batches
         if (schedule, S, P, M) not in self._live:
             self._live[(schedule, S, P, M)] = tuple(_live(schedule, s, S, M, P) for s in range(S))
@@ -639,7 +639,7 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
         return _layout_bound(pre, hardware, layout, B, layer_seconds[key])
 
     # Best first: (lower bound, tie-break, layout, schedule and stages once partitioned).
-    queue: list[tuple[float, int, _Layout, tuple[str, list[StagePlan]] | None]] = [
+    queue: list[tuple[float, int, _Layout, tuple[ScheduleKind, list[StagePlan]] | None]] = [
         (bound(layout), k, layout, None) for k, layout in enumerate(_layouts(profile, cluster, constraints,
                                                                             max_micro_batches))]
     if not queue:

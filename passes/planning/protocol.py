@@ -24,8 +24,8 @@ import numpy as np
 
 from ..model.cluster import Cluster
 from ..model.mesh import DeviceMesh
-from ..pipeline.pipeline_options import GRADIENT_REDUCTIONS
-from ..pipeline.scheduling.pipeline_schedule import SCHEDULES, schedule_kind
+from ..pipeline.pipeline_options import GradientReduction
+from ..pipeline.scheduling.pipeline_schedule import SCHEDULES, ScheduleKind, schedule_kind
 from .layer_profile import ModelProfile
 
 __all__ = ["Hardware", "NoPlanFits", "PipelinePlan", "PlanConstraints", "Planner", "StagePlan", "first_devices",
@@ -111,7 +111,8 @@ class PipelinePlan:
     Attributes:
       stages: contiguous, covering every layer once, in order.
       num_micro_batches: M.
-      schedule: a ``pipeline_schedule.SCHEDULES`` name.
+      schedule: a ``pipeline_schedule.SCHEDULES`` name: a plan is a record the user reads and
+        passes back as ``PipeshardParallel(schedule=...)`` (``stage_mesh`` looks it up).
       predicted_step_s: seconds per step.
       peak_memory_bytes: per mesh, the most bytes one of its devices holds (its stages'
         together).
@@ -215,7 +216,8 @@ class PlanConstraints:
       stages_per_mesh: the stages per mesh to try, where a schedule takes that many
         (``check_stage_placement``).
       gradient_reduction: how the step reduces gradients over the data axis
-        (``PipeshardParallel.gradient_reduction``); meshpar prices it as it runs, the
+        (``PipeshardParallel.gradient_reduction``; a name resolves to its ``GradientReduction``
+        when made); meshpar prices it as it runs, the
         baselines as their papers model it.
       device_subsets: whether a plan may use fewer devices than the cluster has (down to one
         device: the one-program step ``jax.jit`` runs); the baselines use every device.
@@ -229,7 +231,7 @@ class PlanConstraints:
     num_micro_batches: int | None = None
     schedules: tuple[str, ...] | None = None
     stages_per_mesh: tuple[int, ...] = (1, 2)
-    gradient_reduction: str = "per_step"
+    gradient_reduction: str | GradientReduction = GradientReduction.PER_STEP
     device_subsets: bool = True
 
     def __post_init__(self) -> None:
@@ -249,9 +251,9 @@ class PlanConstraints:
             raise ValueError(f"stages_per_mesh: expected a non-empty sequence of positive integers, "
                              f"got {self.stages_per_mesh!r}")
         object.__setattr__(self, "stages_per_mesh", per_mesh)
-        if self.gradient_reduction not in GRADIENT_REDUCTIONS:
-            raise ValueError(f"gradient_reduction: expected one of {GRADIENT_REDUCTIONS}, "
-                             f"got {self.gradient_reduction!r}")
+        # The planner's options are its API: the name resolves here, once.
+        object.__setattr__(self, "gradient_reduction",
+                           GradientReduction.of(self.gradient_reduction, "gradient_reduction"))
         if not isinstance(self.device_subsets, bool):
             raise ValueError(f"device_subsets: expected a bool, got {self.device_subsets!r}")
 
@@ -259,6 +261,11 @@ class PlanConstraints:
     def schedule_names(self) -> tuple[str, ...]:
         """The schedules to choose among: ``schedules``, or every registered one in registry order."""
         return tuple(SCHEDULES) if self.schedules is None else self.schedules
+
+    @property
+    def schedule_kinds(self) -> tuple[ScheduleKind, ...]:
+        """``schedule_names`` resolved (checked when made): what the planners search over."""
+        return tuple(SCHEDULES[name] for name in self.schedule_names)
 
     @property
     def budget(self) -> float:

@@ -1,7 +1,9 @@
 """Load balancing and ordering of unit tasks, selectable by name (§3.2).
 
 Every balancer maps a ``BalancingProblem`` to a ``TaskOrder`` and is
-deterministic for a given seed, so every process computes the same plan.
+deterministic for a given seed, so every process computes the same plan. A
+``Balancer`` also says how a host's sends spread over its devices; a new one is
+one ``Balancer`` entry of ``BALANCERS``.
 
 - ``naive``: each task sent from the host of its lowest-indexed sender
   device, in decomposition order (the paper's baseline).
@@ -23,7 +25,8 @@ from .balancing_problem import BalancingProblem, TaskOrder, simulate
 from .dfs_search import dfs_search
 from .greedy_random import greedy_random_search
 
-__all__ = ["BalancerOptions", "BALANCERS", "get_balancer", "naive", "load_balance", "dfs", "greedy_random", "ensemble"]
+__all__ = ["Balancer", "BalancerOptions", "BALANCERS", "TaskOrdering", "get_balancer", "naive", "load_balance", "dfs",
+           "greedy_random", "ensemble"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +57,28 @@ class BalancerOptions:
             raise ValueError(f"greedy_orders: expected >= 1, got {self.greedy_orders}")
 
 
-Balancer = Callable[[BalancingProblem, BalancerOptions], TaskOrder]
+TaskOrdering = Callable[[BalancingProblem, BalancerOptions], TaskOrder]
+
+
+@dataclasses.dataclass(frozen=True)
+class Balancer:
+    """One entry of ``BALANCERS``.
+
+    Attributes:
+      name: the user's name for it (``plan_resharding(balancer=...)``).
+      order: ``(problem, options) ->`` each task's sender host and the launch order;
+        deterministic for a given ``options.seed``.
+      spread_senders: whether a host's sends spread over its devices (the least-loaded one
+        sends next); ``False``: always its lowest-indexed holder, as the paper's naive
+        baseline defines it.
+    """
+
+    name: str
+    order: TaskOrdering = dataclasses.field(repr=False)
+    spread_senders: bool = True
+
+    def __call__(self, problem: BalancingProblem, options: BalancerOptions) -> TaskOrder:
+        return self.order(problem, options)
 
 
 def naive(problem: BalancingProblem, options: BalancerOptions) -> TaskOrder:
@@ -91,17 +115,23 @@ def ensemble(problem: BalancingProblem, options: BalancerOptions) -> TaskOrder:
     return min(candidates, key=lambda s: simulate(problem, s)[1])
 
 
+# Name -> balancer; its name is resolved only by ``get_balancer``, at the API.
 BALANCERS: dict[str, Balancer] = {
-    "naive": naive,
-    "load_balance": load_balance,
-    "dfs": dfs,
-    "greedy_random": greedy_random,
-    "ensemble": ensemble,
+    b.name: b for b in (
+        Balancer("naive", naive, spread_senders=False),
+        Balancer("load_balance", load_balance),
+        Balancer("dfs", dfs),
+        Balancer("greedy_random", greedy_random),
+        Balancer("ensemble", ensemble),
+    )
 }
 
 
-def get_balancer(name: str) -> Balancer:
-    """The balancer called ``name``; ``ValueError`` listing the choices otherwise."""
+def get_balancer(name: str | Balancer) -> Balancer:
+    """The balancer called ``name`` (a ``Balancer`` is itself); ``ValueError`` listing the
+    choices otherwise."""
+    if isinstance(name, Balancer):
+        return name
     try:
         return BALANCERS[name]
     except (KeyError, TypeError):

@@ -33,7 +33,8 @@ import json
 
 from ..compiler_pass import compiler_pass
 from .resharding_plan import ReshardingPlan
-from .transfer_program import Chain, pack_steps, plan_chains, split_box_exact
+from .chains import Chain, split_box_exact
+from .transfer_program import pack_steps
 from ..verification import PlanVerificationError
 
 __all__ = ["Cut", "Hop", "HopProgram", "Place", "lower_to_hops", "replicate_scalar", "verify_hop_program"]
@@ -173,7 +174,7 @@ def lower_to_hops(plan: ReshardingPlan) -> HopProgram:
     chains_per_round = [
         # Plan order within a round: the planner's priority decides who goes
         # first when two chains want the same device in the same step.
-        [c for t in round_tasks for c in plan_chains(t, plan.strategy, task.host_of, split=split_box_exact)]
+        [c for t in round_tasks for c in plan.strategy.chains(t, task.host_of, split_box_exact)]
         for round_tasks in plan.rounds
     ]
     return _assemble(task.shape, chains_per_round, src_origin, dst_origin, src_tiles, dst_tiles)

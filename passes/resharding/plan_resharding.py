@@ -13,12 +13,12 @@ from __future__ import annotations
 from ..compiler_pass import compiler_pass
 from ..model.cluster import Cluster
 
-from .balancers import BalancerOptions, get_balancer
+from .balancers import Balancer, BalancerOptions, get_balancer
 from .balancing_problem import assign_rounds, build_problem, simulate
 from .lower_bound import lower_bound
 from .resharding_plan import ReshardingPlan, ScheduledTask, verify_plan
 from .resharding_task import ReshardingTask
-from .strategies import get_strategy, ring_route
+from .strategies import Strategy, get_strategy, ring_route
 from .unit_tasks import decompose, verify_decomposition
 
 __all__ = ["plan_resharding", "ALPA_BASELINE"]
@@ -33,8 +33,8 @@ def plan_resharding(
     task: ReshardingTask,
     cluster: Cluster,
     *,
-    strategy: str = "broadcast",
-    balancer: str = "ensemble",
+    strategy: str | Strategy = "broadcast",
+    balancer: str | Balancer = "ensemble",
     chunks: int | None = None,
     options: BalancerOptions = BalancerOptions(),
 ) -> ReshardingPlan:
@@ -43,10 +43,10 @@ def plan_resharding(
     Args:
       task: the tensor, its meshes and specs.
       cluster: bandwidths and latency for the cost model.
-      strategy: ``broadcast``, ``send_recv``, ``local_allgather`` or
-        ``global_allgather``.
-      balancer: ``ensemble``, ``dfs``, ``greedy_random``, ``load_balance`` or
-        ``naive``.
+      strategy: a ``Strategy`` or its name in ``STRATEGIES``: ``broadcast``,
+        ``send_recv``, ``local_allgather`` or ``global_allgather``.
+      balancer: a ``Balancer`` or its name in ``BALANCERS``: ``ensemble``, ``dfs``,
+        ``greedy_random``, ``load_balance`` or ``naive``.
       chunks: chunk count for ``broadcast``; ``None`` lets the cost model pick.
       options: seeds and budgets of the search balancers.
 
@@ -79,7 +79,8 @@ def plan_resharding(
         on_host = [s for s in u.senders if task.host_of(s) == host]
         # Spread a host's sends over its devices; the naive baseline always
         # uses the lowest-indexed one, as the paper defines it.
-        sender = on_host[0] if balancer == "naive" else min(on_host, key=lambda s: (sent_bytes.get(s, 0), s))
+        sender = (min(on_host, key=lambda s: (sent_bytes.get(s, 0), s)) if balance.spread_senders
+                  else on_host[0])
         sent_bytes[sender] = sent_bytes.get(sender, 0) + u.nbytes
         scheduled.append(
             ScheduledTask(
@@ -94,8 +95,8 @@ def plan_resharding(
         )
     plan = ReshardingPlan(
         task=task,
-        strategy=strategy,
-        balancer=balancer,
+        strategy=strat,
+        balancer=balance,
         tasks=tuple(scheduled),
         num_rounds=len(rounds),
         estimated_time=makespan,

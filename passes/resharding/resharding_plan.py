@@ -6,34 +6,14 @@ import dataclasses
 import hashlib
 import json
 
+from .balancers import Balancer
 from .resharding_task import ReshardingTask
+from .scheduled_task import ScheduledTask
 from .unit_tasks import UnitTask
+from .strategies import Strategy
 from ..verification import PlanVerificationError
 
 __all__ = ["ScheduledTask", "ReshardingPlan", "verify_plan"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledTask:
-    """A unit task with its sender, route and timing fixed.
-
-    Attributes:
-      unit: the unit task.
-      sender: the source device that sends it (one of ``unit.senders``).
-      route: ``unit.receivers`` in the order data flows (ring order for
-        ``broadcast``; for other strategies, the order messages leave).
-      chunks: pieces the slice is cut into (``broadcast`` pipelines them).
-      round: the round it launches in; tasks of one round share no NIC.
-      start, duration: simulated seconds.
-    """
-
-    unit: UnitTask
-    sender: int
-    route: tuple[int, ...]
-    chunks: int
-    round: int
-    start: float
-    duration: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +22,7 @@ class ReshardingPlan:
 
     Attributes:
       task: what is resharded.
-      strategy, balancer: the names that made this plan.
+      strategy, balancer: what made this plan (``strategy.chains`` lowers its tasks).
       tasks: scheduled unit tasks in launch order.
       num_rounds: rounds in ``tasks``; round ``r`` starts after round ``r-1``.
       estimated_time: makespan under the cost model (Eq. 1).
@@ -50,8 +30,8 @@ class ReshardingPlan:
     """
 
     task: ReshardingTask
-    strategy: str
-    balancer: str
+    strategy: Strategy
+    balancer: Balancer
     tasks: tuple[ScheduledTask, ...]
     num_rounds: int
     estimated_time: float
@@ -74,7 +54,7 @@ class ReshardingPlan:
             "src": [t.src_mesh.device_ids.tolist(), t.src_mesh.host_ids.tolist(), str(t.src_spec)],
             "dst": [t.dst_mesh.device_ids.tolist(), t.dst_mesh.host_ids.tolist(), str(t.dst_spec)],
             "pad": t.pad,
-            "strategy": self.strategy,
+            "strategy": self.strategy.name,
             "tasks": [[s.unit.bounds, s.sender, s.route, s.chunks, s.round] for s in self.tasks],
         }
         return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()[:16]
@@ -88,7 +68,7 @@ class ReshardingPlan:
         )
         return (
             f"{self.task.src_spec}{self.task.src_mesh.shape} -> {self.task.dst_spec}{self.task.dst_mesh.shape} "
-            f"{self.task.nbytes / 2**20:.1f} MiB: {self.strategy}/{self.balancer}, "
+            f"{self.task.nbytes / 2**20:.1f} MiB: {self.strategy.name}/{self.balancer.name}, "
             f"{len(self.tasks)} unit tasks in {self.num_rounds} rounds, "
             f"est {self.estimated_time * 1e3:.2f} ms vs {bound}"
         )

@@ -18,19 +18,30 @@ time, the costs are:
   counting one more step. ``K`` is picked by the cost model unless given.
 
 Besides the cost, each strategy says which host NICs it keeps busy
-(``resources``): two tasks that share one may not overlap in time (Eq. 3).
+(``resources``): two tasks that share one may not overlap in time (Eq. 3); and
+how it is lowered (``chains``, the hops ``transfer_program`` and ``hop_program``
+pack into steps). A strategy owns all three, so a new one is one class here (or
+in a module of its own) and one entry of ``STRATEGIES``.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 from ..model.cluster import Cluster
+from .chains import Chain, Split
+from .scheduled_task import ScheduledTask
 
 __all__ = [
+    "Broadcast",
+    "GlobalAllGather",
+    "LocalAllGather",
     "Multicast",
+    "SendRecv",
     "Strategy",
     "STRATEGIES",
     "get_strategy",
@@ -114,37 +125,59 @@ def _intra(cluster: Cluster, nbytes: float) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class Strategy:
-    """A named way to multicast one slice; see the module docstring for costs."""
+class Strategy(abc.ABC):
+    """A way to multicast one slice from a sender device to receiver devices: what it costs
+    (``seconds``), which host NICs it holds (``resources``) and the chains of hops it is lowered
+    to (``chains``). See the module docstring for the built-in ones.
+
+    A new strategy is one subclass, a frozen dataclass with its ``name``, implementing
+    ``seconds`` and ``chains`` (and ``forwarding_hosts``, ``chunked`` where they differ), plus
+    one entry of ``STRATEGIES``: the planner prices it, both lowerings (``transfer_program``,
+    ``hop_program``) take its chains, and every API accepts its name.
+
+    Invariants: ``chains`` of a scheduled task deliver the whole slice (``task.unit.bounds``)
+    to every device of ``task.route``, starting from ``task.sender``; only a ``chunked``
+    strategy reads ``task.chunks``; ``seconds`` prices what ``chains`` moves, and
+    ``resources`` names every NIC that moving it keeps busy.
+    """
 
     name: str
-    _cost: Callable[[Multicast, Cluster, int], float] = dataclasses.field(repr=False)
-    # Which remote receiver hosts send data on: "none", "ring" (all but the
-    # last host of the ring) or "all" (an all-gather among them).
-    _forwarders: str = dataclasses.field(repr=False)
-    chunked: bool = False
+    # Whether the slice is cut into chunks pipelined through the receivers (``best_chunks``).
+    chunked: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def seconds(self, multicast: Multicast, cluster: Cluster, chunks: int) -> float:
+        """Seconds to deliver the slice to every receiver, cut in ``chunks`` (>= 1)."""
+
+    @abc.abstractmethod
+    def chains(self, task: ScheduledTask, host_of: Callable[[int], int], split: Split) -> list[Chain]:
+        """The chains that carry scheduled ``task``; ``split`` cuts a box into pieces."""
+
+    def forwarding_hosts(self, remote: Sequence[int]) -> Sequence[int]:
+        """Of the remote receiver hosts (ascending, at least two), those that send data on to
+        other hosts: none unless the receivers relay (a ring, an all-gather among them)."""
+        return ()
 
     def cost(self, multicast: Multicast, cluster: Cluster, chunks: int = 1) -> float:
         """Seconds to deliver the slice to every receiver."""
         if chunks < 1:
             raise ValueError(f"chunks: expected >= 1, got {chunks}")
-        return self._cost(multicast, cluster, chunks)
+        return self.seconds(multicast, cluster, chunks)
 
     def resources(self, multicast: Multicast) -> frozenset[int]:
         """NIC resources the task occupies for its whole duration.
 
         The sender host's outgoing NIC (when any receiver is remote) and the
         incoming NIC of every remote receiver host; strategies whose receivers
-        pass data on to other hosts (ring broadcast, global all-gather) also
-        hold those hosts' outgoing NICs.
+        pass data on to other hosts (``forwarding_hosts``: ring broadcast, global
+        all-gather) also hold those hosts' outgoing NICs.
         """
         remote = sorted(h for h, _ in multicast.remote)
         if not remote:
             return frozenset()
         res = {send_resource(multicast.sender_host)} | {recv_resource(h) for h in remote}
-        if len(remote) > 1 and self._forwarders != "none":
-            forwarders = remote if self._forwarders == "all" else remote[:-1]
-            res |= {send_resource(h) for h in forwarders}
+        if len(remote) > 1:
+            res |= {send_resource(h) for h in self.forwarding_hosts(remote)}
         return frozenset(res)
 
     def best_chunks(self, multicast: Multicast, cluster: Cluster, num_elements: int) -> int:
@@ -165,61 +198,123 @@ class Strategy:
             # Stationary point of (K + hops - 1)(latency + t/K).
             k_star = math.sqrt((hops - 1) * multicast.nbytes / cluster.inter_host_bandwidth / cluster.latency)
             candidates |= {max(1, min(limit, int(k_star))), max(1, min(limit, math.ceil(k_star)))}
-        return min(sorted(candidates), key=lambda c: (self._cost(multicast, cluster, c), c))
+        return min(sorted(candidates), key=lambda c: (self.seconds(multicast, cluster, c), c))
 
 
-def _send_recv(s: Multicast, c: Cluster, chunks: int) -> float:
-    remote_devices = sum(b for _, b in s.remote)
-    return remote_devices * _inter(c, s.nbytes) + s.local_devices * _intra(c, s.nbytes)
+def _rings(task: ScheduledTask, rings: Sequence[Sequence[int]], split: Split) -> list[Chain]:
+    """Per ring of receivers, the slice cut in one part per receiver: part q goes from the sender
+    to the ring's q-th device and then around the ring (a ring all-gather)."""
+    chains = []
+    for ring in rings:
+        for q, piece in enumerate(split(task.unit.bounds, len(ring))):
+            chains.append(Chain(piece, (task.sender, *ring[q:], *ring[:q])))
+    return chains
 
 
-def _local_allgather(s: Multicast, c: Cluster, chunks: int) -> float:
-    # One copy per host, cut in B parts (one message each) that the host's
-    # devices all-gather over the fast interconnect, hosts in parallel.
-    send = sum(b * c.latency + s.nbytes / c.inter_host_bandwidth for _, b in s.remote)
-    if s.local_devices:
-        send = max(send, _intra(c, s.nbytes))
-    gather = max((b - 1) * _intra(c, s.nbytes / b) for _, b in s.hosts)
-    return send + gather
+@dataclasses.dataclass(frozen=True)
+class SendRecv(Strategy):
+    """One copy to every receiver device, all from the sender: ``A*B*t``."""
+
+    name: str = "send_recv"
+
+    def seconds(self, s: Multicast, c: Cluster, chunks: int) -> float:
+        remote_devices = sum(b for _, b in s.remote)
+        return remote_devices * _inter(c, s.nbytes) + s.local_devices * _intra(c, s.nbytes)
+
+    def chains(self, task: ScheduledTask, host_of: Callable[[int], int], split: Split) -> list[Chain]:
+        return [Chain(task.unit.bounds, (task.sender, r)) for r in task.route]
 
 
-def _global_allgather(s: Multicast, c: Cluster, chunks: int) -> float:
-    n = sum(b for _, b in s.hosts)
-    part = s.nbytes / n
-    remote_devices = sum(b for _, b in s.remote)
-    scatter = c.latency + remote_devices * part / c.inter_host_bandwidth if remote_devices else 0.0
-    scatter = max(scatter, _intra(c, s.local_devices * part) if s.local_devices else 0.0)
-    # Ring all-gather over all n receivers: n-1 steps of one part per device;
-    # with several hosts each step crosses a host boundary.
-    step = _inter(c, part) if len(s.hosts) > 1 else _intra(c, part)
-    return scatter + (n - 1) * step
+@dataclasses.dataclass(frozen=True)
+class LocalAllGather(Strategy):
+    """One copy per receiving host, cut in ``B`` parts that the host's devices all-gather
+    (Alpa's strategy): ``A*t``."""
+
+    name: str = "local_allgather"
+
+    def seconds(self, s: Multicast, c: Cluster, chunks: int) -> float:
+        # One copy per host, cut in B parts (one message each) that the host's
+        # devices all-gather over the fast interconnect, hosts in parallel.
+        send = sum(b * c.latency + s.nbytes / c.inter_host_bandwidth for _, b in s.remote)
+        if s.local_devices:
+            send = max(send, _intra(c, s.nbytes))
+        gather = max((b - 1) * _intra(c, s.nbytes / b) for _, b in s.hosts)
+        return send + gather
+
+    def chains(self, task: ScheduledTask, host_of: Callable[[int], int], split: Split) -> list[Chain]:
+        groups: dict[int, list[int]] = {}
+        for r in task.route:
+            groups.setdefault(host_of(r), []).append(r)
+        return _rings(task, list(groups.values()), split)
 
 
-def _broadcast(s: Multicast, c: Cluster, chunks: int) -> float:
-    # Pipelined ring: chunk k+1 leaves a device while chunk k moves on, so the
-    # makespan is one pass of a chunk through every hop plus K-1 chunks
-    # through the slowest hop.
-    piece = s.nbytes / chunks
-    hops = []
-    prev = s.sender_host
-    for h, b in s.hosts:
-        for i in range(b):
-            hops.append(_inter(c, piece) if (i == 0 and h != prev) else _intra(c, piece))
-        prev = h
-    return sum(hops) + (chunks - 1) * max(hops)
+@dataclasses.dataclass(frozen=True)
+class GlobalAllGather(Strategy):
+    """Scatter ``S/n`` to each of the ``n`` receivers, then a ring all-gather over all of them:
+    about ``2t``."""
+
+    name: str = "global_allgather"
+
+    def seconds(self, s: Multicast, c: Cluster, chunks: int) -> float:
+        n = sum(b for _, b in s.hosts)
+        part = s.nbytes / n
+        remote_devices = sum(b for _, b in s.remote)
+        scatter = c.latency + remote_devices * part / c.inter_host_bandwidth if remote_devices else 0.0
+        scatter = max(scatter, _intra(c, s.local_devices * part) if s.local_devices else 0.0)
+        # Ring all-gather over all n receivers: n-1 steps of one part per device;
+        # with several hosts each step crosses a host boundary.
+        step = _inter(c, part) if len(s.hosts) > 1 else _intra(c, part)
+        return scatter + (n - 1) * step
+
+    def chains(self, task: ScheduledTask, host_of: Callable[[int], int], split: Split) -> list[Chain]:
+        return _rings(task, [list(task.route)], split)
+
+    def forwarding_hosts(self, remote: Sequence[int]) -> Sequence[int]:
+        return remote  # an all-gather among every receiver host
 
 
+@dataclasses.dataclass(frozen=True)
+class Broadcast(Strategy):
+    """A ring from the sender through every receiver, in ``K`` pipelined chunks:
+    ``t + (A-1)*t/K``."""
+
+    name: str = "broadcast"
+    chunked: ClassVar[bool] = True
+
+    def seconds(self, s: Multicast, c: Cluster, chunks: int) -> float:
+        # Pipelined ring: chunk k+1 leaves a device while chunk k moves on, so the
+        # makespan is one pass of a chunk through every hop plus K-1 chunks
+        # through the slowest hop.
+        piece = s.nbytes / chunks
+        hops = []
+        prev = s.sender_host
+        for h, b in s.hosts:
+            for i in range(b):
+                hops.append(_inter(c, piece) if (i == 0 and h != prev) else _intra(c, piece))
+            prev = h
+        return sum(hops) + (chunks - 1) * max(hops)
+
+    def chains(self, task: ScheduledTask, host_of: Callable[[int], int], split: Split) -> list[Chain]:
+        # Each chunk one chain through the whole ring; chunk k+1 leaves the sender while chunk k moves on.
+        return [Chain(piece, (task.sender, *task.route)) for piece in split(task.unit.bounds, task.chunks)]
+
+    def forwarding_hosts(self, remote: Sequence[int]) -> Sequence[int]:
+        return remote[:-1]  # every host of the ring but its last passes the data on
+
+
+# Name -> strategy; a new strategy is one ``Strategy`` subclass and one entry here (its name is
+# resolved only by ``get_strategy``, at the API).
 STRATEGIES: dict[str, Strategy] = {
-    "send_recv": Strategy("send_recv", _send_recv, "none"),
-    "local_allgather": Strategy("local_allgather", _local_allgather, "none"),
-    "global_allgather": Strategy("global_allgather", _global_allgather, "all"),
-    "broadcast": Strategy("broadcast", _broadcast, "ring", chunked=True),
+    s.name: s for s in (SendRecv(), LocalAllGather(), GlobalAllGather(), Broadcast())
 }
 
 
-def get_strategy(name: str) -> Strategy:
-    """The strategy called ``name``; ``ValueError`` listing the choices otherwise."""
+def get_strategy(name: str | Strategy, arg: str = "strategy") -> Strategy:
+    """The strategy called ``name`` (a ``Strategy`` is itself); ``ValueError`` naming ``arg`` and
+    listing the choices otherwise."""
+    if isinstance(name, Strategy):
+        return name
     try:
         return STRATEGIES[name]
     except (KeyError, TypeError):
-        raise ValueError(f"strategy: unknown {name!r}; expected one of {sorted(STRATEGIES)}") from None
+        raise ValueError(f"{arg}: unknown {name!r}; expected one of {sorted(STRATEGIES)}") from None

@@ -1,7 +1,8 @@
 """Pass: lower a ``ReshardingPlan`` to a device-level ``TransferProgram``.
 
-Every strategy becomes a set of *chains*: a box of the tensor that starts on
-one device and hops, device to device, along a list of receivers.
+Every strategy lowers each scheduled task to a set of *chains* (``Strategy.chains``,
+``chains.Chain``): a box of the tensor that starts on one device and hops, device to
+device, along a list of receivers.
 
 - ``broadcast``: the unit slice cut into K chunks, each chunk one chain
   through the whole ring (sender, then every receiver in route order); chunk
@@ -26,14 +27,16 @@ overlapping writes carry identical data.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
 from ..compiler_pass import compiler_pass
+from .chains import Chain, Split, split_box, split_box_exact
 from .resharding_plan import ReshardingPlan, ScheduledTask
+from .strategies import Strategy
 from ..verification import PlanVerificationError
 
 __all__ = ["Chain", "Transfer", "Step", "TransferProgram", "lower_plan", "pack_steps", "plan_chains", "split_box",
            "split_box_exact", "verify_program"]
-
-Box = tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,70 +99,11 @@ class TransferProgram:
         return sum(len(s.transfers) for s in self.steps)
 
 
-@dataclasses.dataclass(frozen=True)
-class Chain:
-    """A box of the tensor that starts on ``devices[0]`` (in its source tile) and
-    hops along ``devices[1:]``, each of which keeps it in its destination tile."""
-
-    box: Box  # global bounds
-    devices: tuple[int, ...]
-
-
-def split_box(box: Box, parts: int) -> list[Box]:
-    """``parts`` equal-shaped pieces covering ``box`` along its longest dimension.
-
-    Fewer pieces when the dimension is shorter than ``parts``; the last
-    piece is shifted back to end at the box edge (overlapping its neighbour).
-    """
-    lengths = [b - a for a, b in box]
-    d = max(range(len(box)), key=lambda i: (lengths[i], -i))
-    length = lengths[d]
-    size = -(-length // max(1, min(parts, length)))
-    count = -(-length // size)
-    out = []
-    for p in range(count):
-        start = box[d][0] + min(p * size, length - size)
-        piece = list(box)
-        piece[d] = (start, start + size)
-        out.append(tuple(piece))
-    return out
-
-
-def split_box_exact(box: Box, parts: int) -> list[Box]:
-    """Up to ``parts`` disjoint pieces covering ``box`` along its longest dimension,
-    their lengths differing by at most one (for runtimes without static shapes)."""
-    lengths = [b - a for a, b in box]
-    d = max(range(len(box)), key=lambda i: (lengths[i], -i))
-    count = max(1, min(parts, lengths[d]))
-    out = []
-    for p in range(count):
-        piece = list(box)
-        piece[d] = (box[d][0] + p * lengths[d] // count, box[d][0] + (p + 1) * lengths[d] // count)
-        out.append(tuple(piece))
-    return out
-
-
-def plan_chains(t: ScheduledTask, strategy: str, host_of, split=split_box) -> list[Chain]:
-    """The chains that carry scheduled task ``t`` under ``strategy``; ``split`` cuts boxes."""
-    box = t.unit.bounds
-    if strategy == "broadcast":
-        return [Chain(piece, (t.sender, *t.route)) for piece in split(box, t.chunks)]
-    if strategy == "send_recv":
-        return [Chain(box, (t.sender, r)) for r in t.route]
-    if strategy == "local_allgather":
-        groups: dict[int, list[int]] = {}
-        for r in t.route:
-            groups.setdefault(host_of(r), []).append(r)
-        rings = list(groups.values())
-    elif strategy == "global_allgather":
-        rings = [list(t.route)]
-    else:
-        raise ValueError(f"strategy: no lowering for {strategy!r}")
-    chains = []
-    for ring in rings:
-        for q, piece in enumerate(split(box, len(ring))):
-            chains.append(Chain(piece, (t.sender, *ring[q:], *ring[:q])))
-    return chains
+def plan_chains(t: ScheduledTask, strategy: Strategy, host_of: Callable[[int], int],
+                split: Split = split_box) -> list[Chain]:
+    """The chains that carry scheduled task ``t`` under ``strategy`` (``Strategy.chains``);
+    ``split`` cuts boxes."""
+    return strategy.chains(t, host_of, split)
 
 
 def pack_steps(chains: list[Chain]) -> list[list[tuple[int, int]]]:
@@ -222,7 +166,7 @@ def lower_plan(plan: ReshardingPlan) -> TransferProgram:
     for round_tasks in plan.rounds:
         # Chains in plan order: the planner's priority decides who goes first
         # when two chains want the same device in the same step.
-        chains = [c for t in round_tasks for c in plan_chains(t, plan.strategy, task.host_of)]
+        chains = [c for t in round_tasks for c in plan.strategy.chains(t, task.host_of, split_box)]
         steps += [Step(tuple(hop(chains[c], j) for c, j in step)) for step in pack_steps(chains)]
         round_ends.append(len(steps) - 1)
     return TransferProgram(

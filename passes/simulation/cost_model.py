@@ -28,7 +28,7 @@ from ..pipeline.placing.data_replicas import StageAccumulation
 from ..pipeline.cutting.jaxpr_flops import jaxpr_flops
 from ..pipeline.placing.drop_mesh_axis import spec_without
 from ..pipeline.placing.edge_transfer import Direction, EdgeTransfer
-from ..pipeline.pipeline_options import GRADIENT_REDUCTIONS
+from ..pipeline.pipeline_options import GradientReduction
 from ..pipeline.placing.plan_moves import MOVE_EXECUTORS
 from .collectives import ring_all_reduce_s
 from .schedule_simulator import StageSeconds, TaskDurations
@@ -64,14 +64,14 @@ class StageGradients:
       bandwidth: bytes/s of the links the reduction runs over, positive.
       mesh: the mesh running the stage (``schedule.stage_mesh`` index); the stages of one
         mesh reduce together per step.
-      reduction: one of ``GRADIENT_REDUCTIONS``: ``"per_step"`` or ``"per_micro_batch"``.
+      reduction: once per step, or inside every micro-batch's backward.
     """
 
     param_bytes: int
     data_size: int
     bandwidth: float
     mesh: int
-    reduction: str
+    reduction: GradientReduction
 
     def __post_init__(self) -> None:
         if not self.param_bytes >= 0:
@@ -82,9 +82,8 @@ class StageGradients:
             raise ValueError(f"StageGradients.bandwidth: expected finite positive bytes/s, got {self.bandwidth!r}")
         if not self.mesh >= 0:
             raise ValueError(f"StageGradients.mesh: expected a mesh index, got {self.mesh!r}")
-        if self.reduction not in GRADIENT_REDUCTIONS:
-            raise ValueError(f"StageGradients.reduction: expected one of {GRADIENT_REDUCTIONS}, "
-                             f"got {self.reduction!r}")
+        if not isinstance(self.reduction, GradientReduction):
+            raise TypeError(f"StageGradients.reduction: expected a GradientReduction, got {self.reduction!r}")
 
     @property
     def seconds(self) -> float:
@@ -115,7 +114,8 @@ def stage_gradients(accumulation: Sequence[StageAccumulation], meshes: Sequence[
             if axis in mesh.axis_names else mesh.devices.reshape(-1, 1)
         spans = any(len({d.process_index for d in group}) > 1 for group in groups)
         out.append(StageGradients(num_bytes, data, inter_host_bandwidth if spans else intra_host_bandwidth,
-                                  stage_mesh[s], "per_step" if plan.replicas is not None else "per_micro_batch"))
+                                  stage_mesh[s], GradientReduction.PER_STEP if plan.replicas is not None
+                                  else GradientReduction.PER_MICRO_BATCH))
     return tuple(out)
 
 
@@ -183,13 +183,13 @@ def _with_reductions(stages: tuple[StageSeconds, ...], gradients: Sequence[Stage
         raise ValueError(f"gradients: expected one per stage ({len(stages)}), got {len(gradients)}")
     priced = []
     for seconds, g in zip(stages, gradients):
-        if g.reduction == "per_micro_batch":
+        if g.reduction.in_backward:
             # The whole backward and the weight pass both make the parameter cotangents; the
             # input pass makes none, so it is not lengthened.
             seconds = dataclasses.replace(seconds, backward=seconds.backward + g.seconds,
                                           backward_weight=seconds.backward_weight + g.seconds)
         priced.append(seconds)
-    per_step = [g for g in gradients if g.reduction == "per_step"]
+    per_step = [g for g in gradients if not g.reduction.in_backward]
     if not per_step:
         return tuple(priced), ()
     reduction = [0.0] * (max(g.mesh for g in gradients) + 1)

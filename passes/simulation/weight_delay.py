@@ -25,7 +25,7 @@ import functools
 from collections.abc import Sequence
 
 from ..compiler_pass import compiler_pass
-from ..pipeline.scheduling.pipeline_schedule import SCHEDULES, ScheduleKind, make_schedule
+from ..pipeline.scheduling.pipeline_schedule import ScheduleKind, make_schedule
 from .schedule_simulator import TaskDurations, simulate
 
 __all__ = ["WEIGHT_DELAYS", "MAX_ROUNDS", "check_weight_delay", "max_delay", "weight_delays"]
@@ -40,13 +40,12 @@ simulates up to ``S * (max_delay + 1)`` schedules."""
 _SAME_STEP = 1e-9
 
 
-def check_weight_delay(weight_delay: object, schedule: str | ScheduleKind) -> None:
-    """Raises ``ValueError`` naming ``weight_delay`` when it is unknown or does not fit ``schedule``
-    (a registered name or a ``ScheduleKind``, e.g. an order loaded from CSV)."""
+def check_weight_delay(weight_delay: object, kind: ScheduleKind) -> None:
+    """Raises ``ValueError`` naming ``weight_delay`` when it is unknown or does not fit the
+    schedule ``kind`` (registered, or an order loaded from CSV)."""
     if not any(weight_delay is v or (isinstance(v, str) and weight_delay == v) for v in WEIGHT_DELAYS):
         raise ValueError(f"weight_delay: expected False, True or 'auto', got {weight_delay!r}")
-    kind = schedule if isinstance(schedule, ScheduleKind) else SCHEDULES.get(schedule)
-    if kind is not None and kind.places_weight_passes and weight_delay is not False:
+    if kind.places_weight_passes and weight_delay is not False:
         raise ValueError(
             f"weight_delay: {kind.name} always splits backwards and places the weight passes itself; "
             f"leave weight_delay=False, got {weight_delay!r}"
@@ -63,7 +62,7 @@ def max_delay(num_stages: int, num_micro_batches: int) -> int:
 @compiler_pass
 def weight_delays(
     weight_delay: bool | str,
-    schedule_name: str,
+    kind: ScheduleKind,
     num_micro_batches: int,
     edges: Sequence[tuple[int, int]],
     durations: TaskDurations,
@@ -74,7 +73,7 @@ def weight_delays(
 
     Args:
       weight_delay: ``False``, ``True`` or ``"auto"`` (module doc).
-      schedule_name, num_micro_batches, edges: the schedule to delay in.
+      kind, num_micro_batches, edges: the schedule to delay in.
       durations: estimated task durations, one stage each.
       overlap: whether transfers overlap with compute (``simulate``).
       num_meshes: the meshes the stages are placed on (default one stage per mesh).
@@ -84,16 +83,16 @@ def weight_delays(
     P = len(durations.stages) if num_meshes is None else num_meshes
     if weight_delay is True:
         return (1,) * P
-    return _search(schedule_name, num_micro_batches, tuple(edges), durations, overlap, P)
+    return _search(kind, num_micro_batches, tuple(edges), durations, overlap, P)
 
 
-def _search(name: str, num_micro_batches: int, edges: tuple[tuple[int, int], ...], durations: TaskDurations,
+def _search(kind: ScheduleKind, num_micro_batches: int, edges: tuple[tuple[int, int], ...], durations: TaskDurations,
             overlap: bool, num_meshes: int) -> tuple[int, ...]:
     S, P = len(durations.stages), num_meshes
 
     @functools.cache
     def step_seconds(delays: tuple[int, ...]) -> float:
-        return simulate(make_schedule(name, S, num_micro_batches, edges, delays, P), durations,
+        return simulate(make_schedule(kind, S, num_micro_batches, edges, delays, P), durations,
                         overlap).step_seconds
 
     # Start from the fastest uniform delay, so the result is never slower than any of them.

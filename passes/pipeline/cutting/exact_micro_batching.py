@@ -34,7 +34,7 @@ from ...compiler_pass import compiler_pass
 from ... import jax_ir
 from ...verification import PlanVerificationError
 from ..step_primitives import pipeline_grad_p
-from .micro_batching import AuxReduction, MicroBatching, default_aux_reduction
+from .micro_batching import AuxReduction, LossReduction, MicroBatching, default_aux_reduction
 from .row_kinds import (InexactReduction, LiteralEdit, OperandPath, RowKind, RowKinds, StructureMismatch,
                         analyze_row_kinds, row_axis)
 
@@ -370,11 +370,11 @@ def micro_batch_step(outer: jax_ir.ClosedJaxpr, micro: dict, whole: dict, probe:
     inexact = "; ".join(map(str, plan.inexact))
     if micro["reduction"] is not None:
         if plan.exact and plan.hoisted:
-            warnings.warn(f"meshpar: {name}: reduction={micro['reduction']!r} ({where}) combines per micro-batch, "
-                          f"but the loss reduces values of the batch over its rows (a token count or normaliser), "
-                          f"which each micro-batch then computes over its own rows only: the step differs from "
-                          f"jax.jit's. Leave reduction unset for the exact combination", MicroBatchingWarning,
-                          stacklevel=2)
+            warnings.warn(f"meshpar: {name}: reduction={micro['reduction'].value!r} ({where}) combines per "
+                          f"micro-batch, but the loss reduces values of the batch over its rows (a token count or "
+                          f"normaliser), which each micro-batch then computes over its own rows only: the step "
+                          f"differs from jax.jit's. Leave reduction unset for the exact combination",
+                          MicroBatchingWarning, stacklevel=2)
         return MicroBatchedStep(outer, micro, dataclasses.replace(micro_batching, inexact=plan.inexact), None)
     if not plan.exact:
         if micro.get("exact"):
@@ -385,16 +385,16 @@ def micro_batch_step(outer: jax_ir.ClosedJaxpr, micro: dict, whole: dict, probe:
                       f"Each micro-batch runs as a batch of its own and the step averages their losses and "
                       f"gradients; pass exact=True to make this an error, or num_micro_batches=1",
                       MicroBatchingWarning, stacklevel=2)
-        return MicroBatchedStep(outer, micro, dataclasses.replace(micro_batching, reduction="mean",
-                                                                   inexact=plan.inexact), plan=None)
+        return MicroBatchedStep(outer, micro, dataclasses.replace(micro_batching, reduction=LossReduction.MEAN,
+                                                                  inexact=plan.inexact), plan=None)
     if plan.inexact:
         warnings.warn(f"meshpar: {name}: values that micro-batches cannot reproduce ({where}): {inexact}; they "
                       f"combine by their default reductions (floats averaged), the loss and gradients exactly",
                       MicroBatchingWarning, stacklevel=2)
     loss = _verified_share(micro["loss_jaxpr"], plan, M)
-    resolved = {"reduction": "sum", "aux_reductions": plan.aux}
+    resolved = {"reduction": LossReduction.SUM, "aux_reductions": plan.aux}
     stepped = hoist_into_step(outer, whole["loss_jaxpr"], plan, resolved)
     combined = dataclasses.replace(
-        micro_batching, reduction="sum", aux=plan.aux, exact=True, whole_batch_values=len(plan.hoisted),
+        micro_batching, reduction=LossReduction.SUM, aux=plan.aux, exact=True, whole_batch_values=len(plan.hoisted),
         per_micro_batch=(*micro_batching.per_micro_batch, *[False] * len(plan.hoisted)), inexact=plan.inexact)
     return MicroBatchedStep(stepped, {**micro, **resolved, "loss_jaxpr": loss}, combined, plan)

@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...compiler_pass import compiler_pass
+from ...policies import Policy
 from ... import jax_ir
 
-__all__ = ["REDUCTIONS", "AuxReduction", "MicroBatching", "default_aux_reduction", "is_key", "key_operands",
-           "resolve_micro_batching"]
-
-REDUCTIONS = ("mean", "sum")
+__all__ = ["REDUCTIONS", "AuxReduction", "LossReduction", "MicroBatching", "default_aux_reduction", "is_key",
+           "key_operands", "resolve_micro_batching"]
 
 
 class AuxReduction(enum.Enum):
@@ -32,6 +31,32 @@ class AuxReduction(enum.Enum):
     SUM = "sum"
     LAST = "last"  # the last micro-batch's value
     CONCAT = "concat"  # concatenated along dimension 0, in micro-batch order
+
+
+class LossReduction(Policy):
+    """How the micro-batches' losses and gradients combine into the step's
+    (``meshpar.value_and_grad(reduction=...)``; ``None`` there: inferred)."""
+
+    MEAN = "mean"
+    SUM = "sum"
+
+    def share(self, weight: float, parts: int) -> float:
+        """Each part's weight when a term of ``weight`` is split into ``parts`` combined this way:
+        ``weight / parts`` for the mean, ``weight`` for the sum."""
+        return weight / parts if self is LossReduction.MEAN else weight
+
+    def weight(self, num_micro_batches: int) -> float:
+        """The weight of each micro-batch's loss in the step's."""
+        return self.share(1.0, num_micro_batches)
+
+    @property
+    def aux(self) -> AuxReduction:
+        """The same combination, as the step program combines a value."""
+        return AuxReduction(self.value)
+
+
+# What the user may pass as ``reduction`` (besides ``None``).
+REDUCTIONS = LossReduction.names()
 
 
 def is_key(aval: jax_ir.AbstractValue) -> bool:
@@ -89,7 +114,7 @@ class MicroBatching:
     """How one traced step combines its micro-batches.
 
     Attributes:
-      reduction: ``"mean"`` or ``"sum"`` of the micro-batches' losses and gradients.
+      reduction: mean or sum of the micro-batches' losses and gradients.
       aux: per aux leaf, its reduction.
       per_micro_batch: per non-differentiated loss operand, whether each micro-batch reads
         its own slice of it (it has the batch dimension) rather than the whole value.
@@ -97,14 +122,14 @@ class MicroBatching:
         micro-batch index.
       num_micro_batches: M.
       exact: the loss was rewritten so that its micro-batches' shares sum to the whole batch's
-        (``exact_micro_batching``): ``reduction`` is then ``"sum"``.
+        (``exact_micro_batching``): ``reduction`` is then ``LossReduction.SUM``.
       whole_batch_values: how many values of the loss are computed once on the whole batch
         (its last operands, each read whole by every micro-batch).
       inexact: where parameter-dependent values mix batch rows, so that micro-batches cannot
         reproduce the whole batch (the loss then combines per micro-batch, by ``reduction``).
     """
 
-    reduction: str
+    reduction: LossReduction
     aux: tuple[AuxReduction, ...]
     per_micro_batch: tuple[bool, ...]
     fold_keys: frozenset[int]
@@ -116,7 +141,7 @@ class MicroBatching:
     @property
     def loss_seed(self) -> float:
         """The weight of each micro-batch's loss in the step's."""
-        return 1.0 / self.num_micro_batches if self.reduction == "mean" else 1.0
+        return self.reduction.weight(self.num_micro_batches)
 
 
 def _follows_batch(micro: jax_ir.AbstractValue, whole: jax_ir.AbstractValue, m: int) -> bool:
@@ -170,5 +195,6 @@ def resolve_micro_batching(
                              f"{'floating values' if r is AuxReduction.MEAN else 'numbers'} (at {where})")
         aux.append(r)
     keys = key_operands(params["loss_jaxpr"], params["num_diff"]) if params["fold_rng"] else frozenset()
-    return MicroBatching(params["reduction"] or "mean", tuple(aux), tuple(per_mb),
+    # ``None`` (inferred) combines by the mean until ``exact_micro_batching`` resolves it.
+    return MicroBatching(params["reduction"] or LossReduction.MEAN, tuple(aux), tuple(per_mb),
                          frozenset(k for k in keys if not per_mb[k]), m)

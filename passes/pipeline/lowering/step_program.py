@@ -347,7 +347,7 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
     loss = graph.loss
     ins.append(CombineMicroBatches(
         OuterRef(OuterKind.LOSS), tuple(BufferId(BufferKind.RESULT, loss.index, m, loss.slot) for m in range(M)),
-        home[loss.index], AuxReduction.MEAN if micro_batching.reduction == "mean" else AuxReduction.SUM,
+        home[loss.index], micro_batching.reduction.aux,
         split.avals[OuterRef(OuterKind.LOSS)], None, per_replica(loss.index, loss.slot)))
     for k, (ref, how) in enumerate(zip(graph.aux, micro_batching.aux)):
         aux = OuterRef(OuterKind.AUX, k)

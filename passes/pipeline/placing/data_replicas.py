@@ -236,7 +236,7 @@ def _stage_replicas(s: int, graph: StageGraph, replica: StageGraph, parts: Stage
                                f"examples")
         output_dims.append(dim)
     # A replica's loss is one term of the micro-batch's mean over D replicas (or of its sum).
-    seed = micro_batching.loss_seed / count if micro_batching.reduction == "mean" else micro_batching.loss_seed
+    seed = micro_batching.reduction.share(micro_batching.loss_seed, count)
     return StageReplicas(count, axis, replica_parts, tuple(input_dims), frozenset(folded), tuple(output_dims), seed)
 
 
@@ -258,8 +258,8 @@ def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: S
         replicas, why = None, ""
         if not avals or count == 1:
             pass  # nothing to reduce over the data axis
-        elif options.gradient_reduction == "per_micro_batch":
-            why = "gradient_reduction='per_micro_batch'"
+        elif options.gradient_reduction.in_backward:
+            why = f"gradient_reduction={options.gradient_reduction.value!r}"
         else:
             if count not in graphs:
                 try:

@@ -12,30 +12,33 @@ which processes own their devices:
 - ``COLLECTIVE``: on request, the plan run as one ``ppermute`` program over
   both meshes (the baseline; it cannot overlap with compute). A 0-d value
   has no plan and always goes ``P2P`` unless one process owns everything.
-- ``SIGNAL``: with ``resharding="signal"``, one byte crosses instead of the
-  value, with the same dependencies (the receiver's value exists only after
-  the sender's did), and the receiver gets zeros of the value's shape: the
-  communication upper bound of a schedule, for benchmarks only.
+- ``SIGNAL``: with ``executor="signal"`` (``PipeshardParallel`` also takes it
+  as ``resharding="signal"``), one byte crosses instead of the value, with the
+  same dependencies (the receiver's value exists only after the sender's did),
+  and the receiver gets zeros of the value's shape: the communication upper
+  bound of a schedule, for benchmarks only.
+
+The user's ``executor`` is an ``Executor``, resolved once at the API
+(``Executor.of``); ``Executor.kind`` makes the choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ...compiler_pass import compiler_pass
+from ...policies import Policy
 from .mesh_assignment import batch_sharding
 from ..cutting.stage_graph import is_differentiable
 
-__all__ = ["EXECUTORS", "SIGNAL", "Direction", "EdgeTransfer", "MoveKey", "TransferKind", "choose_transfer", "plan_edge_transfers",
-           "verify_edge_transfers"]
-
-EXECUTORS = ("auto", "p2p", "collective")
+__all__ = ["EXECUTORS", "Direction", "EdgeTransfer", "Executor", "MoveKey", "TransferKind", "choose_transfer",
+           "plan_edge_transfers", "verify_edge_transfers"]
 
 
 class TransferKind(enum.Enum):
@@ -46,7 +49,29 @@ class TransferKind(enum.Enum):
     SIGNAL = "signal"
 
 
-SIGNAL = "signal"  # the resharding strategy name that selects TransferKind.SIGNAL
+class Executor(Policy):
+    """How the user asked values to cross meshes (``PipeshardParallel(executor=...)``)."""
+
+    AUTO = "auto"  # jax.device_put inside one process, p2p across
+    P2P = "p2p"  # forced, for comparisons and tests
+    COLLECTIVE = "collective"  # forced: one ppermute program over both meshes (a 0-d value goes p2p)
+    SIGNAL = "signal"  # one byte instead of the value: a schedule's communication upper bound
+
+    def kind(self, one_process: bool, ndim: int) -> TransferKind:
+        """How a value of rank ``ndim`` moves between two meshes, whose devices all live in one
+        process when ``one_process``."""
+        return _KINDS[self](one_process, ndim)
+
+
+_KINDS: dict[Executor, Callable[[bool, int], TransferKind]] = {
+    Executor.AUTO: lambda one_process, ndim: TransferKind.DEVICE_PUT if one_process else TransferKind.P2P,
+    Executor.P2P: lambda one_process, ndim: TransferKind.P2P,
+    Executor.COLLECTIVE: lambda one_process, ndim: TransferKind.COLLECTIVE if ndim > 0 else TransferKind.P2P,
+    Executor.SIGNAL: lambda one_process, ndim: TransferKind.SIGNAL,
+}
+
+# What the user may pass as ``executor``.
+EXECUTORS = Executor.names()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,32 +89,23 @@ class MoveKey:
         return MoveKey(kind, tuple(int(n) for n in shape), np.dtype(dtype), src, dst)
 
 
-def choose_transfer(executor: str, processes: Iterable[int], ndim: int, strategy: str = "broadcast",
-                    same_mesh: bool = False) -> TransferKind:
+def choose_transfer(executor: Executor, processes: Iterable[int], ndim: int, same_mesh: bool = False) -> TransferKind:
     """How a value of rank ``ndim`` moves between meshes whose devices live in ``processes``.
 
     Args:
-      same_mesh: both ends are one mesh: ``LOCAL``, whatever the rest says.
-      executor: ``"auto"`` (``jax.device_put`` inside one process, p2p across),
-        ``"p2p"`` or ``"collective"`` (forced, for comparisons and tests).
+      executor: the user's choice (``Executor.kind``).
       processes: process index of every device of both meshes.
       ndim: the value's rank.
-      strategy: the resharding strategy; ``"signal"`` selects ``SIGNAL``.
+      same_mesh: both ends are one mesh: ``LOCAL``, whatever the rest says.
 
     Raises:
-      ValueError: unknown ``executor``.
+      TypeError: ``executor`` is not an ``Executor`` (a name is resolved at the API, ``Executor.of``).
     """
-    if executor not in EXECUTORS:
-        raise ValueError(f"executor: expected one of {EXECUTORS}, got {executor!r}")
+    if not isinstance(executor, Executor):
+        raise TypeError(f"executor: expected an Executor (resolve a name with Executor.of), got {executor!r}")
     if same_mesh:
         return TransferKind.LOCAL
-    if strategy == SIGNAL:
-        return TransferKind.SIGNAL
-    if executor == "auto":
-        return TransferKind.DEVICE_PUT if len(set(processes)) == 1 else TransferKind.P2P
-    if executor == "collective" and ndim > 0:
-        return TransferKind.COLLECTIVE
-    return TransferKind.P2P
+    return executor.kind(len(set(processes)) == 1, ndim)
 
 
 class Direction(enum.Enum):
@@ -139,8 +155,7 @@ def plan_edge_transfers(
     avals: Sequence[Any],
     meshes: Sequence[Mesh],
     micro_batch_size: int,
-    executor: str,
-    strategy: str,
+    executor: Executor,
     data_axis: str,
     forward_only: bool = False,
 ) -> tuple[EdgeTransfer, ...]:
@@ -162,7 +177,7 @@ def plan_edge_transfers(
             src = batch_sharding(meshes[a], shape, micro_batch_size, data_axis)
             dst = batch_sharding(meshes[b], shape, micro_batch_size, data_axis)
             processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]
-            kind = choose_transfer(executor, processes, len(shape), strategy, same_mesh=meshes[a] == meshes[b])
+            kind = choose_transfer(executor, processes, len(shape), same_mesh=meshes[a] == meshes[b])
             out.append(EdgeTransfer(e, direction, a, b, slot, shape, np.dtype(aval.dtype), src, dst, kind))
     return tuple(out)
 

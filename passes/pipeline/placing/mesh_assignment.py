@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ...compiler_pass import compiler_pass
-from ..scheduling.pipeline_schedule import check_stage_placement, schedule_kind
+from ..scheduling.pipeline_schedule import ScheduleKind, check_stage_placement
 
 __all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "count_meshes", "device_sharding",
            "mesh_shapes", "param_sharding", "place_stages"]
@@ -119,7 +119,7 @@ def count_meshes(num_stages: int, num_stage_meshes: int | None, stages_per_mesh:
 def place_stages(
     devices: Sequence[Any],
     num_stages: int,
-    schedule: str,
+    schedule: ScheduleKind,
     num_micro_batches: int,
     stage_meshes: Sequence[Mesh] | None,
     stage_mesh_shape: tuple[int, int] | None,
@@ -140,7 +140,7 @@ def place_stages(
     num_meshes = count_meshes(num_stages, None if stage_meshes is None else len(stage_meshes), stages_per_mesh,
                               counted)
     check_stage_placement(schedule, num_stages, num_meshes, num_micro_batches)
-    placement = schedule_kind(schedule).placement
+    placement = schedule.placement
     if num_meshes != num_stages:
         counted = f"meshes for {num_stages} stages, {num_stages // num_meshes} per mesh"
     meshes = assign_stage_meshes(devices, num_meshes, stage_meshes, stage_mesh_shape, axis_names, counted)

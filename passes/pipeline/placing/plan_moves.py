@@ -38,34 +38,58 @@ from ...model.cluster import Cluster
 from ...model.devices import DeviceKey, device_key, planner_ids
 from ...model.mesh import DeviceMesh
 from ...model.sharding_spec import ShardingSpec
+from ...policies import Policy
+from ...resharding.balancers import Balancer, get_balancer
 from ...resharding.hop_program import HopProgram, lower_to_hops, replicate_scalar, verify_hop_program
 from ...resharding.plan_resharding import plan_resharding
 from ...resharding.resharding_plan import ReshardingPlan
 from ...resharding.resharding_task import ReshardingTask
 from ...resharding.round_gates import Gate, round_gates, verify_round_gates
+from ...resharding.strategies import Strategy, get_strategy
 from ...resharding.transfer_program import TransferProgram, lower_plan, verify_program
 from ...verification import PlanVerificationError
-from .edge_transfer import MoveKey, TransferKind, choose_transfer
+from .edge_transfer import Executor, MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import device_sharding
 
-__all__ = ["MOVE_EXECUTORS", "P2P_ORDERS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove", "default_cluster",
-           "move_device_ids", "plan_move", "plan_moves", "resharding_task", "verify_move_table"]
+__all__ = ["MOVE_EXECUTORS", "P2P_ORDERS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove",
+           "TransferOrder", "default_cluster", "move_device_ids", "plan_move", "plan_moves", "resharding_task",
+           "verify_move_table"]
 
-# How a p2p move dispatches its hops (``meshpar.runtime.p2p_executor``'s module doc).
-P2P_ORDERS = ("gated", "eager", "rounds")
+
+class TransferOrder(Policy):
+    """How a p2p move dispatches its hops (``meshpar.runtime.p2p_executor``'s module doc)."""
+
+    GATED = "gated"  # every hop at once, each round's cross-host hops gated on the devices
+    EAGER = "eager"  # every hop at once, no gates
+    ROUNDS = "rounds"  # waits on the host for each round's arrivals
+
+    @property
+    def gated(self) -> bool:
+        """Whether the move's rounds are kept apart by round gates (``round_gates``)."""
+        return self is TransferOrder.GATED
+
+    @property
+    def waits_for_rounds(self) -> bool:
+        """Whether the host waits for a round's arrivals before the next round leaves."""
+        return self is TransferOrder.ROUNDS
+
+
+# What the user may pass as ``order``.
+P2P_ORDERS = TransferOrder.names()
 
 
 @dataclasses.dataclass(frozen=True)
 class MoveOptions:
     """How moves are planned: the resharding ``strategy`` and ``balancer``, the ``cluster`` whose
     links the plans are priced on (``None``: one host per process), broadcast ``chunks``
-    (``None``: the cost model's choice) and the p2p dispatch ``order``."""
+    (``None``: the cost model's choice) and the p2p dispatch ``order``. Resolved objects: the
+    API resolves the user's names."""
 
-    strategy: str = "broadcast"
-    balancer: str = "ensemble"
+    strategy: Strategy = get_strategy("broadcast")
+    balancer: Balancer = get_balancer("ensemble")
     cluster: Cluster | None = None
     chunks: int | None = None
-    order: str = "gated"
+    order: TransferOrder = TransferOrder.GATED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +102,7 @@ class PlannedMove:
         ``DEVICE_PUT``, whose plan prices it on the cluster), else ``None``.
       program: what the runtime runs: a ``HopProgram`` (``P2P``) or a ``TransferProgram``
         (``COLLECTIVE``); ``None`` for moves with nothing to lower.
-      gates: ``P2P`` with ``order="gated"``: the round gates of ``program``.
+      gates: ``P2P`` with a ``gated`` order: the round gates of ``program``.
       order: ``P2P``: how its hops are dispatched.
       carry: ``SIGNAL``: the 0-d move that carries its byte.
     """
@@ -87,7 +111,7 @@ class PlannedMove:
     plan: ReshardingPlan | None = None
     program: Union[HopProgram, TransferProgram, None] = None
     gates: tuple[Gate, ...] = ()
-    order: str = "gated"
+    order: TransferOrder = TransferOrder.GATED
     carry: PlannedMove | None = None
 
     @property
@@ -182,8 +206,9 @@ def _lower_device_put(key: MoveKey, options: MoveOptions) -> PlannedMove:
 
 
 def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
-    if options.order not in P2P_ORDERS:
-        raise ValueError(f"order: expected one of {P2P_ORDERS}, got {options.order!r}")
+    if not isinstance(options.order, TransferOrder):
+        raise TypeError(f"order: expected a TransferOrder (resolve a name with TransferOrder.of), "
+                        f"got {options.order!r}")
     if key.shape == ():
         ids = move_device_ids(key.src, key.dst)
         hops = replicate_scalar(_ids(key.src, ids), _ids(key.dst, ids))
@@ -193,7 +218,7 @@ def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
     hops = lower_to_hops(plan)
     verify_hop_program(hops)
     gates: tuple[Gate, ...] = ()
-    if options.order == "gated":
+    if options.order.gated:
         # Gates wait for arrivals on the devices of one process: hosts here are processes.
         ids = move_device_ids(key.src, key.dst)
         host_of = {ids[device_key(d)]: d.process_index for s in (key.src, key.dst) for d in s.mesh.devices.flat}
@@ -221,8 +246,9 @@ def _lower_signal(key: MoveKey, options: MoveOptions) -> PlannedMove:
     one = device_sharding(key.src.mesh.devices.flat[0])
     everywhere = NamedSharding(key.dst.mesh, PartitionSpec())
     processes = [d.process_index for s in (one, everywhere) for d in s.mesh.devices.flat]
-    kind = choose_transfer("auto", processes, 0)
-    carry = plan_move(MoveKey.of(kind, (), np.uint8, one, everywhere), dataclasses.replace(options, order="gated"))
+    kind = choose_transfer(Executor.AUTO, processes, 0)
+    carry = plan_move(MoveKey.of(kind, (), np.uint8, one, everywhere),
+                      dataclasses.replace(options, order=TransferOrder.GATED))
     return PlannedMove(key, carry=carry)
 
 

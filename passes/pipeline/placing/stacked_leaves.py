@@ -36,6 +36,7 @@ from ...compiler_pass import compiler_pass
 from ... import jax_ir
 from ...verification import PlanVerificationError
 
+from .edge_transfer import Executor
 from .mesh_assignment import param_sharding
 from .step_layout import ValueMove, value_move
 from ..step_primitives import pipeline_grad_p
@@ -550,10 +551,10 @@ class GatheredArray:
 @compiler_pass
 def gathered_arrays(pieces: LeafPieces, piece_shardings: Mapping[int, Sequence[NamedSharding]],
                     shapes: Mapping[int, tuple[int, ...]], dtypes: Mapping[int, Any], specs: Mapping[int, Any],
-                    axis_names: tuple[str, str], executor: str, strategy: str) -> dict[int, GatheredArray]:
+                    axis_names: tuple[str, str], executor: Executor) -> dict[int, GatheredArray]:
     """A ``GatheredArray`` per split leaf of ``piece_shardings`` (per piece, where its stage
     reads it), of the whole ``shapes``, ``dtypes`` and flax partition ``specs``; moves by
-    ``executor`` and resharding ``strategy``."""
+    ``executor``."""
     found = {}
     for i, shardings in piece_shardings.items():
         bounds, home = pieces.inputs[i], shardings[0].mesh
@@ -569,7 +570,7 @@ def gathered_arrays(pieces: LeafPieces, piece_shardings: Mapping[int, Sequence[N
                 out_of.append(None)
                 continue
             what = f"piece {p} of stacked leaf {i}"
-            into.append(value_move(what, aval, here, there, executor, strategy))
-            out_of.append(value_move(what, aval, there, here, executor, strategy))
+            into.append(value_move(what, aval, here, there, executor))
+            out_of.append(value_move(what, aval, there, here, executor))
         found[i] = GatheredArray(sharding, tuple(shardings), tuple(at_home), tuple(into), tuple(out_of))
     return found

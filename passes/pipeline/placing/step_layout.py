@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ...compiler_pass import compiler_pass
 from ... import jax_ir
-from .edge_transfer import MoveKey, TransferKind, choose_transfer
+from .edge_transfer import Executor, MoveKey, TransferKind, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
 from ..cutting.micro_batching import is_key
 from ..cutting.stage_graph import RefKind, StageGraph
@@ -142,14 +142,14 @@ def _input_placements(graph: StageGraph, split: StepSplit, meshes, home, leaves,
     return placements
 
 
-def value_move(what: str, aval: Any, src: NamedSharding, dst: NamedSharding, executor: str, strategy: str) -> ValueMove:
+def value_move(what: str, aval: Any, src: NamedSharding, dst: NamedSharding, executor: Executor) -> ValueMove:
     """``what`` (of ``aval``'s shape and dtype) moving from ``src`` to ``dst`` by the executor
     ``choose_transfer`` picks for them."""
     if is_key(aval):
         raise ValueError(f"{what}: a PRNG key array moving between meshes around the pipeline; compute it "
                          f"inside the loss function, or from values of one mesh")
     processes = [d.process_index for s in (src, dst) for d in s.mesh.devices.flat]
-    kind = choose_transfer(executor, processes, len(aval.shape), strategy, same_mesh=src.mesh == dst.mesh)
+    kind = choose_transfer(executor, processes, len(aval.shape), same_mesh=src.mesh == dst.mesh)
     return ValueMove(what, tuple(aval.shape), np.dtype(aval.dtype), src, dst, kind)
 
 
@@ -164,8 +164,7 @@ def layout_step(
     batch_leaves: frozenset[int],
     micro_batch_size: int,
     counterparts: Sequence[int | None],
-    executor: str,
-    strategy: str,
+    executor: Executor,
     per_micro_batch: Sequence[bool],
     fold_keys: frozenset[int] = frozenset(),
     *,
@@ -198,7 +197,7 @@ def layout_step(
                 placement, here = in_placements[leaf], param_on(r.index, here_mesh)
                 fetch = None if here_mesh in placement.meshes else value_move(
                     f"parameter {r.index} from its owner's mesh {placement.meshes[0]} to stage {s}", aval,
-                    placement.shardings[0], here, executor, strategy)
+                    placement.shardings[0], here, executor)
                 ops.append(StageOperand(pos, OuterRef(OuterKind.IN, leaf), here, False, fetch))
             elif r.kind is RefKind.INPUT:
                 source = split.loss_operands[r.index]
@@ -214,7 +213,7 @@ def layout_step(
             owner = home[graph.param_owner(k)]
             moves.append(None if owner == here_mesh else value_move(
                 f"gradient of parameter {k} from stage {s} to its owner's mesh {owner}", aval,
-                param_on(k, here_mesh), param_on(k, owner), executor, strategy))
+                param_on(k, here_mesh), param_on(k, owner), executor))
         gradient_moves.append(tuple(moves))
     # A state output lives where the input it replaces does.
     out_placements = [None if i is None else in_placements[i] for i in counterparts]
@@ -235,15 +234,15 @@ def layout_step(
         if len(mv.values) == 1:
             (ref,) = mv.values
             outer_moves[mv] = value_move(what, split.avals[ref], sharding_of(ref, mv.src), sharding_of(ref, mv.dst),
-                                    executor, strategy)
+                                         executor)
             continue
         for ref in mv.values:  # packed on the source mesh, unpacked on the destination
             sharding_of(ref, mv.src)
             sharding_of(ref, mv.dst)
         size = sum(int(np.prod(split.avals[ref].shape, dtype=np.int64)) for ref in mv.values)
         packed = jax_ir.ShapedArray((size,), split.avals[mv.values[0]].dtype)
-        outer_moves[mv] = value_move(what, packed, NamedSharding(meshes[mv.src], P()), NamedSharding(meshes[mv.dst], P()),
-                                executor, strategy)
+        outer_moves[mv] = value_move(what, packed, NamedSharding(meshes[mv.src], P()),
+                                     NamedSharding(meshes[mv.dst], P()), executor)
     for s, ops in enumerate(operands):
         for op in ops:
             if op.source.kind is OuterKind.VALUE:

@@ -42,7 +42,11 @@ cannot deadlock.
   not the user, picks the one with the train schedule's placement (``forward_only_schedule``).
 
 A new schedule is one function ``(num_meshes, stages_per_mesh, M) -> per-mesh
-compute tasks`` and one ``ScheduleKind`` in ``SCHEDULES``. A user's own order, loaded from
+compute tasks`` and one ``ScheduleKind`` in ``SCHEDULES``. A name resolves to its
+``ScheduleKind`` once, at the API (``PipeshardParallel``, ``PlanConstraints``: ``schedule_kind``);
+the compiler and planner pass the ``ScheduleKind`` on. This module's entry points
+(``make_schedule``, ``mesh_sequences``, ``check_stage_placement``, ``forward_only_schedule``)
+also take a registered name, for direct callers (tests, benchmarks, charts). A user's own order, loaded from
 torch's CSV action format (``schedule_csv``), is a ``ScheduleKind`` of one fixed ``size``,
 accepted wherever a schedule name is.
 
@@ -411,7 +415,7 @@ def make_schedule(
     if num_stages < 1 or num_micro_batches < 1:
         raise ValueError(f"num_micro_batches: expected >= 1, got {num_micro_batches}")
     P = num_stages if num_meshes is None else num_meshes
-    check_stage_placement(name, num_stages, P, num_micro_batches)
+    check_stage_placement(kind, num_stages, P, num_micro_batches)
     if weight_delays is not None:
         if kind.places_weight_passes:
             raise ValueError(f"weight_delay: {kind.name} places its weight passes itself; leave weight_delay=False")
