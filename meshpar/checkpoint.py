@@ -41,7 +41,7 @@ import tensorstore as ts
 from etils import epath
 
 from meshpar.parallelize import ParallelizedStep
-from meshpar.runtime.coordination import CoordinationError, agree, kv_client
+from meshpar.runtime.coordination import CoordinationError, agree, kv_client, named_processes
 from meshpar.runtime.remote import absent
 
 __all__ = ["state_shardings", "save", "restore"]
@@ -143,7 +143,7 @@ def save(directory: str | os.PathLike, state: Any, *, timeout_s: float = 120.0) 
             late = _not_written(written, everyone, timeout_s)
             if late:
                 raise CoordinationError(
-                    f"{what}: {_processes(late)} did not write {'their' if len(late) > 1 else 'its'} chunks "
+                    f"{what}: {named_processes(late)} did not write {'their' if len(late) > 1 else 'its'} chunks "
                     f"within {timeout_s:g} s of process {jax.process_index()} (exited, or not saving); no "
                     f"checkpoint was committed at {directory}")
             if not saving.done.wait(timeout_s):
@@ -153,7 +153,7 @@ def save(directory: str | os.PathLike, state: Any, *, timeout_s: float = 120.0) 
     if saving.error is not None:
         late = _not_written(written, everyone, 0.0)
         if late:
-            raise CoordinationError(f"{what}: {_processes(late)} did not write {'their' if len(late) > 1 else 'its'} "
+            raise CoordinationError(f"{what}: {named_processes(late)} did not write {'their' if len(late) > 1 else 'its'} "
                                     f"chunks (exited, or not saving); no checkpoint was committed at {directory}"
                                     ) from saving.error
         raise saving.error
@@ -286,10 +286,6 @@ def _not_written(written: str, processes: list[int], timeout_s: float) -> list[i
         except Exception:  # noqa: BLE001 -- the client raises DEADLINE_EXCEEDED for a key not set in time
             late.append(p)
     return late
-
-
-def _processes(indices: list[int]) -> str:
-    return ("process " if len(indices) == 1 else "processes ") + ", ".join(map(str, indices))
 
 
 class _InThread:

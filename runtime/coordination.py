@@ -22,8 +22,8 @@ import jax
 from meshpar.passes import jax_ir
 
 __all__ = [
-    "Arrival", "CoordinationError", "LaunchRendezvous", "PeerLostError", "agree", "kv_client", "not_delivered",
-    "owns_a_device_of",
+    "Arrival", "CoordinationError", "LaunchRendezvous", "PeerLostError", "agree", "kv_client", "named_processes",
+    "not_delivered", "owns_a_device_of",
     "raise_lost_collective_peer", "raise_lost_peer", "senders", "wait_arrivals", "wait_ready",
 ]
 
@@ -211,7 +211,8 @@ def senders(sharding: jax.sharding.Sharding) -> tuple[int, ...]:
     return tuple(sorted({d.process_index for d in sharding.device_set} - {me}))
 
 
-def _processes(indices: Sequence[int]) -> str:
+def named_processes(indices: Sequence[int]) -> str:
+    """``process 3`` or ``processes 1, 2``: how errors name processes."""
     return ("process " if len(indices) == 1 else "processes ") + ", ".join(map(str, indices))
 
 
@@ -289,9 +290,9 @@ def raise_lost_collective_peer(error: Exception, peers: Sequence[int], what: str
     connection to it broke); as it is otherwise (the error is this process's own)."""
     if not peers or "gloo" not in str(error).lower():
         raise error
-    lost = _processes(peers) if len(peers) == 1 else f"one of {_processes(peers)}"
+    lost = named_processes(peers) if len(peers) == 1 else f"one of {named_processes(peers)}"
     raise PeerLostError(
-        f"{what}: lost {lost}: its collectives with {_processes(peers)} failed ({error}). "
+        f"{what}: lost {lost}: its collectives with {named_processes(peers)} failed ({error}). "
         f"Process {jax.process_index()} was running it; {lost} exited or the connection to it broke "
         f"(see its log)"
     ) from error
@@ -304,7 +305,7 @@ def _lost_peer(arrivals: Sequence[Arrival], what: str, doing: str) -> PeerLostEr
         try:
             a.value.block_until_ready()
         except jax.errors.JaxRuntimeError as failure:
-            lost = _processes(a.senders) if a.senders else "a process"
+            lost = named_processes(a.senders) if a.senders else "a process"
             return PeerLostError(
                 f"{what}: lost {lost}: {a.what} failed in transit ({failure}). "
                 f"Process {jax.process_index()} was {doing}; {lost} exited or the connection to it broke "
@@ -319,8 +320,8 @@ def not_delivered(arrivals: Sequence[Arrival], timeout_s: float, what: str, doin
     missing = [a for a in arrivals if not a.value.is_ready()]
     late = sorted({p for a in missing for p in a.senders})
     first = f", the first being {missing[0].what}" if missing and missing[0].what else ""
-    by = f"; not delivered by {_processes(late)}" if late else ""
-    ask = f"is {_processes(late)} alive and responsive, and did" if late else "did"
+    by = f"; not delivered by {named_processes(late)}" if late else ""
+    ask = f"is {named_processes(late)} alive and responsive, and did" if late else "did"
     return CoordinationError(
         f"{what}: {len(missing)} of {len(arrivals)} did not arrive within {timeout_s:g} s{first}{by} "
         f"(process {jax.process_index()} is {doing}; {ask} every process make the same meshpar calls?)"
