@@ -14,7 +14,7 @@ import dataclasses
 import json
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 import jax
@@ -232,7 +232,8 @@ def wait_arrivals(arrivals: Sequence[Arrival], timeout_s: float, what: str, doin
         raise not_delivered(arrivals, timeout_s, what, doing)
 
 
-def wait_pending(pending: dict[Any, Arrival], keys: Iterable[Any], timeout_s: float, what: str, doing: str) -> None:
+def wait_pending(pending: dict[Any, Arrival], keys: Iterable[Any], timeout_s: float, what: str,
+                 doing: Callable[[], str]) -> None:
     """Waits (bounded, as ``wait_arrivals``) for the values at ``keys`` of ``pending`` (values
     other processes send here that nothing has waited for yet), and forgets them.
 
@@ -240,13 +241,14 @@ def wait_pending(pending: dict[Any, Arrival], keys: Iterable[Any], timeout_s: fl
     operand has not arrived in the launching thread, holding the device, so a program waiting
     there on a peer that waits on a send this device has still to run never returns, and no
     timeout reaches into it (seen with four processes). Waiting on the host leaves the device
-    free and is bounded."""
+    free and is bounded. ``doing()`` says what waits, for the error: called only when something
+    is waited for, since describing a launch can cost more than the launch."""
     if not pending:  # one process, or nothing in flight: the common case costs nothing
         return
     arrivals = [pending.pop(k) for k in keys if k in pending]
     arrivals = [a for a in arrivals if not a.value.is_ready()]
     if arrivals:
-        wait_arrivals(arrivals, timeout_s, what, doing)
+        wait_arrivals(arrivals, timeout_s, what, doing())
 
 
 def raise_lost_peer(error: Exception, arrivals: Sequence[Arrival], what: str, doing: str) -> NoReturn:

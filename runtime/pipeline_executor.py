@@ -402,7 +402,9 @@ class PipelineExecutable:
         compute = ins.compute
         if self.mesh_local[compute.mesh]:
             wait_pending(state.remote, [(r, compute.mesh) for r in compute.inputs], self.timeout_s,
-                         "moves around the pipeline", f"launching {ins.compute}")
+                         "moves around the pipeline",
+                         lambda: f"launching the program on mesh {compute.mesh} that computes "
+                                 f"{', '.join(map(str, compute.outputs))}")
             outs = self._ready[id(ins)](*[self._value(r, compute.mesh, state) for r in compute.inputs])
             state.values.update({(ref, compute.mesh): o for ref, o in zip(compute.outputs, outs)})
 
@@ -633,7 +635,7 @@ class _FoldedKey(_Feeding):
 
     def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
         wait_pending(state.remote, [(op.source, feed.mesh)], ex.timeout_s, "moves around the pipeline",
-                     f"folding key {op.source}")
+                     lambda: f"folding key {op.source}")
         return self.fold(ex._value(op.source, feed.mesh, state), ins.num_micro_batches)
 
 

@@ -270,13 +270,13 @@ class ProgramInterpreter:
             return ()
         for b in ins.reads:
             state.read(b)  # a KeyError naming the buffer when it is not live
-        wait_pending(state.remote, ins.reads, self.timeout_s, "pipeline transfers", f"waiting to launch {ins}")
+        wait_pending(state.remote, ins.reads, self.timeout_s, "pipeline transfers", lambda: f"waiting to launch {ins}")
         return self._kernels[type(ins)](ins, state.executables, state.buffers, state.inputs, state.grads)
 
     def _fused(self, mesh: int, ins: RunFused, state: _State) -> Launched:
         if not self.local[mesh]:
             return ()
-        wait_pending(state.remote, ins.inputs, self.timeout_s, "pipeline transfers", f"waiting to launch {ins}")
+        wait_pending(state.remote, ins.inputs, self.timeout_s, "pipeline transfers", lambda: f"waiting to launch {ins}")
         program = self._fused_program(ins)
         stages = program.stages
         batches = [state.inputs[m.stage].batch[m.micro_batch] if state.inputs[m.stage].batch else ()
