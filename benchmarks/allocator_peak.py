@@ -7,8 +7,9 @@
 reference to after every instruction, plus the running program's temporaries from XLA's memory
 analysis. A GPU's allocator counts what it really hands out: ``Device.memory_stats()
 ["peak_bytes_in_use"]``. JAX cannot reset that peak, so each configuration runs in a process of
-its own, which builds the model (``benchmarks.host_overhead``'s), compiles the step, runs one
-step, drops every other reference to the state, then traces one step. Per row:
+its own, which builds the model (``benchmarks.host_overhead``'s), commits its state to the
+device, compiles the step, runs one step, drops every other reference to the state, then traces
+one step. The allocator's peak spans both steps. Per row:
 
 - ``allocator_after_compile_bytes``: the allocator's peak before any step (the state, the batch,
   and what compiling allocated, e.g. autotuning's scratch);
@@ -47,6 +48,9 @@ def measure(model: str, layout: str, num_micro_batches: int) -> dict[str, Any]:
     import jax
 
     _, batch, state = _model(model)
+    # Committed to the device first: the step would otherwise commit the uncommitted initial state
+    # by a copy, and the first step's peak (which the allocator's includes) would hold it twice.
+    state = jax.device_put(state, jax.devices()[0])
     step = _jit_accum(num_micro_batches) if layout == "jit_accum" else _meshpar_step(layout, num_micro_batches)
     if layout == "jit_accum":
         step.lower(state, batch).compile()

@@ -5,15 +5,16 @@
 #   bash benchmarks/gpu_check.sh OUT_DIR
 #
 # Runs on the machine's own JAX, flax and optax (no install: the package is laid out as
-# setup.cfg installs it, under a temporary directory on PYTHONPATH). A persistent compilation
+# setup.cfg installs it, in a temporary copy of the checkout that the parts run from, since
+# ``python -m`` puts the working directory first on the path). A persistent compilation
 # cache is shared by the parts, so a program compiled by one is loaded by the next.
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 site=$(mktemp -d)
-cp -r meshpar "$site/" && cp -r passes "$site/meshpar/passes" && cp -r runtime "$site/meshpar/runtime"
-export PYTHONPATH="$site:$PWD"
+cp -r meshpar examples benchmarks "$site/" && cp -r passes "$site/meshpar/passes" \
+    && cp -r runtime "$site/meshpar/runtime" && cd "$site" || exit 1
 export JAX_COMPILATION_CACHE_DIR=$(mktemp -d) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND under a time limit, its output to the log
     local name=$1 limit=$2

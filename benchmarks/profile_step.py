@@ -1,0 +1,129 @@
+"""Where a pipelined step's host time goes: cProfile over steps of one ``benchmarks.host_overhead``
+configuration.
+
+    python -m benchmarks.profile_step [--model tiny] [--layout one_mesh_interleaved]
+        [--micro-batches 8] [--steps 20] [--top 30]
+
+Builds the step as ``benchmarks.host_overhead`` does, runs two untimed steps (compiles), then
+profiles ``--steps`` steps, each to its outputs being ready. Prints the wall ms per step, then
+the ``--top`` functions by their own time and by cumulative time, per step. JAX's compiled
+calls are C++ (``PjitFunction``): their own time is JAX's dispatch, including, on a GPU, the
+launch of the program's kernels; what sits around them is meshpar's.
+
+``--dispatch``: instead, per stage program (the first launch of each of its jitted functions,
+kept with its operands), the µs a call costs through meshpar's launch wrapper
+(``runtime.stage_executables.on_mesh``) against JAX's own call of the same compiled function
+with the same operands, both in one loop of ``--calls`` calls waited for at its end. Programs
+whose operands a launch donates are skipped (a second call would read deleted buffers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+from benchmarks.host_overhead import LAYOUTS, MODELS, _jit_accum, _meshpar_step, _model
+
+
+def _record_launches() -> dict[str, tuple]:
+    """Wraps ``on_mesh`` so that each stage program's first launch is kept: name -> (meshpar's
+    launch, the jitted function, its mesh, the operands)."""
+    from meshpar.runtime import stage_executables
+
+    launches: dict[str, tuple] = {}
+    seen: set[int] = set()
+    wrap = stage_executables.on_mesh
+
+    def recording(fn, mesh, timeout_s):
+        run = wrap(fn, mesh, timeout_s)
+
+        def launch(*operands):
+            if id(fn) not in seen:
+                seen.add(id(fn))
+                launches[f"{getattr(fn, '__name__', fn)} #{len(launches)}"] = (run, fn, mesh, operands)
+            return run(*operands)
+
+        launch.jitted, launch.mesh, launch.temp_bytes = run.jitted, run.mesh, run.temp_bytes
+        return launch
+
+    stage_executables.on_mesh = recording
+    return launches
+
+
+def _time_dispatch(launches: dict[str, tuple], calls: int) -> None:
+    import jax
+
+    def per_call_us(call) -> float:
+        jax.block_until_ready(call())
+        start = time.perf_counter()
+        for _ in range(calls - 1):
+            call()
+        jax.block_until_ready(call())
+        return 1e6 * (time.perf_counter() - start) / calls
+
+    print(f"| program | operands | meshpar's launch µs | JAX's call µs | ratio |\n|---|---|---|---|---|")
+    for name, (run, fn, mesh, operands) in launches.items():
+        leaves = jax.tree.leaves(operands)
+        if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
+            continue
+        try:
+            ours = per_call_us(lambda: run(*operands))
+            with jax.set_mesh(mesh):
+                theirs = per_call_us(lambda: fn(*operands))
+        except (ValueError, RuntimeError) as e:  # donated by the first timed call
+            print(f"| {name} | {len(leaves)} | skipped: {str(e).splitlines()[0][:80]} | | |")
+            continue
+        print(f"| {name} | {len(leaves)} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--layout", choices=["jit_accum", *sorted(LAYOUTS)], default="one_mesh_interleaved")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--dispatch", action="store_true", help="time launches against JAX's own calls")
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps: expected a positive number of steps, got {args.steps}")
+    if MODELS[args.model][1] % args.micro_batches:
+        parser.error(f"--micro-batches: {args.micro_batches} does not divide the {args.model} GPT's batch "
+                     f"of {MODELS[args.model][1]}")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 2)
+    launches = _record_launches() if args.dispatch else None
+    _, batch, state = _model(args.model)
+    step = _jit_accum(args.micro_batches) if args.layout == "jit_accum" \
+        else _meshpar_step(args.layout, args.micro_batches)
+    for _ in range(2):
+        state, loss = step(state, batch)
+        jax.block_until_ready((state, loss))
+    if launches is not None:
+        _time_dispatch(launches, args.calls)
+        return 0
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    for _ in range(args.steps):
+        state, loss = step(state, batch)
+        jax.block_until_ready((state, loss))
+    profile.disable()
+    wall = time.perf_counter() - start
+    print(f"{args.model} {args.layout} M={args.micro_batches} on {jax.devices()[0].platform}: "
+          f"{1e3 * wall / args.steps:.1f} ms a step under the profiler ({args.steps} steps)")
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(args.top)
+        print(f"--- by {order} (seconds over {args.steps} steps)\n" + text.getvalue().split("\n\n", 1)[-1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
