@@ -168,7 +168,8 @@ class ParallelizedStep:
     def get_compiled(self, *args: Any) -> CompiledPipeline:
         """The compiler's IRs for these arguments (compiling them if needed): the stage graph,
         the step split and layout, the schedule, the programs and the planned moves, as
-        ``describe()`` reads them."""
+        ``describe()`` reads them. ``.pass_names`` lists the compiler's passes that ran and
+        ``.ir_after(name)`` shows the IR a pass made, as it stood right after it."""
         return self._lookup(args)[1].pipeline
 
     def _lookup(self, args: tuple) -> tuple[list, CompiledStep]:

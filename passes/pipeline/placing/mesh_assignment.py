@@ -21,10 +21,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ...compiler_pass import compiler_pass
+from ...verification import PlanVerificationError
 from ..scheduling.pipeline_schedule import ScheduleKind, check_stage_placement
 
 __all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "count_meshes", "device_sharding",
-           "mesh_shapes", "param_sharding", "place_stages"]
+           "mesh_shapes", "param_sharding", "place_stages", "verify_stage_mesh_map"]
 
 
 def mesh_shapes(n: int) -> str:
@@ -85,6 +86,20 @@ class StageMeshMap:
     def stage_meshes(self) -> tuple[Mesh, ...]:
         """Per stage, its mesh (one object per mesh, repeated for stages sharing it)."""
         return tuple(self.meshes[m] for m in self.stage_mesh)
+
+
+def verify_stage_mesh_map(placed: StageMeshMap, num_stages: int) -> None:
+    """Every stage placed on one of the meshes, and no device in two meshes.
+
+    Raises:
+      PlanVerificationError: naming the stage count or the shared devices.
+    """
+    if len(placed.stage_mesh) != num_stages:
+        raise PlanVerificationError(f"{len(placed.stage_mesh)} stages placed, for a graph of {num_stages}")
+    devices = [d for mesh in placed.meshes for d in mesh.devices.flat]
+    if len(set(devices)) != len(devices):
+        shared = sorted({d.id for d in devices if devices.count(d) > 1})
+        raise PlanVerificationError(f"the stage meshes share devices {shared}")
 
 
 def count_meshes(num_stages: int, num_stage_meshes: int | None, stages_per_mesh: int | None,
