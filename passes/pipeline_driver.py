@@ -92,6 +92,7 @@ from .pipeline.lowering.fused_runs import fuse_compute_runs
 from .pipeline.placing.step_layout import StepLayout, layout_step, verify_step_layout
 from .pipeline.step_primitives import pipeline_grad_p, stage_boundary_p
 from .pipeline.lowering.step_program import StepProgram, lower_step, verify_step_program
+from .pipeline.lowering.program_text import program_text
 from .pipeline.lowering.launch_sequences import LaunchSequences, launch_sequences, verify_launch_sequences
 from .pipeline.cutting.split_scans import verify_split_scans
 from .pipeline.placing.stacked_leaves import (GatheredArray, LeafPieces, StackedArray, gathered_arrays,
@@ -526,6 +527,10 @@ class CompiledPipeline:
     def stage_meshes(self) -> tuple[Mesh, ...]:
         """Per stage, the mesh running it."""
         return tuple(self.meshes[m] for m in self.schedule.stage_mesh)
+
+    def __str__(self) -> str:
+        """The step program and each mesh's pipeline program, one line per instruction."""
+        return program_text(self.step, self.program)
 
     @property
     def pass_names(self) -> tuple[str, ...]:

@@ -7,13 +7,16 @@ where it has nothing to do). Launches are asynchronous, so stages on
 different meshes, and the moves between them, overlap as the order allows.
 
 Each handler returns the arrays it launched (nothing when it launched
-nothing), which a ``StepRecorder`` (``runtime.step_trace``) times.
+nothing), which a ``StepRecorder`` (``runtime.step_trace``) times. A kind defined outside this
+module (an ``Instruction`` subclass anywhere) runs once ``register_handler`` names its handler;
+an interpreter refuses, at construction, a program holding a kind with no handler, naming it.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -35,12 +38,40 @@ from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables, on_mesh
 from meshpar.runtime.step_trace import StepRecorder
 
-__all__ = ["InstructionError", "StageInputs", "ProgramRun", "ProgramInterpreter"]
+__all__ = ["HANDLERS", "InstructionError", "StageInputs", "ProgramRun", "ProgramInterpreter", "register_handler"]
 
 Move = Callable[[jax.Array], jax.Array]
 # A mesh's gradient reduction: its reduced stages' accumulators in, their reduced gradients out.
 Reducer = Callable[[list[list[jax.Array]]], list[list[jax.Array]]]
 Launched = tuple[jax.Array, ...]  # what a handler launched: the arrays its instruction produced
+# A registered kind's handler: ``handler(interpreter, mesh, instruction, state) -> Launched``.
+Handler = Callable[["ProgramInterpreter", int, Any, "_State"], Launched]
+
+# The kinds this module runs itself.
+_BUILT_IN = frozenset({RunForward, RunBackward, RunBackwardInput, RunBackwardWeight, RunFused, Send, Recv, Free,
+                       ReduceGradients})
+# Kinds defined elsewhere, each with its handler (``register_handler``).
+HANDLERS: dict[type, Handler] = {}
+
+
+def register_handler(kind: type, handler: Handler) -> None:
+    """Interpreters made from now on run instructions of ``kind`` (an ``Instruction`` subclass)
+    with ``handler(interpreter, mesh, ins, state)``, in launch order, as they run every kind: it
+    reads and writes ``state.buffers`` (``BufferId`` -> value; ``state.read(b)`` names a buffer
+    that is not live), skips its work where ``interpreter.local[mesh]`` is false, and returns the
+    arrays it launched. While compiling ahead (``state.compile_only``) values are shapes and it
+    launches nothing. The instruction's own ``Instruction`` properties (``reads``, ``writes``,
+    ``frees``, ...) are all the verifier, the live-byte prediction and the counters read of it.
+
+    Raises:
+      TypeError: ``kind`` is not an ``Instruction`` subclass.
+      ValueError: ``kind`` has a handler already.
+    """
+    if not (isinstance(kind, type) and issubclass(kind, Instruction)):
+        raise TypeError(f"register_handler: {kind!r} is not an Instruction subclass")
+    if kind in _BUILT_IN or kind in HANDLERS:
+        raise ValueError(f"register_handler: {kind.__name__} has a handler already")
+    HANDLERS[kind] = handler
 
 
 class InstructionError(RuntimeError):
@@ -129,9 +160,10 @@ class ProgramInterpreter:
             Recv: self._recv,
             Free: self._free,
             ReduceGradients: self._reduce_gradients,
+            **{kind: functools.partial(handler, self) for kind, handler in HANDLERS.items()},
         }
         self._sequence: list[tuple[int, Instruction]] = program.launch_sequence()
-        unknown = sorted({type(ins).__name__ for _, ins in self._sequence} - {k.__name__ for k in self._handlers})
+        unknown = sorted({type(ins).__name__ for _, ins in self._sequence if type(ins) not in self._handlers})
         if unknown:
             raise TypeError(f"program: instructions of kinds {unknown} have no handler in the program interpreter")
         self._senders = tuple(senders(t.src) for t in program.transfers)

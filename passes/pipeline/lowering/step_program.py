@@ -26,13 +26,20 @@ instruction carrying what it needs (the runtime reads no layout), so the runtime
 - ``AssembleOutputs``: the step's outputs, each with its per-mesh shardings;
 - ``ShareOutputs`` (several processes): small outputs held on some processes only (the loss,
   aux metrics, a gradient norm) copied onto every process, as ``jax.jit`` leaves them.
+
+Every kind subclasses ``StepInstruction``, which says what the verifier asks of it (the values it
+reads and makes, on which mesh; what it combines or reduces; its own wiring check), so
+``verify_step_program`` reads any kind through that interface, as ``verify_pipeline_program``
+reads ``pipeline_program.Instruction``s. Each kind's ``__str__`` is one short line (never a
+jaxpr): ``program_text`` prints a step with them.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -51,11 +58,58 @@ from ..cutting.step_split import OuterCompute, OuterKind, OuterMove, OuterRef, S
 
 __all__ = ["SHARE_MAX_BYTES", "SharedOutput", "ShareOutputs", "AssembleOutputs", "AwaitArrivals", "CombineMicroBatches", "FeedStages", "JoinStackedLeaves",
            "OutputSource", "PlaceInputs", "ReduceGradient", "RunCompute", "RunMove", "RunPipeline",
-           "SplitStackedLeaves", "StageFeed", "StepInstruction", "StepProgram", "lower_step", "verify_step_program"]
+           "Located", "SplitStackedLeaves", "StageFeed", "StepInstruction", "StepProgram", "lower_step",
+           "verify_step_program"]
+
+
+# A value of the step on one mesh: what a step instruction reads there or makes there.
+Located = tuple[OuterRef, int]
+
+
+class StepInstruction(abc.ABC):
+    """What an instruction of the step program says about itself, so that the verifier (and
+    ``program_text``) reads every kind without a list of kinds: the values it reads and makes,
+    each on its mesh, the loss or aux values it combines, the parameter gradients it reduces,
+    and its own wiring against the stage graph and the pipeline program. Inputs and constants
+    (``OuterKind.IN``, ``OuterKind.CONST``) are readable anywhere; every other value it reads on
+    a mesh must have been made there by an earlier instruction. A new kind is this class's
+    subclass and one handler in the runtime (``pipeline_executor``)."""
+
+    @property
+    @abc.abstractmethod
+    def reads(self) -> tuple[Located, ...]:
+        """``(value, mesh)`` of every value it reads, on the mesh it reads it on."""
+
+    @property
+    @abc.abstractmethod
+    def writes(self) -> tuple[Located, ...]:
+        """``(value, mesh)`` of every value it makes (a move: on its destination mesh)."""
+
+    @property
+    def combines(self) -> tuple[OuterRef, ...]:
+        """The loss or aux values whose micro-batches it combines (each once per step)."""
+        return ()
+
+    @property
+    def reduces(self) -> tuple[tuple[int, int], ...]:
+        """``(stage, parameter)`` of each stage's accumulated gradient it reduces (each once)."""
+        return ()
+
+    def check(self, graph: StageGraph, program: PipelineProgram) -> str | None:
+        """Why it is wired wrongly against ``graph`` and ``program`` (the mesh it runs on, the
+        buffers it reads), or ``None``."""
+        return None
+
+
+def _names(refs: Iterable[Any], most: int = 4) -> str:
+    """At most ``most`` of ``refs`` by name, then how many more: an instruction's line stays short."""
+    refs = list(refs)
+    shown = ", ".join(map(str, refs[:most]))
+    return shown if len(refs) <= most else f"{shown} and {len(refs) - most} more"
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitStackedLeaves:
+class SplitStackedLeaves(StepInstruction):
     """The user's stacked leaves as the per-stage pieces the rewritten step takes
     (``stacked_leaves``): each held leaf as views of its shards, each gathered one cut on its
     home mesh and moved by ``GatheredArray.into``."""
@@ -64,12 +118,16 @@ class SplitStackedLeaves:
     held: tuple[tuple[int, StackedArray], ...]
     gathered: tuple[tuple[int, GatheredArray], ...]
 
+    # The user's leaves in, the step's input leaves out: no value of the step.
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+
     def __str__(self) -> str:
         return f"split {len(self.held) + len(self.gathered)} stacked leaves into their pieces"
 
 
 @dataclasses.dataclass(frozen=True)
-class PlaceInputs:
+class PlaceInputs(StepInstruction):
     """Every input leaf (of the rewritten step) where ``placements`` puts it; a leaf of
     ``global_batches`` (a global batch array read whole around the pipeline) by its planned
     moves, every process joining each, in this order."""
@@ -77,24 +135,38 @@ class PlaceInputs:
     placements: tuple[Placement, ...]
     global_batches: tuple[GlobalBatchPlacement, ...] = ()
 
+    # Inputs are readable anywhere (``StepInstruction``): placing them makes no other value.
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+
+    def check(self, graph: StageGraph, program: PipelineProgram) -> str | None:
+        if any(p.placement != self.placements[p.leaf] for p in self.global_batches):
+            return "moves a global batch leaf elsewhere than its placement"
+        return None
+
     def __str__(self) -> str:
-        return "place the inputs"
+        moved = f", {len(self.global_batches)} global batch leaves by their moves" if self.global_batches else ""
+        return f"place {len(self.placements)} input leaves{moved}"
 
 
 @dataclasses.dataclass(frozen=True)
-class RunCompute:
+class RunCompute(StepInstruction):
     """``compute`` on its mesh; output ``k`` constrained to ``output_shardings[k]`` (``None``: as
     XLA lays it out)."""
 
     compute: OuterCompute
     output_shardings: tuple[NamedSharding | None, ...]
 
+    reads = property(lambda self: tuple((r, self.compute.mesh) for r in self.compute.inputs))
+    writes = property(lambda self: tuple((r, self.compute.mesh) for r in self.compute.outputs))
+
     def __str__(self) -> str:
-        return f"compute of {', '.join(map(str, self.compute.outputs))} on mesh {self.compute.mesh}"
+        # Never the compute's own repr: it prints the whole jaxpr.
+        return f"compute of {_names(self.compute.outputs)} on mesh {self.compute.mesh}"
 
 
 @dataclasses.dataclass(frozen=True)
-class RunMove:
+class RunMove(StepInstruction):
     """``move``'s values cross meshes by ``via``; several values travel packed into one vector and
     are unpacked on the destination mesh, value ``k`` laid out as ``unpacked[k]``."""
 
@@ -102,8 +174,11 @@ class RunMove:
     via: ValueMove
     unpacked: tuple[NamedSharding, ...] = ()
 
+    reads = property(lambda self: tuple((r, self.move.src) for r in self.move.values))
+    writes = property(lambda self: tuple((r, self.move.dst) for r in self.move.values))
+
     def __str__(self) -> str:
-        return f"move of {', '.join(map(str, self.move.values))} from mesh {self.move.src} to mesh {self.move.dst}"
+        return f"move of {_names(self.move.values)} from mesh {self.move.src} to mesh {self.move.dst}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +194,7 @@ class StageFeed:
 
 
 @dataclasses.dataclass(frozen=True)
-class FeedStages:
+class FeedStages(StepInstruction):
     """Each stage's operands: fetched parameters, constants, values computed before the
     pipeline, every per-micro-batch operand cut into ``num_micro_batches`` slices of
     ``micro_batch_size`` rows, and keys folded with each micro-batch's index."""
@@ -131,18 +206,28 @@ class FeedStages:
     # micro-batch's rows lie (every process joins each move), not cut on the host.
     global_batches: tuple[GlobalBatchFeed, ...] = ()
 
+    # What a stage reads before the pipeline, on its mesh (a fetched parameter: an input, moved).
+    reads = property(lambda self: tuple((op.source, feed.mesh) for feed in self.stages for op in feed.operands
+                                        if op.fetch is None))
+    writes = property(lambda self: ())
+
     def __str__(self) -> str:
-        return "feed the stages"
+        return (f"feed {len(self.stages)} stages: {self.num_micro_batches} micro-batches of "
+                f"{self.micro_batch_size} rows")
 
 
 @dataclasses.dataclass(frozen=True)
-class RunPipeline:
+class RunPipeline(StepInstruction):
+    # The pipeline program's buffers are its own (``verify_pipeline_program``).
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+
     def __str__(self) -> str:
         return "run the pipeline program"
 
 
 @dataclasses.dataclass(frozen=True)
-class CombineMicroBatches:
+class CombineMicroBatches(StepInstruction):
     """``value`` (the loss or an aux value) on ``mesh``: the result buffers of every micro-batch
     combined as ``how`` says, then read as ``aval`` from its wire form and laid out as
     ``sharding`` (``None``: as combined). ``per_replica``: each buffer holds one value per
@@ -157,12 +242,23 @@ class CombineMicroBatches:
     sharding: NamedSharding | None
     per_replica: bool = False
 
+    # It reads the pipeline program's result buffers, no value of the step.
+    reads = property(lambda self: ())
+    writes = property(lambda self: ((self.value, self.mesh),))
+    combines = property(lambda self: (self.value,))
+
+    def check(self, graph: StageGraph, program: PipelineProgram) -> str | None:
+        stage = self.buffers[0].index
+        if self.mesh != program.schedule.stage_mesh[stage] or any(b not in program.results for b in self.buffers):
+            return f"does not combine the results of stage {stage} on its mesh"
+        return None
+
     def __str__(self) -> str:
         return f"{self.how.value} of {self.value} over {len(self.buffers)} micro-batches on mesh {self.mesh}"
 
 
 @dataclasses.dataclass(frozen=True)
-class ReduceGradient:
+class ReduceGradient(StepInstruction):
     """Stage ``stage``'s accumulated gradient of parameter ``param`` (its ``position``-th), moved
     by ``move`` (``None``: already on the owner's mesh) and added into ``GRAD param`` on ``mesh``;
     ``sharding`` is the stage's accumulator's (what another process names in its place)."""
@@ -175,12 +271,25 @@ class ReduceGradient:
     sharding: NamedSharding
     aval: jax_ir.AbstractValue
 
+    # It reads the stage's accumulator, which the pipeline program leaves, no value of the step.
+    reads = property(lambda self: ())
+    writes = property(lambda self: ((OuterRef(OuterKind.GRAD, self.param), self.mesh),))
+    reduces = property(lambda self: ((self.stage, self.param),))
+
+    def check(self, graph: StageGraph, program: PipelineProgram) -> str | None:
+        if self.mesh != program.schedule.stage_mesh[graph.param_owner(self.param)]:
+            return "is not on the mesh of the parameter's owner"
+        return None
+
     def __str__(self) -> str:
         return f"gradient of parameter {self.param} from stage {self.stage} into mesh {self.mesh}"
 
 
 @dataclasses.dataclass(frozen=True)
-class AwaitArrivals:
+class AwaitArrivals(StepInstruction):
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+
     def __str__(self) -> str:
         return "wait for values other processes send here"
 
@@ -199,13 +308,17 @@ class OutputSource:
 
 
 @dataclasses.dataclass(frozen=True)
-class AssembleOutputs:
+class AssembleOutputs(StepInstruction):
     """The step's outputs (of the rewritten step), each from its ``OutputSource``."""
 
     outputs: tuple[OutputSource, ...]
 
+    reads = property(lambda self: tuple((o.ref, m) for o in self.outputs
+                                        if o.ref.kind is not OuterKind.LITERAL for m in o.meshes))
+    writes = property(lambda self: ())
+
     def __str__(self) -> str:
-        return "assemble the outputs"
+        return f"assemble {len(self.outputs)} outputs"
 
 
 # Outputs at most this large (per copy), replicated on their mesh, that some process holds no
@@ -228,7 +341,7 @@ class SharedOutput:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShareOutputs:
+class ShareOutputs(StepInstruction):
     """``outputs`` copied onto the step's output devices (``share_outputs``), so that every
     process reads them and they combine as under ``jax.jit``: point-to-point copies from their
     source device (no collective: a collective
@@ -237,12 +350,16 @@ class ShareOutputs:
 
     outputs: tuple[SharedOutput, ...]
 
+    # It copies the assembled outputs, no value of the step.
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+
     def __str__(self) -> str:
         return f"share {len(self.outputs)} small outputs on the step's output devices"
 
 
 @dataclasses.dataclass(frozen=True)
-class JoinStackedLeaves:
+class JoinStackedLeaves(StepInstruction):
     """The rewritten step's outputs in pieces joined as the user sees the leaves they replace:
     a held leaf as one array over its pieces' devices, a gathered one moved home by
     ``GatheredArray.out_of`` and concatenated."""
@@ -251,13 +368,11 @@ class JoinStackedLeaves:
     held: tuple[tuple[int, StackedArray], ...]
     gathered: tuple[tuple[int, GatheredArray], ...]
 
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+
     def __str__(self) -> str:
         return f"join {len(self.held) + len(self.gathered)} stacked leaves from their pieces"
-
-
-StepInstruction = Union[SplitStackedLeaves, PlaceInputs, RunCompute, RunMove, FeedStages, RunPipeline,
-                        CombineMicroBatches, ReduceGradient, AwaitArrivals, AssembleOutputs, ShareOutputs,
-                        JoinStackedLeaves]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,14 +527,20 @@ def share_outputs(outputs: Sequence[OutputSource], avals: Mapping[OuterRef, jax_
 
 def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, program: PipelineProgram) -> None:
     """The pipeline runs once, after the inputs are placed (a global batch leaf moved to its own
-    placement) and the stages fed; every value a computation or move reads on a mesh was made
-    there earlier (or is an input or constant); the loss and every aux value are combined once,
+    placement) and the stages fed; every value an instruction reads on a mesh was made there
+    earlier (or is an input or constant); the loss and every aux value are combined once,
     on the mesh computing them; every stage's gradient of every parameter it reads is reduced
-    once, on the parameter owner's mesh; the outputs come last.
+    once, on the parameter owner's mesh; the outputs come last. Every instruction is read
+    through ``StepInstruction`` (what it reads, makes, combines and reduces, its own check),
+    whatever its kind; only the order of the step's phases names kinds.
 
     Raises:
       PlanVerificationError: naming the instruction.
     """
+    strangers = sorted({type(ins).__name__ for ins in step if not isinstance(ins, StepInstruction)})
+    if strangers:
+        raise PlanVerificationError(f"the step holds instructions of kinds {strangers}, which are not "
+                                    f"StepInstructions")
     kinds = [type(i) for i in step]
     stacked = kinds.count(SplitStackedLeaves)
     if stacked != kinds.count(JoinStackedLeaves) or stacked > 1 or (stacked and (
@@ -435,40 +556,20 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
     if -1 in positions or positions != sorted(positions) or positions[-1] != len(body) - 1:
         raise PlanVerificationError("the step does not place, feed, run the pipeline, wait and assemble once each, "
                                     "in that order, assembling last")
-    (placing,) = [ins for ins in step if isinstance(ins, PlaceInputs)]
-    if any(p.placement != placing.placements[p.leaf] for p in placing.global_batches):
-        raise PlanVerificationError(f"{placing}: a global batch leaf moved elsewhere than its placement")
-    home = program.schedule.stage_mesh
-    made: set[tuple[OuterRef, int]] = set()
-    combined, reduced = [], []
-    for ins in step:
-        if isinstance(ins, RunCompute):
-            reads, mesh, writes = ins.compute.inputs, ins.compute.mesh, ins.compute.outputs
-        elif isinstance(ins, RunMove):
-            reads, mesh, writes = ins.move.values, ins.move.src, ins.move.values
-        elif isinstance(ins, CombineMicroBatches):
-            combined.append(ins.value)
-            stage = ins.buffers[0].index
-            if ins.mesh != home[stage] or any(b not in program.results for b in ins.buffers):
-                raise PlanVerificationError(f"{ins}: not the results of stage {stage} on its mesh")
-            made.add((ins.value, ins.mesh))
-            continue
-        elif isinstance(ins, ReduceGradient):
-            reduced.append((ins.stage, ins.param))
-            if ins.mesh != home[graph.param_owner(ins.param)]:
-                raise PlanVerificationError(f"{ins}: not the mesh of the parameter's owner")
-            made.add((OuterRef(OuterKind.GRAD, ins.param), ins.mesh))
-            continue
-        else:
-            continue
-        for ref in reads:
-            if ref.kind not in (OuterKind.IN, OuterKind.CONST) and (ref, mesh) not in made:
-                raise PlanVerificationError(f"{ins} reads {ref} on mesh {mesh} before it is made there")
-        target = ins.move.dst if isinstance(ins, RunMove) else mesh
-        made |= {(ref, target) for ref in writes}
+    combined = [ref for ins in step for ref in ins.combines]
     want_combined = [OuterRef(OuterKind.LOSS)] + [OuterRef(OuterKind.AUX, k) for k in range(len(graph.aux))]
     if combined != want_combined:
         raise PlanVerificationError(f"combined {combined}, expected the loss and each aux value once: {want_combined}")
+    reduced = [key for ins in step for key in ins.reduces]
     want_reduced = [(s.index, k) for s in graph.stages for k in s.param_inputs]
     if sorted(reduced) != sorted(want_reduced) or len(set(reduced)) != len(reduced):
         raise PlanVerificationError("a stage's parameter gradient is not reduced exactly once")
+    made: set[Located] = set()
+    for ins in step:
+        wiring = ins.check(graph, program)
+        if wiring:
+            raise PlanVerificationError(f"{ins}: {wiring}")
+        for ref, mesh in ins.reads:
+            if ref.kind not in (OuterKind.IN, OuterKind.CONST) and (ref, mesh) not in made:
+                raise PlanVerificationError(f"{ins} reads {ref} on mesh {mesh} before it is made there")
+        made.update(ins.writes)
