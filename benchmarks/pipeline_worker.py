@@ -141,9 +141,9 @@ def _bytes_record(live_bytes) -> dict:
 
 def _transfer_estimates(executable, method, cluster) -> list[dict]:
     """Per transfer of the program: what it is and the planner's estimated seconds
-    (``meshpar.calibration.estimated_transfer_s``)."""
+    (``meshpar.passes.planning.calibration.estimated_transfer_s``)."""
     from meshpar.passes.pipeline.placing.edge_transfer import Direction
-    from meshpar.calibration import estimated_transfer_s
+    from meshpar.passes.planning.calibration import estimated_transfer_s
 
     return [{"edge": t.edge, "activation": t.direction is Direction.ACTIVATION,
              "bytes": t.dtype.itemsize * math.prod(t.shape),

@@ -215,8 +215,11 @@ def run_cpu(args, emit) -> None:
         # Sized by the compiled program and calibrated once per model, as plan_parallelism
         # does, and shared by every planner.
         profile, tp_scale = compiled_tensor_parallel(profile, step, (state, batch), (1,), devices)
-        hardware = calibrate(measured_hardware, step, (state, batch), (1,), devices, cluster, profile)
-        hardware, pipeline = calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile)
+        # meshpar's cost model: the baselines' predict is meshpar's (passes.planning.protocol).
+        hardware = calibrate(measured_hardware, step, (state, batch), (1,), devices, cluster, profile,
+                             PLANNERS["meshpar"])
+        hardware, pipeline = calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile,
+                                                PLANNERS["meshpar"])
         emit({"part": "cpu", "model": name, "config": "hardware", "source": "calibrated",
               "compute_scale": hardware.compute_scale, "tp_bytes_scale": tp_scale, "task_s": hardware.task_s,
               "move_s": hardware.move_s, "calibration_pipeline": pipeline})
@@ -333,7 +336,7 @@ def run_simulated(args, emit) -> None:
                 continue
             start = time.perf_counter()
             try:
-                plans = PLANNERS[planner](profile, cluster, hardware, PlanConstraints(budget))
+                plans = PLANNERS[planner].plan(profile, cluster, hardware, PlanConstraints(budget))
             except NoPlanFits as e:
                 emit({"part": "simulated", "model": "gpt96", "config": f"{cluster_name} x{cluster.num_devices}",
                       "source": f"pick:{planner}", "error": str(e), "planning_s": time.perf_counter() - start})

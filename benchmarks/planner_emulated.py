@@ -53,6 +53,7 @@ def _host_hardware():
     from examples.u_transformer import UTransformer, ut_batch, ut_loss
     from meshpar.calibration import calibrate, calibrate_pipeline, measure_hardware
     from meshpar.cluster import Cluster
+    from meshpar.passes.planning import planner_meshpar
     from meshpar.step_profile import compiled_tensor_parallel, profile_step
 
     net = UTransformer(num_stages=8, **UT_SIZE)
@@ -65,14 +66,14 @@ def _host_hardware():
     args = (state, batch)
     profile = profile_step(step, args, (1,), "u_transformer")
     profile, _ = compiled_tensor_parallel(profile, step, args, (1,), devices)
-    hardware = calibrate(measure_hardware(devices), step, args, (1,), devices, host, profile)
-    hardware, _ = calibrate_pipeline(hardware, step, args, (1,), devices, host, profile)
+    hardware = calibrate(measure_hardware(devices), step, args, (1,), devices, host, profile, planner_meshpar)
+    hardware, _ = calibrate_pipeline(hardware, step, args, (1,), devices, host, profile, planner_meshpar)
     return profile, hardware, host
 
 
 def run(link_mb_s: float, emit) -> None:
     from meshpar.cluster import Cluster
-    from meshpar.passes.planning.planner_meshpar import search
+    from meshpar.passes.planning.planner_meshpar import plan
     from meshpar.passes.planning.protocol import NoPlanFits, PlanConstraints
     from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
 
@@ -85,7 +86,7 @@ def run(link_mb_s: float, emit) -> None:
     emit({"part": "emulated", "config": "hardware", "source": "one host calibrated",
           **{k: v for k, v in dataclasses.asdict(hardware).items() if k != "op_s"}})
     start = time.perf_counter()
-    plans = search(profile, cluster, hardware, PlanConstraints())
+    plans = plan(profile, cluster, hardware, PlanConstraints())
     planning = time.perf_counter() - start
     pick = plans[0]
     emit({"part": "emulated", "config": _config(pick), "source": "pick", "predicted_step_s": pick.predicted_step_s,
@@ -96,14 +97,14 @@ def run(link_mb_s: float, emit) -> None:
             constraints = PlanConstraints(num_stages=HOSTS * per_mesh, num_micro_batches=MICRO_BATCHES,
                                           schedules=(name,), stages_per_mesh=(per_mesh,), device_subsets=False)
             try:
-                ranked = search(profile, cluster, hardware, constraints)
+                ranked = plan(profile, cluster, hardware, constraints)
             except NoPlanFits:
                 continue
             case = [p for p in ranked if p.num_meshes == HOSTS]
             if case:
                 emit({"part": "emulated", "config": _config(case[0]), "source": f"case layout: {name}",
                       "predicted_step_s": case[0].predicted_step_s})
-    best_v = search(profile, cluster, hardware, PlanConstraints(schedules=V_SCHEDULES))[0]
+    best_v = plan(profile, cluster, hardware, PlanConstraints(schedules=V_SCHEDULES))[0]
     emit({"part": "emulated", "config": _config(best_v), "source": "best V", "predicted_step_s": best_v.predicted_step_s,
           "vs_pick": best_v.predicted_step_s / pick.predicted_step_s, "summary": best_v.summary()})
 

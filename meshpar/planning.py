@@ -2,9 +2,10 @@
 micro-batches and schedule.
 
 The step is traced once (nothing runs; ``meshpar.step_profile``); its loss is cut at every
-``mark_stage_boundary()`` into layers; on the machine it will run on, the planner's cost model
-is calibrated (``meshpar.calibration``); a planner (``PLANNERS``, each a
-``passes.planning.protocol.Planner``) ranks plans. The result runs as planned with
+``mark_stage_boundary()`` into layers; a planner (``PLANNERS``, each a
+``passes.planning.protocol.Planner``; the planning package holds both) is taken by its name; on
+the machine it will run on, that planner's cost model is calibrated (``meshpar.calibration``)
+and the planner ranks plans. The result runs as planned with
 ``parallelize(step, method=plan.method)``.
 """
 
@@ -19,30 +20,22 @@ import jax
 from meshpar.calibration import calibrate, calibrate_pipeline, measure_hardware
 from meshpar.cluster import Cluster
 from meshpar.parallelism_plan import ParallelismPlan
-from meshpar.passes.planning import planner_alpa, planner_amp, planner_galvatron, planner_meshpar
 from meshpar.passes.planning.layer_profile import ModelProfile
+from meshpar.passes.planning.planners import PLANNERS, get_planner
 from meshpar.passes.planning.protocol import Hardware, PlanConstraints, Planner
 from meshpar.pipeshard_parallel import PipeshardParallel
 from meshpar.step_profile import compiled_tensor_parallel, profile_step
 
 __all__ = ["PLANNERS", "ParallelismPlan", "plan_parallelism"]
 
-# name -> planner. meshpar's own prices what the runtime runs (every schedule, device subsets,
-# the gradient reduction as it runs); the baselines price what their papers model.
-PLANNERS: dict[str, Planner] = {
-    "meshpar": planner_meshpar.search,
-    "amp": planner_amp.plan,
-    "galvatron": planner_galvatron.plan,
-    "alpa_dp": planner_alpa.search,
-}
-
 
 def _calibrated(fun: Callable, args: Sequence[Any], batch_argnums: tuple[int, ...], devices: tuple[Any, ...],
-                cluster: Cluster, profile: ModelProfile) -> Hardware:
-    """The devices measured (``measure_hardware``), then the cost model fitted to the step run as
-    one program on all of them (``calibrate``) and as a two-stage pipeline (``calibrate_pipeline``)."""
-    hardware = calibrate(measure_hardware(devices), fun, args, batch_argnums, devices, cluster, profile)
-    return calibrate_pipeline(hardware, fun, args, batch_argnums, devices, cluster, profile)[0]
+                cluster: Cluster, profile: ModelProfile, planner: Planner) -> Hardware:
+    """The devices measured (``measure_hardware``), then ``planner``'s cost model fitted to the
+    step run as one program on all of them (``calibrate``) and as a two-stage pipeline
+    (``calibrate_pipeline``)."""
+    hardware = calibrate(measure_hardware(devices), fun, args, batch_argnums, devices, cluster, profile, planner)
+    return calibrate_pipeline(hardware, fun, args, batch_argnums, devices, cluster, profile, planner)[0]
 
 
 def plan_parallelism(
@@ -74,7 +67,8 @@ def plan_parallelism(
         checked (``meshpar.batch_arguments``) and kept in the plan's ``method``.
       hardware: device FLOP/s; default measured (``measure_hardware``), calibrated on the
         step itself run as plain data parallelism (``calibrate``), then its per-task and
-        per-move costs fitted on the step run as a two-stage pipeline (``calibrate_pipeline``).
+        per-move costs fitted on the step run as a two-stage pipeline (``calibrate_pipeline``),
+        both as ``planner`` prices them (its ``predict``).
       num_stages, num_micro_batches: fix one instead of planning it.
       schedules: the schedules to choose among; ``None``: every registered one
         (``meshpar.SCHEDULES``), with one or two stages per mesh where a schedule takes them.
@@ -89,8 +83,7 @@ def plan_parallelism(
     # planning_s is the whole call: tracing, profiling and calibrating (measuring the devices and
     # candidate steps) take most of it; the ranking alone is a small fraction.
     start = time.perf_counter()
-    if planner not in PLANNERS:
-        raise ValueError(f"planner: expected one of {sorted(PLANNERS)}, got {planner!r}")
+    chosen = get_planner(planner)
     constraints = PlanConstraints(memory_budget_bytes, num_stages, num_micro_batches,
                                   None if schedules is None else tuple(schedules),
                                   gradient_reduction=gradient_reduction)
@@ -106,7 +99,7 @@ def plan_parallelism(
     profile = profile_step(fun, example_args, batch_argnums, getattr(fun, "__name__", "step"))
     profile, _ = compiled_tensor_parallel(profile, fun, example_args, batch_argnums, devices)
     if hardware is None:
-        hardware = _calibrated(fun, example_args, batch_argnums, devices, cluster, profile)
-    plans = PLANNERS[planner](profile, cluster, hardware, constraints)
+        hardware = _calibrated(fun, example_args, batch_argnums, devices, cluster, profile, chosen)
+    plans = chosen.plan(profile, cluster, hardware, constraints)
     return ParallelismPlan(plans[0], tuple(plans[1:]), profile, devices, cluster, time.perf_counter() - start,
                            batch_argnums)

@@ -5,7 +5,8 @@ Four compilers, one sub-package each, over shared model types:
 - ``model``: device meshes, sharding specs, tiles and clusters (the types every compiler reads);
 - ``resharding``: one tensor's cross-mesh move, from unit tasks to a lowered program;
 - ``pipeline``: a traced train step, from stage markers to a per-mesh program;
-- ``planning``: stage cuts, mesh shapes and micro-batches chosen automatically, by five planners;
+- ``planning``: stage cuts, mesh shapes and micro-batches chosen automatically, by four registered
+  planners (``planning.planners.PLANNERS``), each calibrated to the machine through its protocol;
 - ``simulation``: a schedule's step time, bubbles and memory from a cost model.
 """
 

@@ -18,7 +18,7 @@ from meshpar.passes.pipeline.cutting.layer_clustering import cut_positions, inse
 from meshpar.passes.planning.planner_meshpar import Hardware
 from meshpar.passes.pipeline.cutting.stage_graph import RefKind, StageMarkerError, count_markers, split_stages
 from meshpar.planning import plan_parallelism
-from meshpar.step_profile import AUTO_LAYERS
+from meshpar.passes.planning.profile_layers import AUTO_LAYERS
 from pipeline_models import assert_trees_close, make_state, mse
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from meshpar.cluster import Cluster
 from meshpar.passes.planning.layer_profile import LayerProfile, ModelProfile
-from meshpar.passes.planning.planner_alpa import cluster_layers, search, stage_dp, submesh_shapes
+from meshpar.passes.planning import planner_alpa
+from meshpar.passes.planning.planner_alpa import cluster_layers, stage_dp, submesh_shapes
 from meshpar.passes.planning.protocol import Hardware, NoPlanFits, PlanConstraints
 
 
@@ -81,21 +82,21 @@ def _profile(L=8, batch=16):
 
 def test_search_uses_every_device_and_ranks_by_alpas_latency():
     cluster = Cluster.aws_p3_8xlarge(2)
-    plans = search(_profile(), cluster, Hardware(1e13))
+    plans = planner_alpa.plan(_profile(), cluster, Hardware(1e13))
     assert [p.predicted_step_s for p in plans] == sorted(p.predicted_step_s for p in plans)
     for plan in plans:
         assert plan.planner == "alpa_dp" and plan.stages[0].start == 0 and plan.stages[-1].stop == 8
         assert all(a.stop == b.start for a, b in zip(plan.stages, plan.stages[1:]))
         assert sum(s.shape[0] * s.shape[1] for s in plan.stages) == cluster.num_devices
-    fixed = search(_profile(), cluster, Hardware(1e13), PlanConstraints(num_stages=2, num_micro_batches=4))
+    fixed = planner_alpa.plan(_profile(), cluster, Hardware(1e13), PlanConstraints(num_stages=2, num_micro_batches=4))
     assert all(p.num_stages == 2 and p.num_micro_batches == 4 for p in fixed)
 
 
 def test_search_respects_the_memory_budget_and_says_when_nothing_fits():
     cluster = Cluster.aws_p3_8xlarge(2)
-    unbounded = search(_profile(), cluster, Hardware(1e13))
+    unbounded = planner_alpa.plan(_profile(), cluster, Hardware(1e13))
     budget = 0.5 * max(unbounded[0].peak_memory_bytes)
-    for plan in search(_profile(), cluster, Hardware(1e13), PlanConstraints(memory_budget_bytes=budget)):
+    for plan in planner_alpa.plan(_profile(), cluster, Hardware(1e13), PlanConstraints(memory_budget_bytes=budget)):
         assert max(plan.peak_memory_bytes) <= budget
     with pytest.raises(NoPlanFits, match="memory_budget_bytes"):
-        search(_profile(), cluster, Hardware(1e13), PlanConstraints(memory_budget_bytes=1e3))
+        planner_alpa.plan(_profile(), cluster, Hardware(1e13), PlanConstraints(memory_budget_bytes=1e3))

@@ -17,8 +17,9 @@ from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
 from meshpar.autodiff import tracing_pipeline
 from meshpar.cluster import Cluster
 from meshpar.passes.planning.layer_profile import CrossingValue, LayerProfile, ModelProfile
+from meshpar.passes.planning import planner_meshpar
 from meshpar.passes.planning.planner_meshpar import (NUM_RANKED, _axis_bandwidth, _live, _memory, _partition, _Prefix, _shapes,
-                                                     _stage_seconds, _step_lower_bound, predict, search,
+                                                     _stage_seconds, _step_lower_bound, predict,
                                                      tensor_parallel_bandwidth)
 from meshpar.passes.planning.protocol import (Hardware, NoPlanFits, PlanConstraints, StagePlan, first_devices,
                                               stage_meshes)
@@ -92,20 +93,20 @@ def test_partition_dp_equals_brute_force(seed, gradient_reduction):
 
 def test_every_plan_fits_the_budget_and_the_error_names_the_least_memory():
     profile = _random_profile(np.random.default_rng(7), L=8)
-    unbounded = search(profile, CLUSTER, HW)
+    unbounded = planner_meshpar.plan(profile, CLUSTER, HW)
     budget = sorted(max(p.peak_memory_bytes) for p in unbounded)[len(unbounded) // 2]
-    plans = search(profile, CLUSTER, HW, PlanConstraints(budget))
+    plans = planner_meshpar.plan(profile, CLUSTER, HW, PlanConstraints(budget))
     assert plans and all(max(p.peak_memory_bytes) <= budget for p in plans)
     assert [p.predicted_step_s for p in plans] == sorted(p.predicted_step_s for p in plans)
     with pytest.raises(NoPlanFits, match=r"memory_budget_bytes: .* the least any plan needs is ([0-9.e+]+) bytes") as e:
-        search(profile, CLUSTER, HW, PlanConstraints(1e3))
+        planner_meshpar.plan(profile, CLUSTER, HW, PlanConstraints(1e3))
     least = float(str(e.value).split("needs is ")[1].split(" bytes")[0])
-    assert search(profile, CLUSTER, HW, PlanConstraints(least * 1.0001))  # that much memory does fit a plan
+    assert planner_meshpar.plan(profile, CLUSTER, HW, PlanConstraints(least * 1.0001))  # that much memory does fit a plan
     with pytest.raises(NoPlanFits):
-        search(profile, CLUSTER, HW, PlanConstraints(least * 0.999))
+        planner_meshpar.plan(profile, CLUSTER, HW, PlanConstraints(least * 0.999))
     for bad in ({"max_micro_batches": 0}, {"num_ranked": 0}):
         with pytest.raises(ValueError, match=f"{next(iter(bad))}: expected a positive integer"):
-            search(profile, CLUSTER, HW, **bad)
+            planner_meshpar.plan(profile, CLUSTER, HW, **bad)
 
 
 @pytest.mark.parametrize("gradient_reduction", list(GradientReduction), ids=str)
@@ -113,13 +114,13 @@ def test_every_plan_fits_the_budget_and_the_error_names_the_least_memory():
 @pytest.mark.parametrize("hardware", [HW, Hardware(1e13, total_flops=2e13, dispatch_s=1e-4)])
 def test_the_bound_never_exceeds_the_step_and_the_ranked_plans_are_the_fastest_of_all(seed, hardware,
                                                                                      gradient_reduction):
-    """search simulates candidates in the order of ``_step_lower_bound`` and stops when the
+    """``plan`` simulates candidates in the order of ``_step_lower_bound`` and stops when the
     bound reaches its ``num_ranked``-th fastest: the same plans as simulating every candidate."""
     profile = _random_profile(np.random.default_rng(seed), L=6)
     constraints = PlanConstraints(gradient_reduction=gradient_reduction)
-    everything = search(profile, CLUSTER, hardware, constraints, num_ranked=10**6)
+    everything = planner_meshpar.plan(profile, CLUSTER, hardware, constraints, num_ranked=10**6)
     for num_ranked in (NUM_RANKED, 5):
-        ranked = search(profile, CLUSTER, hardware, constraints, num_ranked=num_ranked)
+        ranked = planner_meshpar.plan(profile, CLUSTER, hardware, constraints, num_ranked=num_ranked)
         assert len(ranked) < len(everything)  # the bound spared some simulations
         # The same plans up to rounding: a bound summed in another order than the simulation
         # may exceed an equal step by an ulp.
@@ -166,12 +167,12 @@ def test_gradient_reduction_must_be_known():
     with pytest.raises(ValueError, match=match):
         predict(profile, CLUSTER, HW, [StagePlan(0, 2, (1, 8))], 1, "1f1b", gradient_reduction="per_batch")
     with pytest.raises(ValueError, match=match):
-        search(profile, CLUSTER, HW, PlanConstraints(gradient_reduction="per_batch"))
+        planner_meshpar.plan(profile, CLUSTER, HW, PlanConstraints(gradient_reduction="per_batch"))
 
 
 def test_one_layer_plans_one_stage_and_skip_connections_become_edges():
     one = ModelProfile((LayerProfile(1e9, 1e6, 2e6, 1e4, 0.0),), 8)
-    assert {p.num_stages for p in search(one, CLUSTER, HW)} == {1}
+    assert {p.num_stages for p in planner_meshpar.plan(one, CLUSTER, HW)} == {1}
     # Transfers dominate (little compute, large boundaries): a large skip from stage 0 to stage 3
     # crosses hosts, and the chain prices only the boundary after each layer.
     layer = LayerProfile(1e6, 1e6, 2e6, 1e4, 4e6)
@@ -262,7 +263,8 @@ def test_pipeline_calibration_fits_the_measured_two_stage_step():
     cluster = Cluster.from_devices(list(devices))
     profile = profile_step(step, (state, batch), (1,))
     hardware = Hardware(1e11, total_flops=2e11)
-    fitted, measured = calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile)
+    fitted, measured = calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile,
+                                          planner_meshpar)
     assert fitted.task_s + fitted.pipeline_s > 0 and fitted.move_s >= 0
     assert fitted.compute_scale == hardware.compute_scale
     assert (measured["task_s"], measured["move_s"], measured["pipeline_s"]) == (
@@ -285,13 +287,13 @@ def test_pipeline_calibration_fits_the_measured_two_stage_step():
             profile, cluster, hardware, two, M, "1f1b").predicted_step_s
     # Shapes alone cannot be measured: unchanged.
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), (state, batch))
-    assert calibrate_pipeline(hardware, step, shapes, (1,), devices, cluster, profile) == (hardware, {})
+    assert calibrate_pipeline(hardware, step, shapes, (1,), devices, cluster, profile, planner_meshpar) == (hardware, {})
     with pytest.raises(ValueError, match="task_s"):
         Hardware(1e9, task_s=-1.0)
     with pytest.raises(ValueError, match="pipeline_s"):
         Hardware(1e9, pipeline_s=-1.0)
     with pytest.raises(ValueError, match="^repeats: expected a positive number"):
-        calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile, repeats=0)
+        calibrate_pipeline(hardware, step, (state, batch), (1,), devices, cluster, profile, planner_meshpar, repeats=0)
 
 
 @pytest.mark.parametrize("planner", ["amp", "galvatron", "alpa_dp"])

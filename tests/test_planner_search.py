@@ -19,13 +19,14 @@ import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
 from meshpar.passes.pipeline.pipeline_options import GradientReduction
-from meshpar.calibration import fit_scales
 from meshpar.cluster import Cluster
 from meshpar.parallelism_plan import ParallelismPlan
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, check_stage_placement, make_schedule
+from meshpar.passes.planning import planner_meshpar
+from meshpar.passes.planning.calibration import fit_scales
 from meshpar.passes.planning.layer_profile import LayerProfile, ModelProfile
 from meshpar.passes.planning.planner_meshpar import (_layer_seconds, _layout_bound, _Layout, _Prefix, device_counts,
-                                                     predict, search)
+                                                     predict)
 from meshpar.passes.planning.protocol import (Hardware, NoPlanFits, PipelinePlan, PlanConstraints, StagePlan,
                                               first_devices)
 from meshpar.passes.simulation.collectives import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s
@@ -131,9 +132,9 @@ def test_every_registered_schedule_is_searched_with_the_stages_per_mesh_it_takes
         constraints = PlanConstraints(schedules=(schedule,), stages_per_mesh=(v,))
         if not placeable:
             with pytest.raises(NoPlanFits, match="num_stages, num_micro_batches, schedules"):
-                search(profile, CLUSTER, HW, constraints)
+                planner_meshpar.plan(profile, CLUSTER, HW, constraints)
             continue
-        plans = search(profile, CLUSTER, HW, constraints)
+        plans = planner_meshpar.plan(profile, CLUSTER, HW, constraints)
         assert plans and all(p.schedule == schedule and p.stages_per_mesh == v for p in plans
                              if not p.one_program)
         searched += 1
@@ -151,12 +152,12 @@ def _placeable(schedule, S, P, M):
 def test_the_pick_is_the_fastest_of_every_schedule_and_stages_per_mesh():
     profile = _random_profile(np.random.default_rng(2), L=8)
     hardware = Hardware(1e13, total_flops=3e13, dispatch_s=2e-5, task_s=1e-5)
-    best = search(profile, CLUSTER, hardware)[0]
+    best = planner_meshpar.plan(profile, CLUSTER, hardware)[0]
     each = []
     for schedule in SCHEDULES:
         for v in (1, 2):
             try:
-                each.append(search(profile, CLUSTER, hardware, PlanConstraints(schedules=(schedule,),
+                each.append(planner_meshpar.plan(profile, CLUSTER, hardware, PlanConstraints(schedules=(schedule,),
                                                                               stages_per_mesh=(v,)))[0])
             except NoPlanFits:
                 continue
@@ -208,7 +209,7 @@ def test_no_plan_of_a_layout_beats_its_layout_bound(seed, hardware, gradient_red
     not exceed any plan of the layout, on the devices it uses."""
     profile = _random_profile(np.random.default_rng(seed), L=6)
     pre = _Prefix(profile)
-    plans = search(profile, CLUSTER, hardware, PlanConstraints(gradient_reduction=gradient_reduction),
+    plans = planner_meshpar.plan(profile, CLUSTER, hardware, PlanConstraints(gradient_reduction=gradient_reduction),
                    num_ranked=10**6)
     assert {p.num_devices for p in plans} == {1, 2, 4, 8}
     for p in plans:
@@ -276,7 +277,7 @@ def test_the_candidates_warnings_are_not_shown():
 
 def test_describe_lists_each_candidates_schedule_and_stages_per_mesh():
     profile = _random_profile(np.random.default_rng(3), L=8)
-    plans = search(profile, CLUSTER, Hardware(1e13, total_flops=2e13, dispatch_s=1e-5), num_ranked=5)
+    plans = planner_meshpar.plan(profile, CLUSTER, Hardware(1e13, total_flops=2e13, dispatch_s=1e-5), num_ranked=5)
     plan = ParallelismPlan(plans[0], tuple(plans[1:]), profile, tuple(range(8)), CLUSTER, 0.5)
     lines = plan.describe().splitlines()
     assert lines[0].startswith("planned model: 8 layers, batch 16, 8 devices")
@@ -320,7 +321,7 @@ def test_every_planner_ranks_plans_for_the_same_inputs(name):
     profile = ModelProfile.uniform(8, layer, 16)
     planner = PLANNERS[name]
     for constraints in (PlanConstraints(), PlanConstraints(num_stages=2), PlanConstraints(memory_budget_bytes=5e8)):
-        plans = planner(profile, CLUSTER, HW, constraints)
+        plans = planner.plan(profile, CLUSTER, HW, constraints)
         assert plans and [p.predicted_step_s for p in plans] == sorted(p.predicted_step_s for p in plans)
         for p in plans:
             assert p.planner == name and p.stages[0].start == 0 and p.stages[-1].stop == 8
@@ -329,7 +330,23 @@ def test_every_planner_ranks_plans_for_the_same_inputs(name):
             if constraints.memory_budget_bytes is not None:
                 assert max(p.peak_memory_bytes) <= constraints.memory_budget_bytes
     with pytest.raises(NoPlanFits):
-        planner(profile, CLUSTER, HW, PlanConstraints(memory_budget_bytes=1e3))
+        planner.plan(profile, CLUSTER, HW, PlanConstraints(memory_budget_bytes=1e3))
+
+
+@pytest.mark.parametrize("name", sorted(PLANNERS))
+def test_every_planner_prices_a_layout_as_calibration_fits_it(name):
+    """Each planner's ``predict`` prices the layout it is given, as its own, and its step does not
+    shrink as any figure calibration fits grows (the fits bisect on it)."""
+    profile = ModelProfile.uniform(8, LayerProfile(flops=2e9, param_bytes=4e7, optimizer_bytes=8e7,
+                                                   activation_bytes=2e5, boundary_bytes=1e4, num_ops=100), 16)
+    stages = (StagePlan(0, 4, (4, 1)), StagePlan(4, 8, (4, 1)))
+    hardware = Hardware(1e13, op_s=(1e-6, 1e-7))
+    planner = PLANNERS[name]
+    base = planner.predict(profile, CLUSTER, hardware, stages, 4, SCHEDULES["1f1b"])
+    assert base.planner == name and base.stages == stages and base.num_micro_batches == 4
+    for grown in ({"compute_scale": 2.0}, {"op_scale": 2.0}, {"task_s": 1e-3}, {"pipeline_s": 1e-3}):
+        more = planner.predict(profile, CLUSTER, dataclasses.replace(hardware, **grown), stages, 4, SCHEDULES["1f1b"])
+        assert more.predicted_step_s >= base.predicted_step_s, grown
 
 
 def test_plan_constraints_name_what_is_wrong():
@@ -365,13 +382,13 @@ def test_skips_over_a_slow_link_make_the_planner_pick_a_v():
     cluster = Cluster.uniform(2, 4, inter_host_bandwidth=30e6, intra_host_bandwidth=1e11)
     hardware = Hardware(2e10, pipeline_s=0.05)
     both_hosts = PlanConstraints(num_micro_batches=4, device_subsets=False)
-    plans = search(_u_shaped(skip_bytes=2e5), cluster, hardware, both_hosts)
+    plans = planner_meshpar.plan(_u_shaped(skip_bytes=2e5), cluster, hardware, both_hosts)
     best = plans[0]
     assert best.schedule in ("zb_v", "dualpipev") and best.stages_per_mesh == 2 and best.num_meshes == 2
-    one_f_one_b = search(_u_shaped(skip_bytes=2e5), cluster, hardware,
+    one_f_one_b = planner_meshpar.plan(_u_shaped(skip_bytes=2e5), cluster, hardware,
                          dataclasses.replace(both_hosts, schedules=("1f1b",), stages_per_mesh=(1,), num_stages=2))[0]
     assert one_f_one_b.predicted_step_s > 1.5 * best.predicted_step_s
     # The same layers without the skips: that cut is fast again.
-    chain = search(_u_shaped(skip_bytes=0.0), cluster, hardware,
+    chain = planner_meshpar.plan(_u_shaped(skip_bytes=0.0), cluster, hardware,
                    dataclasses.replace(both_hosts, schedules=("1f1b",), stages_per_mesh=(1,), num_stages=2))[0]
     assert chain.predicted_step_s < one_f_one_b.predicted_step_s / 1.5

@@ -26,7 +26,10 @@ import re
 
 import numpy as np
 
-__all__ = ["CollectiveKind", "Collective", "collectives", "collective_groups", "all_reduce_equivalent_bytes"]
+from .layer_profile import ModelProfile
+
+__all__ = ["CollectiveKind", "Collective", "collectives", "collective_groups", "all_reduce_equivalent_bytes",
+           "sized_by_program"]
 
 
 class CollectiveKind(enum.Enum):
@@ -157,3 +160,26 @@ def all_reduce_equivalent_bytes(hlo_text: str, num_devices: int) -> float:
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices: expected a positive integer, got {num_devices!r}")
     return sum(c.all_reduce_equivalent(num_devices) for c in collectives(hlo_text))
+
+
+def sized_by_program(profile: ModelProfile, hlo_text: str, num_devices: int) -> tuple[ModelProfile, float]:
+    """``profile`` with its tensor-parallel bytes as ``hlo_text`` moves them: the step compiled
+    as one program on a ``(1, num_devices)`` mesh, every parameter split over ``model`` as its
+    flax partitioning names (every collective of that program is tensor-parallel). Per example,
+    forward and backward together move ``2 · Σ tp_bytes`` by Megatron's rule; every layer's
+    ``tp_bytes`` is scaled by the program's all-reduce-equivalent bytes per example over that
+    (the rule places the bytes among layers, the program sizes them).
+
+    Returns:
+      The profile and the scale.
+
+    Raises:
+      ValueError: no layer of ``profile`` has ``tp_bytes`` (the rule gives nothing to scale), or
+        as ``all_reduce_equivalent_bytes``.
+    """
+    rule = 2.0 * sum(layer.tp_bytes for layer in profile.layers)
+    if rule == 0.0:
+        raise ValueError("profile: no layer has tp_bytes (no parameter is split over the model axis): nothing to size")
+    scale = all_reduce_equivalent_bytes(hlo_text, num_devices) / profile.batch_size / rule
+    layers = tuple(dataclasses.replace(layer, tp_bytes=layer.tp_bytes * scale) for layer in profile.layers)
+    return dataclasses.replace(profile, layers=layers), scale

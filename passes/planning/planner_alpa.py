@@ -31,16 +31,18 @@ alone exceeds the best latency found.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..model.cluster import Cluster
-
+from ..pipeline.scheduling.pipeline_schedule import ScheduleKind
+from . import planner_meshpar
 from .layer_profile import ModelProfile
 from .planner_meshpar import _memory, _Prefix, _stage_seconds, tensor_parallel_bandwidth
 from .protocol import Hardware, NoPlanFits, PipelinePlan, PlanConstraints, StagePlan
 
-__all__ = ["submesh_shapes", "cluster_layers", "stage_dp", "search"]
+__all__ = ["submesh_shapes", "cluster_layers", "stage_dp", "plan", "predict"]
 
 
 def submesh_shapes(cluster: Cluster) -> list[tuple[int, int]]:
@@ -151,11 +153,11 @@ def _dp_at(stage_s: np.ndarray, sizes: list[int], D: int, t_max: float, S_max: i
     return best[0], stages
 
 
-def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
-           constraints: PlanConstraints = PlanConstraints(), *, max_micro_batches: int = 64, max_layers: int = 16,
-           gap: float = 0.02) -> list[PipelinePlan]:
+def plan(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
+         constraints: PlanConstraints = PlanConstraints(), *, max_micro_batches: int = 64, max_layers: int = 16,
+         gap: float = 0.02) -> list[PipelinePlan]:
     """Alpa's plan for every micro-batch count (dividing the batch, up to
-    ``max_micro_batches``), ranked by Alpa's latency ``T*``: a ``protocol.Planner``.
+    ``max_micro_batches``), ranked by Alpa's latency ``T*``: ``protocol.Planner.plan``.
     ``constraints.num_stages`` / ``num_micro_batches`` fix one; Alpa plans 1F1B on every device
     (its submeshes cover the cluster), whatever ``constraints.schedules``,
     ``stages_per_mesh`` and ``device_subsets``, and no gradient synchronisation. Each stage's
@@ -211,3 +213,12 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
 def _logical(size: int) -> list[tuple[int, int]]:
     """The logical (data, model) shapes of a submesh of ``size`` devices."""
     return [(d, size // d) for d in range(1, size + 1) if size % d == 0]
+
+
+def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
+            num_micro_batches: int, schedule: ScheduleKind) -> PipelinePlan:
+    """``protocol.Planner.predict``: meshpar's price of the layout (``planner_meshpar.predict``),
+    as Alpa's. Alpa's ``t_intra`` is meshpar's per-stage cost, and what else calibration fits
+    (the per-task, per-move and per-step overheads) is not in Alpa's model: it is calibrated as
+    meshpar's."""
+    return planner_meshpar.predict(profile, cluster, hardware, stages, num_micro_batches, schedule, "alpa_dp")

@@ -51,7 +51,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..model.cluster import Cluster
+from ..pipeline.scheduling.pipeline_schedule import ScheduleKind
 from ..simulation.collectives import ring_all_reduce_s
+from . import planner_meshpar
 from .layer_profile import ModelProfile
 from .protocol import Hardware, NoPlanFits, PipelinePlan, PlanConstraints, StagePlan
 
@@ -64,6 +66,7 @@ __all__ = [
     "partition_layers",
     "pipeline_cost",
     "plan",
+    "predict",
     "search",
 ]
 
@@ -547,7 +550,7 @@ def search(profile: ModelProfile, cluster: Cluster, device_flops: float, memory_
 
 def plan(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
          constraints: PlanConstraints = PlanConstraints()) -> list[PipelinePlan]:
-    """AMP's search as ``PipelinePlan``s: a ``protocol.Planner``. Its plans with Megatron's
+    """AMP's search as ``PipelinePlan``s: ``protocol.Planner.plan``. Its plans with Megatron's
     placement (the stage meshes meshpar cuts), on every device, priced by AMP's own model,
     1F1B, with its paper's gradient synchronisation whatever ``constraints.schedules``,
     ``stages_per_mesh``, ``device_subsets`` and ``gradient_reduction``. AMP knows a device by
@@ -570,3 +573,11 @@ def plan(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
         raise NoPlanFits(f"num_stages, num_micro_batches: AMP found no plan with Megatron's placement"
                          f"{constraints.fixed_counts()}")
     return plans
+
+
+def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
+            num_micro_batches: int, schedule: ScheduleKind) -> PipelinePlan:
+    """``protocol.Planner.predict``: meshpar's price of the layout (``planner_meshpar.predict``),
+    as AMP's. AMP reads of ``Hardware`` a device's calibrated FLOP/s alone, none of the
+    overheads calibration fits: it is calibrated as meshpar's model is."""
+    return planner_meshpar.predict(profile, cluster, hardware, stages, num_micro_batches, schedule, "amp")

@@ -82,7 +82,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..model.cluster import Cluster
+from ..pipeline.scheduling.pipeline_schedule import ScheduleKind
 from ..simulation.collectives import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s
+from . import planner_meshpar
 from .layer_profile import LayerProfile, ModelProfile
 from .protocol import Hardware, NoPlanFits, PipelinePlan, PlanConstraints, StagePlan
 
@@ -101,6 +103,7 @@ __all__ = [
     "memory_balanced_partition",
     "pipeline_cost",
     "plan",
+    "predict",
     "search",
     "stage_memories",
     "stage_memory",
@@ -960,7 +963,7 @@ def search(profile: ModelProfile, cluster: Cluster, device_flops: float, memory_
 
 def plan(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
          constraints: PlanConstraints = PlanConstraints()) -> list[PipelinePlan]:
-    """Galvatron-BMW's search as ``PipelinePlan``s: a ``protocol.Planner``. Priced by its own
+    """Galvatron-BMW's search as ``PipelinePlan``s: ``protocol.Planner.plan``. Priced by its own
     model (Eq. 9), 1F1B-Flush on every device as the paper runs it (its gradient
     synchronisation too), whatever ``constraints.schedules``, ``stages_per_mesh``,
     ``device_subsets`` and ``gradient_reduction``. Its per-layer strategies collapse to one
@@ -983,3 +986,11 @@ def plan(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
     if not plans:
         raise NoPlanFits(f"num_stages, num_micro_batches: Galvatron-BMW found no plan{constraints.fixed_counts()}")
     return plans
+
+
+def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
+            num_micro_batches: int, schedule: ScheduleKind) -> PipelinePlan:
+    """``protocol.Planner.predict``: meshpar's price of the layout (``planner_meshpar.predict``),
+    as Galvatron-BMW's. Galvatron-BMW reads of ``Hardware`` a device's calibrated FLOP/s alone, none of the
+    overheads calibration fits: it is calibrated as meshpar's model is."""
+    return planner_meshpar.predict(profile, cluster, hardware, stages, num_micro_batches, schedule, "galvatron")

@@ -4,7 +4,8 @@ by the resharding plan (``plan_resharding``) between the actual stage meshes, wh
 in shape, and the step by the schedule simulator, which runs any registered schedule (virtual
 stages included) and overlaps transfers with compute.
 
-The search (``search``, a ``protocol.Planner``) covers what a user can run:
+The search (``plan``; with ``predict``, this module is a ``protocol.Planner``) covers what a
+user can run:
 
 - the devices: every count ``n`` of the cluster's first devices that is a divisor of a host's
   devices or a whole number of hosts dividing the hosts (``PlanConstraints.device_subsets``),
@@ -41,7 +42,7 @@ device_flops)`` for the others, whose model-axis rows repeat them; plus the tens
 all-reduces ``2 (t - 1) / t · tp_bytes · b / d / B'`` (``collectives.ring_all_reduce_s``:
 Megatron's two per layer, ATP's Eq. 4 with its hierarchical bandwidth ``B'`` of the model
 axis: ``tensor_parallel_bandwidth``; ``tp_bytes`` sized by the step's compiled HLO when planned
-on local devices: ``meshpar.step_profile.compiled_tensor_parallel``); backward twice the
+on local devices: ``hlo_collectives.sized_by_program``); backward twice the
 forward's compute and as much communication. On an emulated cluster whose devices share a few
 cores (``Hardware.total_flops``), no step is faster than all its FLOPs at that rate (repeated
 ones counted each time), and none is faster than the host launching its tasks one by one
@@ -79,9 +80,9 @@ from .planner_atp import mesh_bandwidths
 from .protocol import (Hardware, NoPlanFits, PipelinePlan, PlanConstraints, StagePlan, first_devices,
                        stage_meshes)
 
-__all__ = ["NUM_RANKED", "device_counts", "predict", "search", "tensor_parallel_bandwidth"]
+__all__ = ["NUM_RANKED", "device_counts", "plan", "predict", "tensor_parallel_bandwidth"]
 
-# Plans search ranks exactly, fastest first: the chosen one and its runner-up. Ranking more
+# Plans ``plan`` ranks exactly, fastest first: the chosen one and its runner-up. Ranking more
 # simulates more near-equal candidates (every schedule of a good cut): on 1,024 GPUs each long
 # schedule takes seconds to build and simulate.
 NUM_RANKED = 2
@@ -298,7 +299,8 @@ def predict(profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages:
     simulated; the gradient all-reduce after each mesh's last gradient task (``"per_step"``)
     or inside each backward (``"per_micro_batch"``, module doc). A stage's memory holds as
     many micro-batches' activations as the simulated schedule keeps alive there at once; a
-    mesh's, its stages' peaks together.
+    mesh's, its stages' peaks together. ``protocol.Planner.predict``: what calibration fits
+    ``hardware`` to, for every registered planner (``protocol``'s doc).
 
     Raises:
       ValueError: ``num_micro_batches`` not dividing the batch, ``gradient_reduction`` not
@@ -603,12 +605,12 @@ class _Partitions:
         return self._found[key]
 
 
-def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
-           constraints: PlanConstraints = PlanConstraints(), *, max_micro_batches: int | None = None,
-           num_ranked: int = NUM_RANKED) -> list[PipelinePlan]:
-    """meshpar's plans for ``profile`` on ``cluster``, ranked fastest first (module doc): a
-    ``protocol.Planner``. Micro-batch counts divide the batch, at most ``max_micro_batches``
-    (default the batch).
+def plan(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
+         constraints: PlanConstraints = PlanConstraints(), *, max_micro_batches: int | None = None,
+         num_ranked: int = NUM_RANKED) -> list[PipelinePlan]:
+    """meshpar's plans for ``profile`` on ``cluster``, ranked fastest first (module doc):
+    ``protocol.Planner.plan``. Micro-batch counts divide the batch, at most
+    ``max_micro_batches`` (default the batch).
 
     Layouts, then partitions, are taken in the order of a lower bound on their step
     (``_layout_bound``, ``_step_lower_bound``) until the bound reaches the ``num_ranked``-th
@@ -671,11 +673,11 @@ def search(profile: ModelProfile, cluster: Cluster, hardware: Hardware,
         if signature in seen:
             continue
         seen.add(signature)
-        plan = predict(profile, first_devices(cluster, layout.num_devices), hardware, stages,
-                       layout.num_micro_batches, schedule, gradient_reduction=reduction,
-                       stages_per_mesh=layout.stages_per_mesh)
-        plans.append(plan)
-        steps = sorted(steps + [plan.predicted_step_s])
+        priced = predict(profile, first_devices(cluster, layout.num_devices), hardware, stages,
+                         layout.num_micro_batches, schedule, gradient_reduction=reduction,
+                         stages_per_mesh=layout.stages_per_mesh)
+        plans.append(priced)
+        steps = sorted(steps + [priced.predicted_step_s])
     if not plans:
         least = _least_memory(profile, cluster, constraints, max_micro_batches)
         raise NoPlanFits(f"memory_budget_bytes: {constraints.budget:.4g} bytes per device fits no plan; the least "

@@ -8,6 +8,9 @@ its backward keeps alive (the residuals of ``stage_parts``' forward), the values
 later layers, and the bytes a Megatron-style tensor-parallel layer all-reduces (two of its
 output per forward, for layers whose parameters are partitioned over the model axis). Figures
 that scale with the batch are divided by the traced micro-batch size: per example.
+
+``profile_loss`` is what the planners read of a step: its traced loss cut into layers (at its
+markers, or automatically where it has none) and profiled so.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ import numpy as np
 
 from .. import jax_ir
 from ..pipeline.cutting.jaxpr_flops import jaxpr_flops, jaxpr_ops
-from .layer_profile import CrossingValue, LayerProfile, ModelProfile
-from ..pipeline.cutting.stage_graph import RefKind, StageGraph
+from ..pipeline.cutting.layer_clustering import insert_layer_markers, max_layers
+from ..pipeline.cutting.stage_graph import RefKind, StageGraph, count_markers, split_stages
 from ..pipeline.cutting.stage_parts import stage_parts
+from .layer_profile import CrossingValue, LayerProfile, ModelProfile
 
-__all__ = ["profile_layers"]
+__all__ = ["AUTO_LAYERS", "profile_layers", "profile_loss"]
+
+# Layers a loss without stage markers is cut into for planning.
+AUTO_LAYERS = 8
 
 
 def _bytes(aval: jax_ir.AbstractValue) -> float:
@@ -90,3 +97,17 @@ def _crossing_bytes(graph: StageGraph, cut_after: int) -> float:
                 total += _bytes(aval)
     return total
 
+
+def profile_loss(loss: jax_ir.ClosedJaxpr, num_params: int, batch_size: int, model_sharded: Sequence[bool],
+                 name: str = "model", num_layers: int = AUTO_LAYERS) -> ModelProfile:
+    """The ``ModelProfile`` of a step's ``loss`` traced at its whole batch of ``batch_size``
+    examples (its first ``num_params`` inputs the parameters, ``model_sharded`` as for
+    ``profile_layers``): its layers between its stage markers, or, when it has none,
+    ``num_layers`` layers cut automatically (``layer_clustering``; fewer if the loss has fewer
+    equations with FLOPs)."""
+    auto = None
+    if count_markers(loss) == 0:
+        auto = min(num_layers, max_layers(loss, num_params))
+        loss = insert_layer_markers(loss, auto, num_params)
+    graph = split_stages(loss, num_params)
+    return profile_layers(graph, batch_size, batch_size, model_sharded, name=name, auto_layers=auto)

@@ -1,11 +1,19 @@
 """What every automatic planner takes and returns: one interface, so planners compare on one profile.
 
-A planner (``Planner``) maps a model's layers (``ModelProfile``), the cluster, what a device
-computes (``Hardware``) and the user's limits (``PlanConstraints``) to plans (``PipelinePlan``)
-ranked fastest first by its own cost model, or raises ``NoPlanFits``. meshpar's own planner
-(``planner_meshpar.search``), AMP's (``planner_amp.plan``), Galvatron-BMW's
-(``planner_galvatron.plan``) and Alpa's stage DP (``planner_alpa.search``) implement it, each
-in its own module beside the paper's search it adapts.
+A planner (``Planner``) is two functions. ``plan`` maps a model's layers (``ModelProfile``), the
+cluster, what a device computes (``Hardware``) and the user's limits (``PlanConstraints``) to
+plans (``PipelinePlan``) ranked fastest first by its own cost model, or raises ``NoPlanFits``.
+``predict`` prices one given layout (stages, micro-batches, schedule) by that cost model: it is
+how the planner is calibrated. ``Hardware`` is what the cost model reads of the machine; its
+scales and overheads are fitted on the machine a step is planned on so that ``predict`` gives
+the steps measured there (``calibration`` fits them, device-free; ``meshpar.calibration``
+measures the steps and asks the selected planner's ``predict``). A module defining both
+functions is a planner: meshpar's own (``planner_meshpar``), AMP's (``planner_amp``),
+Galvatron-BMW's (``planner_galvatron``) and Alpa's stage DP (``planner_alpa``), each beside the
+paper's search it adapts, and ``planners.PLANNERS`` names them. The baselines' cost models read
+of ``Hardware`` a device's calibrated FLOP/s alone, none of the overheads calibration fits:
+their ``predict`` is meshpar's, so every planner plans on the machine as meshpar's model
+measured it.
 
 A plan places stages on meshes cut host-major from the cluster's first devices
 (``stage_meshes``): a plan may use fewer devices than the cluster has, down to one. A mesh may
@@ -47,7 +55,7 @@ class Hardware:
     compute estimate: what a model's measured steps make of them on this machine (fusion,
     memory traffic, the operations XLA really runs), 1 when not calibrated (fitted together on
     the step run as one program on one device and on all of them, the same when only one of
-    these was measured: ``meshpar.calibration.calibrate``); ``task_s`` the seconds each compute
+    these was measured: ``calibration.fit_compute``); ``task_s`` the seconds each compute
     task of a pipeline (a forward or
     a backward of one stage and micro-batch) costs beyond its compute per device of its
     stage's mesh (launching its program on each device, its operands and results, its share
@@ -55,7 +63,7 @@ class Hardware:
     ``move_s`` the seconds each move between two stage meshes costs beyond its bytes (its
     latency); ``pipeline_s`` the seconds a pipelined step costs once, whatever its tasks
     (placing its inputs, each stage's update, assembling its outputs): 0 until fitted on a
-    measured pipeline at two micro-batch counts (``meshpar.calibration.calibrate_pipeline``:
+    measured pipeline at two micro-batch counts (``calibration.fit_pipeline``:
     the tasks' cost is the slope over them, this the rest). A step of one stage and one
     micro-batch runs as one program and pays none of these."""
 
@@ -284,15 +292,30 @@ class PlanConstraints:
 
 
 class Planner(Protocol):
-    """``(profile, cluster, hardware, constraints) -> plans``, fastest first by the planner's own
-    cost model; each plan covers ``profile``'s layers on the first of ``cluster``'s devices.
+    """An automatic planner: its search (``plan``) and its price of one layout (``predict``),
+    the cost model it is calibrated by (module doc). Structural: a module defining both
+    functions is one (the registered planners), and so is an object with both methods."""
 
-    Raises:
-      NoPlanFits: no plan meets ``constraints``, naming what is missing.
-    """
+    def plan(self, profile: ModelProfile, cluster: Cluster, hardware: Hardware,
+             constraints: PlanConstraints) -> list[PipelinePlan]:
+        """Plans fastest first by the planner's own cost model, each covering ``profile``'s
+        layers on the first of ``cluster``'s devices.
 
-    def __call__(self, profile: ModelProfile, cluster: Cluster, hardware: Hardware,
-                 constraints: PlanConstraints) -> list[PipelinePlan]: ...
+        Raises:
+          NoPlanFits: no plan meets ``constraints``, naming what is missing.
+        """
+        ...
+
+    def predict(self, profile: ModelProfile, cluster: Cluster, hardware: Hardware, stages: Sequence[StagePlan],
+                num_micro_batches: int, schedule: ScheduleKind) -> PipelinePlan:
+        """``stages`` (one per mesh) run on ``cluster``'s first devices with
+        ``num_micro_batches`` under ``schedule``, priced by the planner's cost model on
+        ``hardware``: its step time and peak memory per mesh. Calibration fits
+        ``hardware``'s ``compute_scale``, ``op_scale``, ``task_s`` and ``pipeline_s`` by
+        bisection so that this is the step measured: the step must not shrink as any of them
+        grows.
+        """
+        ...
 
 
 def first_devices(cluster: Cluster, num_devices: int) -> Cluster:
