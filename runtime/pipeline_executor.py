@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
@@ -137,6 +138,11 @@ class PipelineExecutable:
         self._ready: dict[int, Any] = {}
         # Per CombineMicroBatches instruction (by id), its program on its mesh.
         self._combiners: dict[int, tuple[Callable, Callable | None]] = {}
+        # The last step's outputs that live on one mesh, weakly (the caller owns them): per
+        # output leaf, (the array, its mesh) or None; and, per input leaf, the output leaf whose
+        # array, handed back as the next step's input, placing returned as it was (_place_inputs).
+        self._returned: list[tuple[weakref.ref, int] | None] = []
+        self._passes_through: dict[int, int] | None = None
         self._compute_fns: list[Callable] = []
         self.stacked_leaves: StackedLeaves | None = None
         self.peak_live_activations: list[int] = [0] * len(kernels)
@@ -167,7 +173,8 @@ class PipelineExecutable:
             ShareOutputs: self._share_outputs,
             JoinStackedLeaves: self._join_stacked,
         }
-        unknown = sorted({type(ins).__name__ for ins in step} - {k.__name__ for k in self._handlers})
+        # Checked here, once, so the step's hot path looks each handler up unchecked.
+        unknown = sorted({type(ins).__name__ for ins in step if type(ins) not in self._handlers})
         if unknown:
             raise TypeError(f"step: instructions of kinds {unknown} have no handler in the pipeline executor")
 
@@ -363,6 +370,10 @@ class PipelineExecutable:
                 recorder.outside_pipeline(time.perf_counter() - start)
             if meter is not None:
                 meter.sample()
+        # Outputs that sharing or joining replaced are not the arrays assembled on their mesh.
+        assembled = state.on_one_mesh
+        self._returned = [(weakref.ref(out), assembled[j]) if j in assembled and out is state.assembled[j] else None
+                          for j, out in enumerate(state.outputs)]
         return state.outputs
 
     # -- handlers -------------------------------------------------------------
@@ -374,10 +385,30 @@ class PipelineExecutable:
         state.outputs = self.stacked_leaves.join(state.outputs, self.timeout_s)
 
     def _place_inputs(self, ins: PlaceInputs, state: _StepState) -> None:
-        moved = self._ready[id(ins)]
-        state.placed = [self._place_global_batch(i, v, *moved[i], state) if i in moved
-                        else place(v, p, f"step input leaf {i}")
-                        for i, (v, p) in enumerate(zip(state.leaves, ins.placements))]
+        """Each input leaf on the meshes of its placement. A leaf that is the array the last step
+        returned at an output that, handed back before, placing returned as it was (a train
+        state passed back as the step returned it) is used as it is, with no per-leaf checks."""
+        moved, returned, passes = self._ready[id(ins)], self._returned, self._passes_through
+        placed: list[dict[int, jax.Array]] = []
+        for i, (v, p) in enumerate(zip(state.leaves, ins.placements)):
+            j = passes.get(i) if passes is not None else None
+            if j is not None and returned[j] is not None and returned[j][0]() is v:
+                placed.append({returned[j][1]: v})
+            elif i in moved:
+                placed.append(self._place_global_batch(i, v, *moved[i], state))
+            else:
+                placed.append(place(v, p, f"step input leaf {i}"))
+        if passes is None and returned:
+            # Once, on the first step fed a previous step's outputs: where placing returned such
+            # an array as it was, later steps skip placing it (deterministic: the same program
+            # makes that output, laid out alike, every step).
+            at = {id(r[0]()): j for j, r in enumerate(returned) if r is not None}
+            self._passes_through = {}
+            for i, (v, d) in enumerate(zip(state.leaves, placed)):
+                j = at.get(id(v))
+                if j is not None and returned[j][0]() is v and len(d) == 1 and d.get(returned[j][1]) is v:
+                    self._passes_through[i] = j
+        state.placed = placed
         state.placements = ins.placements
 
     def _place_global_batch(self, i: int, leaf: jax.Array, batch: GlobalBatchPlacement, moves: Sequence[Move],
@@ -506,6 +537,7 @@ class PipelineExecutable:
 
     def _assemble_outputs(self, ins: AssembleOutputs, state: _StepState) -> None:
         results = []
+        on_one_mesh: dict[int, int] = {}
         for j, source in enumerate(ins.outputs):
             ref = source.ref
             if ref.kind is OuterKind.LITERAL:
@@ -524,11 +556,13 @@ class PipelineExecutable:
                                         arrays[ms[0]].shape, arrays[ms[0]].dtype))
             elif len(source.meshes) == 1:
                 results.append(self._value(ref, source.meshes[0], state, source.shardings[0]))
+                on_one_mesh[j] = source.meshes[0]
             else:
                 aval = self.out_avals[j]
                 results.append(join([state.values[(ref, m)] for m in source.meshes if (ref, m) in state.values],
                                     source.shardings, aval.shape, aval.dtype))
-        state.outputs = results
+        state.outputs = state.assembled = results
+        state.on_one_mesh = on_one_mesh
 
     def _share_outputs(self, ins: ShareOutputs, state: _StepState) -> None:
         state.outputs, arriving = self._ready[id(ins)](state.outputs)
@@ -697,6 +731,9 @@ class _StepState:
     inputs: list[StageInputs | None] = dataclasses.field(default_factory=list)
     run: ProgramRun | None = None
     outputs: list[Any] = dataclasses.field(default_factory=list)
+    # The outputs as assembled, and which of them are one mesh's array (by output leaf: the mesh).
+    assembled: list[Any] = dataclasses.field(default_factory=list)
+    on_one_mesh: dict[int, int] = dataclasses.field(default_factory=dict)
     placements: Sequence[Any] = ()
     # Values other processes send here, by (ref, mesh), until a program reading them waited.
     remote: dict[tuple[OuterRef, int], Arrival] = dataclasses.field(default_factory=dict)
