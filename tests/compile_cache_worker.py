@@ -14,7 +14,7 @@ sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_compilation_cache_dir", sys.argv[1])
 # JAX writes only programs compiling for at least a second by default: the stage programs of a
-# small model compile faster (README: the persistent compilation cache).
+# small model compile faster (docs/compilation.md: the persistent compilation cache).
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 import meshpar  # noqa: E402

@@ -3,7 +3,7 @@
 Two processes of 4 CPU devices, (data, model, pipeline) = (4, 1, 2) under 1F1B with 4
 micro-batches: stage 0's mesh is process 0's devices, stage 1's process 1's. Each process
 feeds only its own 8 of the 16 rows, as a global ``jax.Array`` over all 8 devices, and the step
-reads the batch outside the loss function too: the README's masked mean (a normaliser computed
+reads the batch outside the loss function too: docs/multiprocess.md's masked mean (a normaliser computed
 in the step from the mask) and a metric of the batch returned from the step. Three steps
 against ``jax.jit`` of the same step on one local device over the full batch: the loss and the
 metric read on both processes, every parameter shard each process holds. Placing the global
@@ -35,7 +35,7 @@ STEPS = 3
 
 
 def masked_step(state, batch):
-    """The README's masked mean, with the normaliser computed from the whole batch's mask in
+    """docs/multiprocess.md's masked mean, with the normaliser computed from the whole batch's mask in
     the step, and a metric of the batch (the masked mean target) returned beside the loss."""
     count = jnp.maximum(batch["mask"].sum(), 1)
 

@@ -103,7 +103,7 @@ for mesh, M in ((everywhere, 4), (everywhere, 8), (one_each, 4)):
             np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index], rtol=1e-5, atol=1e-6)
     print(f"process {pid}: global batch over {mesh.devices.size} devices, M={M}, matches", flush=True)
 
-# A parameter held on one stage's process, read whole on every process (as the README says).
+# A parameter held on one stage's process, read whole on every process (as docs/multiprocess.md says).
 everywhere = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()), ("all",)), jax.sharding.PartitionSpec())
 for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
     np.testing.assert_allclose(np.asarray(meshpar.reshard(got, everywhere)), np.asarray(want), rtol=1e-5, atol=1e-6)

@@ -81,7 +81,7 @@ def test_micro_batches_cutting_across_shards_are_refused_naming_num_micro_batche
 
 
 def _masked_step(state, batch):
-    """The README's masked mean: a normaliser from the whole batch's mask, computed in the step,
+    """docs/multiprocess.md's masked mean: a normaliser from the whole batch's mask, computed in the step,
     and a metric of the batch returned beside the loss."""
     count = jnp.maximum(batch["mask"].sum(), 1)
 

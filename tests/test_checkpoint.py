@@ -121,11 +121,12 @@ def test_host_values_round_trip(tmp_path):
 
 
 def test_the_readmes_restore_into_jax_jit_takes_a_fresh_train_state(tmp_path):
-    """README "Checkpoint and resume": a new job restores into a plain ``jax.jit`` state made
-    from a fresh flax TrainState, whose step counter is a Python int (issue 41: ``x.shape`` on
-    it raised). The README's abstract state restores it as an int32 scalar; an abstract state
-    leaving the int as it is gets the saved count back as an int. Either way the leaves equal
-    the saved ones bit for bit and jax.jit trains on as the uninterrupted steps do."""
+    """docs/checkpoints.md, "Restoring under another layout": a new job restores into a plain
+    ``jax.jit`` state made from a fresh flax TrainState, whose step counter is a Python int
+    (issue 41: ``x.shape`` on it raised). The documented abstract state restores it as an int32
+    scalar; an abstract state leaving the int as it is gets the saved count back as an int.
+    Either way the leaves equal the saved ones bit for bit and jax.jit trains on as the
+    uninterrupted steps do."""
     batches = [_batch(seed) for seed in range(4)]
     losses, saved = _train_saving_after_two(_step(), _initial_state(), batches, tmp_path / "ckpt")
 

@@ -127,7 +127,7 @@ def test_random_masks_equal_jit_without_nan():
 
 
 def test_normaliser_outside_loss_fn_equals_jit():
-    """The README's recipe: the count computed in the step, the loss a masked sum over it."""
+    """docs/micro_batching.md's recipe: the count computed in the step, the loss a masked sum over it."""
     def step(state, batch):
         count = jnp.maximum(batch["weights"].sum(), 1.0)
 

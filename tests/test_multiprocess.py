@@ -152,7 +152,7 @@ def test_four_processes_with_the_data_axis_across_them():
 @pytest.mark.multiprocess
 def test_a_global_batch_read_outside_the_loss_across_two_processes():
     """Each process feeds its own rows as a global array; the step computes a normaliser from the
-    mask and returns a metric of the batch (README's masked mean): under 1F1B, 2 stages and 4
+    mask and returns a metric of the batch (docs/multiprocess.md's masked mean): under 1F1B, 2 stages and 4
     micro-batches, the loss, the metric (on both processes) and the parameters equal jax.jit's
     on the full batch, the batch moved by planned moves and never fetched to a host."""
     results, output = run_all_ok("mp_batch_outside_loss_worker.py", timeout_s=120)

@@ -95,7 +95,7 @@ def test_aux_reduction_sum_and_errors():
                                 - batch["y"][b * size:(b + 1) * size]) ** 2)) for b in range(num_blocks)]
 
     # METHOD's meshes run each stage as 2 data-parallel replicas, and each replica's block
-    # combines as a micro-batch does (README): the sum is over M * 2 blocks.
+    # combines as a micro-batch does (docs/micro_batching.md): the sum is over M * 2 blocks.
     np.testing.assert_allclose(float(aux["mse"]), sum(block_mses(2 * M)), rtol=1e-5)
     whole = meshpar.parallelize(_aux_step({"mse": "sum"}, reduction="mean"), method=dataclasses.replace(
         METHOD, gradient_reduction="per_micro_batch"))(state, batch)
