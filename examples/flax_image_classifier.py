@@ -12,7 +12,7 @@ new statistics go into the state with ``apply_gradients(..., batch_stats=...)``.
 BatchNorm normalises each example with statistics of the whole batch it runs in, so no
 combination of micro-batches reproduces the whole batch: meshpar warns when the step
 compiles (naming the BatchNorm call's line) and runs each micro-batch as a batch of its own
-(README, "Micro-batching semantics"); ``exact=True`` makes that an error. The printed loss
+(docs/micro_batching.md); ``exact=True`` makes that an error. The printed loss
 is set beside ``jax.jit`` run per micro-batch and averaged, which it equals.
 """
 

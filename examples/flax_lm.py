@@ -14,7 +14,7 @@ batch; an ``eval_step`` computes the same metrics without a gradient.
 meshpar cuts the step into 2 stages on two ``(data=2, model=2)`` meshes, and the same steps
 run under plain ``jax.jit`` on one device beside it: the losses and metrics printed per
 step agree to float tolerance, because meshpar computes the token count once on the whole
-batch and sums each micro-batch's share of the loss (README, "Micro-batching semantics").
+batch and sums each micro-batch's share of the loss (docs/micro_batching.md).
 """
 
 from __future__ import annotations
