@@ -34,7 +34,7 @@ One SPMD program, a single ``jax.jit`` over a mesh ``("stage", "data")`` of ``S 
 The fraction of stage-iterations idle is ``bubble(M, R, S) = (S - 1) / (R M + S - 1)``.
 
 The reference is the same GPT(scan_layers=True) under plain ``jax.jit``: the pipeline's loss
-and gradients equal it (``tests/test_spmd_pipeline.py``), its parameters converting both ways
+and gradients equal it (``tests/pipeline/test_spmd_pipeline.py``), its parameters converting both ways
 with :func:`pipeline_params` / :func:`gpt_params_from_pipeline`.
 
 Arrays are placed with ``jax.make_array_from_callback`` from full host copies that every process

@@ -4,7 +4,7 @@
         [--limit-s 600] [--keep DIR] [--json PATH]
 
 Each run starts ``tests/<worker> PID NPROC PORT`` in ``--processes`` local processes, as
-``tests/test_multiprocess.py`` does, and waits at most ``--limit-s``. A run *passed* when every
+``tests/multiprocess/test_multiprocess.py`` does, and waits at most ``--limit-s``. A run *passed* when every
 process exited 0 having printed ``ALL OK``; *failed* when one exited otherwise (the workers' own
 timeouts end a deadlock with a named error, so a deadlock shows here as a failure); *hung* when a
 process was still running at the limit: then every live process's threads are dumped with
@@ -29,6 +29,7 @@ from benchmarks.step_timing import spread_ms
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TESTS = os.path.join(_REPO, "tests")
+_WORKERS = os.path.join(_TESTS, "multiprocess")
 
 
 def _free_port() -> int:
@@ -62,7 +63,7 @@ def run_once(worker: str, processes: int, limit_s: float, directory: str) -> dic
     procs = []
     for i, log in enumerate(logs):
         with open(log, "w") as out:
-            procs.append(subprocess.Popen([sys.executable, os.path.join(_TESTS, worker), str(i), str(processes),
+            procs.append(subprocess.Popen([sys.executable, os.path.join(_WORKERS, worker), str(i), str(processes),
                                            port], stdout=out, stderr=subprocess.STDOUT, env=env))
     hung = False
     try:
@@ -94,8 +95,8 @@ def main() -> None:
     parser.add_argument("--keep", default=None, help="directory for every run's output")
     parser.add_argument("--json", default=None, help="write every run's record here")
     args = parser.parse_args()
-    if not os.path.isfile(os.path.join(_TESTS, args.worker)):
-        parser.error(f"--worker: no {args.worker} in {_TESTS}")
+    if not os.path.isfile(os.path.join(_WORKERS, args.worker)):
+        parser.error(f"--worker: no {args.worker} in {_WORKERS}")
     keep = args.keep or tempfile.mkdtemp(prefix="meshpar-stress-")
     print(f"keeping every run's output under {keep}", flush=True)
     records: list[dict] = []

@@ -16,7 +16,7 @@ destination sharding without copies.
 Memory per device: the source tile (input) and the destination tile
 (output); XLA's temporaries stay within one destination tile plus four boxes
 (the payload cut out, the one arriving, and their selects), whatever the
-tensor size (``tests/test_reshard.py`` checks this against
+tensor size (``tests/resharding/test_reshard.py`` checks this against
 ``memory_analysis``). A destination device also maps a source-tile-sized
 placeholder whose pages are never touched; a source device also produces a
 destination-tile-sized output shard that is dropped. No device ever holds

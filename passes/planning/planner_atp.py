@@ -33,7 +33,7 @@ whole axis-2 rows (``d2`` divides the devices per host), as in every case the pa
 but ``devices_per_host`` when a row spans hosts; and ``Cluster.latency`` is ignored, as Eq. 4
 ignores it.
 
-Eqs. 2-4 as written do not reproduce two of §5.3's conclusions (tests/test_planner_atp.py):
+Eqs. 2-4 as written do not reproduce two of §5.3's conclusions (tests/planning/test_planner_atp.py):
 on 8 fully connected GPUs (IC3) they prefer ``DeviceMesh(4, 2)`` to Megatron's by 26/28 (the
 paper measured ``(8, 1)`` best; its crossover "8" is 7 in the formula), and on NVLink pairs over
 PCIe (IC2) ``(4, 2)`` wins once NVLink is 3.5 times PCIe (the paper's argument for ``(8, 1)``

@@ -2,7 +2,7 @@
 (``meshpar.plan_parallelism(planner=...)``).
 
 A new planner is one module defining ``plan`` and ``predict`` (``protocol``'s doc) and one entry
-here: ``plan_parallelism`` and calibration take it by its name (``tests/test_one_file_planner.py``
+here: ``plan_parallelism`` and calibration take it by its name (``tests/planning/test_one_file_planner.py``
 registers one from the test file alone). A name is resolved once, at the API
 (``get_planner``).
 """

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from repo_paths import ROOT_DIR
+
 from benchmarks import pipeline
 from benchmarks.emulated_cluster import interface_counters
 from benchmarks.pipeline_cases import (
@@ -25,7 +27,7 @@ from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 from meshpar.passes.simulation.timeline import Lane, LaneKind, TimelineEvent, timeline_of, write_chrome_trace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 F, B = TaskKind.FORWARD, TaskKind.BACKWARD
 
 

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from repo_paths import ROOT_DIR
+
 from benchmarks.resharding.cases import n_to_m_cases, one_to_m_cases
 from meshpar import Cluster, ReshardingTask, plan_resharding
 from meshpar.passes import ALPA_BASELINE
@@ -77,7 +79,7 @@ print(json.dumps(out))
 
 
 def test_plans_are_identical_across_processes_and_hash_seeds():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT_DIR
     runs = []
     for hash_seed in ("1", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed)

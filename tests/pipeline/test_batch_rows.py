@@ -3,8 +3,8 @@ each view holds exactly rows ``[m * size, (m + 1) * size)`` of the leaf (numpy's
 devices of the batch's own sharding, and a point-to-point move carries it to a stage whose
 mesh shares devices with the batch; micro-batches that cut across shards are refused naming
 ``num_micro_batches``; a global batch the step reads outside the loss is placed whole by planned
-moves (``global_batch_placements``). (Across processes: ``tests/mp_pipeline_worker.py``,
-``tests/mp_batch_outside_loss_worker.py``.)"""
+moves (``global_batch_placements``). (Across processes: ``tests/multiprocess/mp_pipeline_worker.py``,
+``tests/multiprocess/mp_batch_outside_loss_worker.py``.)"""
 
 import dataclasses
 

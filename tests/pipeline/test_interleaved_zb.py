@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from repo_paths import TESTS_DIR
+
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
@@ -19,7 +21,7 @@ from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurat
 from pipeline_models import assert_trees_close, make_state, mse, run_both
 
 F, I, W = TaskKind.FORWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(TESTS_DIR) / "artifacts"
 # torch 2.14.1's ScheduleInterleavedZeroBubble orders (tests/artifacts/README.md): (P, v, M).
 TORCH_CASES = [(2, 2, 8), (4, 2, 8), (3, 2, 6), (2, 3, 6), (4, 2, 10), (4, 2, 3), (2, 1, 4)]
 _TORCH_ACTION = re.compile(r"(\d+)([FIW])(\d+)")

@@ -1,7 +1,7 @@
 """One process of a job a launcher started: python mp_launcher_worker.py [MODE].
 
 The job's coordinator, size and this process's index come from the launcher's environment
-(SLURM's, Open MPI's: real or set by tests/test_launchers.py), never from arguments. MODE:
+(SLURM's, Open MPI's: real or set by tests/multiprocess/test_launchers.py), never from arguments. MODE:
 
 - ``meshpar`` (default): ``meshpar.distributed.initialize()`` with no arguments;
 - ``jax_then_meshpar``: ``jax.distributed.initialize()``, then ``meshpar.distributed.initialize()``
@@ -19,7 +19,8 @@ import sys
 import jax
 
 # Under a real mpirun nothing sets PYTHONPATH: the examples live at the repository's root.
-sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[1:1] = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 
 import meshpar.distributed  # noqa: E402
 from meshpar.passes import jax_ir  # noqa: E402

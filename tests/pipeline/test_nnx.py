@@ -70,7 +70,7 @@ def test_nnx_dropout_draws_per_micro_batch_keys_and_advances_the_stream_once():
     batch = nnx_batch()
     model, optimizer = make_model(dropout=0.5)
     # Each micro-batch whole on its mesh (run as data-parallel replicas, each replica would
-    # fold its index in too: tests/test_gradient_reduction.py).
+    # fold its index in too: tests/pipeline/test_gradient_reduction.py).
     method = dataclasses.replace(METHOD, gradient_reduction="per_micro_batch")
     loss = meshpar.parallelize(train_step, method=method)(model, optimizer, batch)
 

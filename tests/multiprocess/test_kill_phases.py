@@ -32,6 +32,8 @@ from pathlib import Path
 import jax
 import pytest
 
+from repo_paths import ROOT_DIR, TESTS_DIR
+
 from meshpar.runtime.coordination import CoordinationError, PeerLostError, raise_lost_collective_peer, raise_lost_peer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,7 +117,7 @@ def _run(case: Case, tmp_path: Path, heartbeat_s: int | None = None) -> Run:
     victim's going; returns what each did, and when."""
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
-    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, ROOT_DIR, env.get("PYTHONPATH", "")])
     logs = [tmp_path / f"process{i}.log" for i in range(case.nproc)]
     extra = [str(heartbeat_s)] if heartbeat_s is not None else []
     procs: list[subprocess.Popen] = []

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import jax
 import pytest
 
+from repo_paths import ROOT_DIR, TESTS_DIR
+
 import meshpar.distributed
 from meshpar.runtime.coordination import Arrival, CoordinationError, PeerLostError, not_delivered, raise_lost_peer
 
@@ -36,7 +38,7 @@ def _survive(mode: str, tmp_path) -> SimpleNamespace:
     output, return code and the seconds from process 1's going to process 0's exit."""
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
-    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, ROOT_DIR, env.get("PYTHONPATH", "")])
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     procs = []
     try:

@@ -9,12 +9,14 @@ import threading
 
 import pytest
 
+from repo_paths import ROOT_DIR
+
 import benchmarks.move_latency as move_latency
 from benchmarks.move_latency import (
     aggregate, format_size, measure_rtt, parse_size, run_local, table, targets,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 KEYS = {"where", "bytes", "dtype", "method", "times_s", "p50_s", "p90_s", "median_s", "min_s", "max_s",
         "warmup_s", "verified", "checked", "rtt_s", "link_gbit", "link_rate_Bps", "link_bound_s"}
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from repo_paths import ROOT_DIR, TESTS_DIR
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -22,7 +24,7 @@ def run_processes(script: str, nproc: int, timeout_s: float, args: Sequence[str]
     """Runs ``script PID NPROC PORT *args`` in ``nproc`` processes; kills all on timeout."""
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
-    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, ROOT_DIR, env.get("PYTHONPATH", "")])
     procs = [
         subprocess.Popen([sys.executable, os.path.join(HERE, script), str(i), str(nproc), port, *args],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

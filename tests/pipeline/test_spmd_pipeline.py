@@ -12,6 +12,8 @@ import numpy as np
 import optax
 import pytest
 
+from repo_paths import ROOT_DIR
+
 from benchmarks import spmd_pipeline as sp
 from examples.gpt import GPT, gpt_batch, gpt_loss
 
@@ -202,4 +204,4 @@ def test_mesh_is_stage_major_and_bubble():
 
 def test_import_starts_no_jax():
     code = "import sys, benchmarks.spmd_pipeline; assert 'jax' not in sys.modules, 'jax imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(ROOT_DIR))

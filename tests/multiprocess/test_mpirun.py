@@ -1,7 +1,7 @@
 """A pipelined GPT job started by a real ``mpirun`` (Open MPI), each process calling
 ``meshpar.distributed.initialize()`` with no arguments: 2 processes x 4 CPU devices (one stage
 mesh per process) and 4 x 2 (each stage mesh across two processes), every process's loss and
-parameter shards against jax.jit's. tests/test_launchers.py covers the same detection with
+parameter shards against jax.jit's. tests/multiprocess/test_launchers.py covers the same detection with
 the launcher's variables set by hand; this is the launcher itself."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from repo_paths import ROOT_DIR, TESTS_DIR
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "mp_mpirun_worker.py")
@@ -41,7 +43,7 @@ def launch(command: list[str], nproc: int, keep: tuple[str, ...] = (), timeout_s
     every rank printing ``ALL OK``. Returns the job's output and a failure message holding the
     command, its exit status and the output's end."""
     env = {k: v for k, v in os.environ.items() if k in keep or not k.startswith(_INHERITED_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, ROOT_DIR, env.get("PYTHONPATH", "")])
     # A session of its own: mpirun puts each rank in a process group of its own, and a killed
     # mpirun leaves its ranks running (holding the output pipe open); the session holds them all.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from repo_paths import TESTS_DIR
+
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
@@ -21,7 +23,7 @@ from meshpar.passes.pipeline.scheduling.schedule_csv import (
 from pipeline_models import assert_trees_close, make_state, mse, run_both
 
 F, I, W = TaskKind.FORWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(TESTS_DIR) / "artifacts"
 
 # 1F1B on two meshes with two micro-batches, written by hand in torch's notation.
 ONE_F_ONE_B = "0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n"

@@ -333,7 +333,7 @@ def test_flax_dropout_rngs_draw_per_micro_batch_keys():
         return state.apply_gradients(grads=grads), sum(r[0] for r in runs) / M
 
     # Each micro-batch whole on its mesh: as data-parallel replicas each would fold its replica
-    # index in too (tests/test_gradient_reduction.py).
+    # index in too (tests/pipeline/test_gradient_reduction.py).
     method = dataclasses.replace(METHOD, gradient_reduction="per_micro_batch")
     par, par_loss = meshpar.parallelize(step, method=method)(state, batch, key)
     ref, ref_loss = reference(state, batch, key)

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from repo_paths import ROOT_DIR, TESTS_DIR
+
 from meshpar.passes import jax_ir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,7 +30,7 @@ _LAUNCHER_PREFIXES = ("OMPI_", "PMIX_", "PMI_", "SLURM_", "JAX_COORDINATOR", "JA
 
 def _clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, ROOT_DIR, env.get("PYTHONPATH", "")])
     return env
 
 

@@ -1,7 +1,7 @@
 """A pipelined GPT job started by SLURM's ``srun`` on a one-node cluster, each process calling
 ``meshpar.distributed.initialize()`` with no arguments: 2 processes x 4 CPU devices and 4 x 2,
 every process's loss and parameter shards against jax.jit's (the worker and checks of
-tests/test_mpirun.py).
+tests/multiprocess/test_mpirun.py).
 
 It needs a running SLURM cluster: ``.ci/start_slurm`` starts one on this machine (CI's
 ``.ci/run`` installs slurm-wlm and munge, starts it and sets ``MESHPAR_REQUIRE_SLURM=1``, under

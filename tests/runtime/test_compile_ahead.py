@@ -1,7 +1,7 @@
 """Every program a pipeline launches is compiled before its first step (``step.compile(*args)``, or
 the first call itself): the first step then compiles none of the stages' passes, fused runs or
 gradient reductions, and still equals jax.jit. (Across processes, where the processes then meet
-once: tests/mp_pipeline_worker.py and mp_four_worker.py run every step through it.)"""
+once: tests/multiprocess/mp_pipeline_worker.py and mp_four_worker.py run every step through it.)"""
 
 import logging
 

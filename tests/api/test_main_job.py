@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from repo_paths import ROOT_DIR
+
+ROOT = ROOT_DIR
 
 
 @pytest.mark.parametrize("args,stages", [((), "2 stages on 2 meshes"),

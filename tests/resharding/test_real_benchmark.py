@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from repo_paths import ROOT_DIR
+
 from benchmarks import overlap
 from benchmarks.resharding.real import (
     ALPA, COMPARISON, OURS_P2P, OURS_ROUNDS, STOCK, Method, aggregate, comparison_table, distribution,
@@ -14,7 +16,7 @@ from benchmarks.resharding.real import (
     table, targets,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = ROOT_DIR
 KEYS = {"suite", "case", "strategy", "balancer", "times_s", "p50_s", "p90_s", "median_s", "min_s", "max_s",
         "link_lower_bound_s", "bytes_moved"}
 

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+from repo_paths import ROOT_DIR, TESTS_DIR
 from flax import linen as nn
 from flax.training import train_state
 
@@ -29,7 +31,7 @@ from meshpar.passes.planning.hlo_collectives import CollectiveKind, collective_g
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import assert_trees_close, make_state, mse, run_both
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(ROOT_DIR)
 
 SCHEDULES = ("gpipe", "1f1b", "eager_1f1b", "zb_h1", "interleaved_1f1b")
 # CI runs a spread in which every schedule, every micro-batch count and every data-axis size
@@ -117,7 +119,7 @@ def _compiled_modules(tmp_path, schedule, reduction):
     """Per program name (``jit_backward``, ...), the HLO text XLA compiled for a step of the
     tensor-parallel two-stage model on (data 2, model 2) meshes."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={tmp_path} --xla_dump_hlo_as_text",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+               PYTHONPATH=os.pathsep.join([ROOT_DIR, TESTS_DIR]))
     out = subprocess.run([sys.executable, "-c", _HLO_PROBE, schedule, reduction], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

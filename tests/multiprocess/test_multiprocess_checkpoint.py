@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from repo_paths import ROOT_DIR, TESTS_DIR
+
 from test_multiprocess import HERE, run_all_ok
 
 
@@ -24,7 +26,7 @@ def test_checkpoint_and_resume_across_two_processes(tmp_path, monkeypatch):
 
     # The same checkpoint in one process, under another layout and as a plain jax.jit state.
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
-    env["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([TESTS_DIR, ROOT_DIR, env.get("PYTHONPATH", "")])
     restored = subprocess.run([sys.executable, os.path.join(HERE, "restore_elsewhere.py"), str(tmp_path / "ckpt")],
                               env=env, capture_output=True, text=True, timeout=300)
     assert restored.returncode == 0 and "ALL OK" in restored.stdout, restored.stdout[-3000:] + restored.stderr[-3000:]

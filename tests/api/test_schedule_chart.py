@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from repo_paths import ROOT_DIR
+
 from meshpar import schedule_chart
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import make_schedule
 from meshpar.passes.pipeline.scheduling.schedule_csv import format_schedule_csv, load_schedule_csv
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(ROOT_DIR)
 
 # 1F1B, 2 meshes, 2 micro-batches, F = I = W = 1 (B = 2), free transfers; one cell (4 characters)
 # per unit. Mesh 1: F1.0 at 1, B1.0 2-4, F1.1 4-5, B1.1 5-7. Mesh 0: F0.0, F0.1, then B0.0 waits

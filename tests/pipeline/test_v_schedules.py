@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from repo_paths import TESTS_DIR
+
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import (
     SCHEDULES, StagePlacement, check_stage_placement, make_schedule,
 )
@@ -17,7 +19,7 @@ from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurat
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 V_NAMES = ("zb_v", "dualpipev")
-ARTIFACTS = Path(__file__).parent / "artifacts"
+ARTIFACTS = Path(TESTS_DIR) / "artifacts"
 
 
 def _chain(S):
