@@ -35,6 +35,16 @@ def _placed_leaves(monkeypatch):
     return placed
 
 
+def _steps(reference, parallel, state, batch, steps):
+    """``steps`` steps of both from ``state``, each state handed back as returned, the losses equal."""
+    ref_state, par_state = state, state
+    for _ in range(steps):
+        ref_state, ref_loss = reference(ref_state, batch)
+        par_state, par_loss = parallel(par_state, batch)
+        np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
+    return ref_state, par_state
+
+
 def _param_leaf_numbers(state, batch):
     """The flattened argument numbers of the parameters and Adam's moments (state, batch)."""
     leaves = jax.tree_util.tree_leaves_with_path((state, batch))
@@ -44,11 +54,7 @@ def _param_leaf_numbers(state, batch):
 
 def test_a_state_handed_back_is_not_placed_again(setup, monkeypatch):
     batch, state, parallel, reference = setup
-    ref_state, par_state = state, state
-    for _ in range(3):
-        ref_state, ref_loss = reference(ref_state, batch)
-        par_state, par_loss = parallel(par_state, batch)
-        np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
+    ref_state, par_state = _steps(reference, parallel, state, batch, 3)
     placed = _placed_leaves(monkeypatch)
     par_state, par_loss = parallel(par_state, batch)
     ref_state, ref_loss = reference(ref_state, batch)
@@ -63,10 +69,7 @@ def test_a_state_handed_back_is_not_placed_again(setup, monkeypatch):
 
 def test_a_leaf_the_caller_replaced_is_placed(setup, monkeypatch):
     batch, state, parallel, reference = setup
-    ref_state, par_state = state, state
-    for _ in range(2):
-        ref_state, _ = reference(ref_state, batch)
-        par_state, _ = parallel(par_state, batch)
+    ref_state, par_state = _steps(reference, parallel, state, batch, 2)
 
     def doubled_first_kernel(s):
         kernel = np.asarray(s.params["params"]["Dense_0"]["kernel"]) * 2
