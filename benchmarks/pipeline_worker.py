@@ -332,7 +332,7 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
             if method.name in args.trace_methods:
                 barrier(f"{tag}/trace")
                 step.trace(os.path.join(args.trace_dir, f"{tag}.json"), state, batch)
-            schedule = executable.schedule
+            schedule = step.get_compiled(state, batch).schedule
             out.write({
                 "kind": "method", "model": case.model, "config": list(case.config), "case": case.name,
                 "method": method.name, "batch": case.batch, "step_times_s": times, "compile_s": compile_s,

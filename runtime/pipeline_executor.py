@@ -84,15 +84,14 @@ class PipelineExecutable:
     ) -> None:
         self.step_program, self.program, self.moves = step, program, moves
         self.description = description
-        self.schedule = program.schedule
-        self.home = program.schedule.stage_mesh
+        self.home = program.stage_mesh
         on = {self.home[k.stage.index]: k.mesh for k in kernels}
         self.meshes = tuple(on[m] for m in range(len(program.instructions)))
         # Ids distinct across platforms: the meshes may be on a GPU and on the host.
         self.device_ids = planner_ids(*(m.devices.flat for m in self.meshes))
         self.mesh_devices = tuple(tuple(self.device_ids[device_key(d)] for d in m.devices.flat) for m in self.meshes)
         self.stage_meshes = tuple(k.mesh for k in kernels)
-        self.num_micro_batches = program.schedule.num_micro_batches
+        self.num_micro_batches = program.num_micro_batches
         self.out_tree = out_tree
         joins = [ins for ins in step if isinstance(ins, JoinStackedLeaves)]
         pieces = joins[0].pieces if joins else None

@@ -352,7 +352,7 @@ class ProgramInterpreter:
         state.buffers[ins.buffer] = value
         transfer = self.program.transfers[ins.transfer]
         if self.watch and not state.compile_only:
-            producer = self.program.schedule.edges[transfer.edge][0]
+            producer = self.program.edges[transfer.edge][0]
             what = "activation" if transfer.direction is Direction.ACTIVATION else "gradient"
             arrival = Arrival(
                 value, f"{what} of act{producer}.{transfer.slot} stage {transfer.src_stage} -> {transfer.dst_stage}, "

@@ -215,7 +215,7 @@ class StepRecorder:
             return None  # a reduction: no schedule task, the simulator prices it beside the timeline
         if instruction.sends:
             transfer = self.program.transfers[instruction.sends[0][0]]
-            home = self.program.schedule.stage_mesh
+            home = self.program.stage_mesh
             if not self.local[home[transfer.dst_stage]]:
                 return None
             return tasks, Lane(LaneKind.LINK, home[transfer.src_stage], home[transfer.dst_stage])
@@ -250,13 +250,12 @@ class StepRecorder:
 def _infer_events(records: Sequence[_Record], program: PipelineProgram) -> list[TimelineEvent]:
     """Events from launches and ready times (see the module doc); dependencies launch first, so
     one walk in launch order knows every dependency's end before its dependents'."""
-    schedule = program.schedule
     ends: dict[Task, float] = {}
     lane_free: dict[Lane, float] = {}
     events = []
     for r in sorted(records, key=lambda r: r.seq):
         bounds = [r.launch, lane_free.get(r.lane, r.launch)]
-        bounds += [ends[d] for task in r.tasks for d in task_dependencies(task, schedule.edges, schedule.split_backward)
+        bounds += [ends[d] for task in r.tasks for d in task_dependencies(task, program.edges, program.split_backward)
                    if d in ends and d not in r.tasks]
         start = max(bounds)
         end = max(r.ready, start)

@@ -192,3 +192,20 @@ def test_floor_scan_sees_every_floor_and_group():
     seen = {_rank(m, FLOORS, 2) for m in MODULES} | {None}
     groups = {_rank(m, PIPELINE_GROUPS, 3) for m in MODULES if m.startswith("meshpar.passes.pipeline.")}
     assert seen >= set(range(len(FLOORS))) and groups >= set(range(len(PIPELINE_GROUPS)))
+
+
+def test_the_pipeline_program_holds_no_compiler_ir():
+    """The pipeline program hands the runtime plain values (each stage's mesh, the micro-batch
+    count, the schedule's edges), not the compiler's IR it was lowered from (issue 43: no
+    ``Stage``, ``StageOperand``, ``Placement``, ``OuterCompute`` or ``PipelineSchedule`` in the
+    format)."""
+    import re
+    import typing
+
+    from meshpar.passes.pipeline.lowering.pipeline_program import PipelineProgram
+
+    forbidden = ("Stage", "StageOperand", "Placement", "OuterCompute", "PipelineSchedule")
+    hints = {name: str(hint) for name, hint in typing.get_type_hints(PipelineProgram).items()}
+    holding = {name: hint for name, hint in hints.items() if any(re.search(rf"\b{f}\b", hint) for f in forbidden)}
+    assert not holding, f"PipelineProgram holds compiler IR: {holding}"
+    assert {"stage_mesh", "num_micro_batches", "edges", "split_backward"} <= set(hints)

@@ -148,7 +148,7 @@ def predict_live_bytes(program: PipelineProgram, profile: MemoryProfile) -> Live
             nbytes = max(0, nbytes - shared.get(buffer.index, 0))
         return nbytes
 
-    home = program.schedule.stage_mesh
+    home = program.stage_mesh
     for mesh, ins in program.launch_sequence():
         for b in ins.frees:
             free(b, mesh)

@@ -379,14 +379,14 @@ def test_runtime_counts_live_activations_per_stage(schedule, weight_delay, live)
     compiled = parallel.get_compiled(state, batch)
     assert executable.peak_live_activations == live
     waiting = []
-    for seq in executable.schedule.sequences:
+    for seq in compiled.schedule.sequences:
         held = peak = 0
         for task in seq:
             held += {"I": 1, "W": -1}.get(task.kind.value, 0)
             peak = max(peak, held)
         waiting.append(peak)
     assert executable.peak_weight_states == waiting
-    assert (max(waiting) > 0) == executable.schedule.split_backward
+    assert (max(waiting) > 0) == executable.program.split_backward
 
 
 # Every schedule, with and without weight delaying, M from S to 4S, against jax.jit.
@@ -409,7 +409,7 @@ def test_every_schedule_and_weight_delay_matches_single_device_jit(config, M, sc
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
     executable = parallel.get_executable(par_state, _mlp_batch())
-    assert executable.schedule.split_backward == (schedule == "zb_h1" or weight_delay is not False)
+    assert executable.program.split_backward == (schedule == "zb_h1" or weight_delay is not False)
 
 
 @pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b",
@@ -470,10 +470,10 @@ def test_simulated_memory_peaks_equal_the_runtime_counts(num_stages, num_micro_b
         parallel(state, batch)
         executable = parallel.get_executable(state, batch)
         compiled = parallel.get_compiled(state, batch)
-        num_edges = len(executable.schedule.edges)
+        num_edges = len(executable.program.edges)
         durations = TaskDurations(
             tuple(StageSeconds(*map(float, rng.uniform(0.1, 2, 4))) for _ in range(num_stages)),
             tuple(map(float, rng.uniform(0.1, 2, num_edges))), tuple(map(float, rng.uniform(0.1, 2, num_edges))))
-        simulated = simulate(executable.schedule, durations)
+        simulated = simulate(compiled.schedule, durations)
         assert list(simulated.peak_live_activations) == executable.peak_live_activations, schedule
         assert list(simulated.peak_weight_states) == executable.peak_weight_states, schedule

@@ -351,7 +351,7 @@ def test_interleaved_builds_four_stages_on_two_meshes():
     cluster = meshpar.Cluster.from_devices(jax.devices(), host_of=lambda d: d.id // 4, inter_host_bandwidth=3e7)
     step, state, batch = build_step(case, method, cluster, 120.0)
     executable = step.get_executable(state, batch)
-    schedule = executable.schedule
+    schedule = step.get_compiled(state, batch).schedule
     assert (schedule.name, schedule.num_stages, schedule.num_meshes) == ("interleaved_1f1b", 4, 2)
     assert schedule.stage_mesh == (0, 1, 0, 1)
     assert len(executable.meshes) == 2 and all(m.devices.shape == (4, 1) for m in executable.meshes)

@@ -25,7 +25,7 @@ CASES = ([(name, 3, 4, None) for name, k in SCHEDULES.items() if k.stages_per_me
 
 def _local_moves(program):
     """``program`` with its moves between stages of one mesh ``LOCAL``, as the compiler plans them."""
-    home = program.schedule.stage_mesh
+    home = program.stage_mesh
     return dataclasses.replace(program, transfers=tuple(
         dataclasses.replace(t, kind=TransferKind.LOCAL) if home[t.src_stage] == home[t.dst_stage] else t
         for t in program.transfers))
@@ -42,7 +42,7 @@ def _compute_tasks(program):
 @pytest.mark.parametrize("name,S,M,num_meshes", CASES)
 def test_fused_programs_verify_and_keep_every_task_in_order(name, S, M, num_meshes, edges_of, max_members):
     reduced = frozenset(range(S))
-    program, _ = _build(name, S, M, edges_of(S), num_meshes=num_meshes, reduced=reduced)
+    program, _, _ = _build(name, S, M, edges_of(S), num_meshes=num_meshes, reduced=reduced)
     program = _local_moves(program)
     fused = fuse_compute_runs(program, max_members)
     verify_pipeline_program(fused, reduced)
@@ -61,7 +61,7 @@ def test_fused_programs_verify_and_keep_every_task_in_order(name, S, M, num_mesh
 
 
 def test_a_mesh_hosting_every_stage_runs_its_pipeline_as_one_program():
-    program, _ = _build("interleaved_1f1b", 4, 4, _chain(4), num_meshes=1)
+    program, _, _ = _build("interleaved_1f1b", 4, 4, _chain(4), num_meshes=1)
     fused = fuse_compute_runs(_local_moves(program))
     runs = [ins for _, ins in fused.launch_sequence() if isinstance(ins, RunFused)]
     assert len(runs) == 1 and len(runs[0].members) == 4 * 4 * 2
@@ -72,7 +72,7 @@ def test_a_mesh_hosting_every_stage_runs_its_pipeline_as_one_program():
 def test_a_stage_whose_output_crosses_meshes_ends_its_run():
     """1F1B on two meshes: the last stage's forward and backward fuse; the first stage's
     forward, whose activation the other mesh waits for, ends each of its runs."""
-    program, _ = _build("1f1b", 2, 4, _chain(2))
+    program, _, _ = _build("1f1b", 2, 4, _chain(2))
     fused = fuse_compute_runs(program)
     for ins in (x for _, x in fused.launch_sequence() if isinstance(x, RunFused)):
         stages = [t.where for t in ins.tasks]
@@ -81,7 +81,7 @@ def test_a_stage_whose_output_crosses_meshes_ends_its_run():
 
 
 def test_max_members_must_be_positive():
-    program, _ = _build("1f1b", 2, 2, _chain(2))
+    program, _, _ = _build("1f1b", 2, 2, _chain(2))
     with pytest.raises(ValueError, match="max_members: expected a positive count or None, got 0"):
         fuse_compute_runs(program, 0)
 
@@ -110,4 +110,5 @@ def test_a_step_of_fused_programs_equals_jit(schedule, meshes, per_mesh, fuse, t
     _, trace = parallel.trace(str(tmp_path / "step.json"), par_state, batch)
     events = trace.timeline.events
     compute = sorted(str(e.task) for e in events if e.task.kind.is_compute)
-    assert compute == sorted(str(t) for seq in program.schedule.sequences for t in seq)
+    schedule = parallel.get_compiled(state, batch).schedule
+    assert compute == sorted(str(t) for seq in schedule.sequences for t in seq)

@@ -39,14 +39,15 @@ def test_mlp_interleaved_matches_jit_and_places_stage_k_on_mesh_k_mod_P(num_mesh
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
     executable = parallel.get_executable(par_state, _mlp_batch())
-    assert executable.schedule.stage_mesh == tuple(s % num_meshes for s in range(S))
+    schedule = parallel.get_compiled(par_state, _mlp_batch()).schedule
+    assert executable.program.stage_mesh == tuple(s % num_meshes for s in range(S))
     assert len(executable.meshes) == num_meshes and len(executable.program.instructions) == num_meshes
     # Every parameter stays on the mesh of the stage that owns it.
     leaves = jax.tree.leaves(par_state.params)
     assert {frozenset(leaf.sharding.device_set) for leaf in leaves} == {
         frozenset(m.devices.flat) for m in executable.meshes}
     # The runtime held what the schedule says, stage by stage.
-    sim = [executable.schedule.sequences[executable.schedule.stage_mesh[s]] for s in range(S)]
+    sim = [schedule.sequences[schedule.stage_mesh[s]] for s in range(S)]
     for s, seq in enumerate(sim):
         live = held = 0
         for t in seq:

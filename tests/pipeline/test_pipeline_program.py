@@ -43,13 +43,15 @@ def _build(name, S, M, edges, delays=None, slots="distinct", num_meshes=None, re
                  for e, (p, c, slot, _) in enumerate(quads)
                  for d, (a, b) in ((Direction.ACTIVATION, (p, c)), (Direction.COTANGENT, (c, p)))]
     stages = stage_io(S, quads, (S - 1, loss_slot), num_out)
-    return lower_to_program(make_schedule(name, S, M, edges, delays, num_meshes), stages, transfers, reduced), quads
+    schedule = make_schedule(name, S, M, edges, delays, num_meshes)
+    return lower_to_program(schedule, stages, transfers, reduced), quads, schedule
 
 
-def _interpret(program, quads):
-    """Runs the launch sequence symbolically; returns per-stage peaks of live RESIDUALS / WEIGHT_STATE."""
+def _interpret(program, quads, schedule):
+    """Runs the launch sequence symbolically (each mesh's compute checked against ``schedule``);
+    returns per-stage peaks of live RESIDUALS / WEIGHT_STATE."""
     S, P = len(program.stages), len(program.instructions)
-    home = program.schedule.stage_mesh
+    home = program.stage_mesh
     tr = {(t.edge, t.direction): k for k, t in enumerate(program.transfers)}
     in_edges = [[e for e, q in sorted(enumerate(quads), key=lambda x: x[1][3]) if q[1] == s] for s in range(S)]
     live = [set() for _ in range(P)]
@@ -96,13 +98,13 @@ def _interpret(program, quads):
                 if isinstance(ins, RunBackwardInput):
                     live[mesh].add(ins.weight_state)
         for kind, per_stage in peak.items():
-            for s in program.schedule.stages_on(mesh):
+            for s in schedule.stages_on(mesh):
                 per_stage[s] = max(per_stage[s], sum(b.kind is kind and b.index == s for b in live[mesh]))
     assert not channel, "sends never received"
     for mesh in range(P):
-        assert computes[mesh] == [(t.kind, t.where, t.micro_batch) for t in program.schedule.sequences[mesh]]
+        assert computes[mesh] == [(t.kind, t.where, t.micro_batch) for t in schedule.sequences[mesh]]
         assert all(b.kind is BufferKind.RESULT and b.index == S - 1 for b in live[mesh])
-        assert len(live[mesh]) == (program.schedule.num_micro_batches if mesh == home[S - 1] else 0)
+        assert len(live[mesh]) == (program.num_micro_batches if mesh == home[S - 1] else 0)
     return peak
 
 
@@ -118,15 +120,15 @@ SHAPES = [(_chain, "distinct"), (_chain, "extra"), (_u_shape, "distinct"), (_u_s
 @pytest.mark.parametrize("S", [1, 2, 3, 4])
 @pytest.mark.parametrize("name,delay", CONFIGS)
 def test_program_runs_and_holds_the_schedules_memory(name, delay, S, M, edges_of, slots):
-    program, quads = _build(name, S, M, edges_of(S), None if delay is None else [delay] * S, slots)
-    peak = _interpret(program, quads)
+    program, quads, schedule = _build(name, S, M, edges_of(S), None if delay is None else [delay] * S, slots)
+    peak = _interpret(program, quads, schedule)
     for s in range(S):
         res = {"gpipe": M, "1f1b": min(M, S - s), "zb_h1": min(M, S - s), "eager_1f1b": min(M, 2 * (S - s) - 1),
                "interleaved_1f1b": M if M == S else min(M, 2 * (S - s) - 1),
                "interleaved_zb": min(M, S - s)}[name]
         assert peak[BufferKind.RESIDUALS][s] == res
         held = best = 0
-        for t in program.schedule.sequences[s]:
+        for t in schedule.sequences[s]:
             held += {I: 1, W: -1}.get(t.kind, 0)
             best = max(best, held)
         assert peak[BufferKind.WEIGHT_STATE][s] == best
@@ -140,8 +142,8 @@ def test_v_programs_run_and_hold_the_schedules_memory(name, P, M, edges_of, slot
     """2P stages on P meshes in a V: the program runs symbolically, every buffer freed, each
     stage holding the residuals its schedule's order keeps alive."""
     S = 2 * P
-    program, quads = _build(name, S, M, edges_of(S), None, slots, num_meshes=P)
-    peak = _interpret(program, quads)
+    program, quads, schedule = _build(name, S, M, edges_of(S), None, slots, num_meshes=P)
+    peak = _interpret(program, quads, schedule)
     for s in range(S):
         assert peak[BufferKind.RESIDUALS][s] == SCHEDULES[name].peak_live(s, S, M, P)
 
@@ -158,9 +160,9 @@ def _rebuild(program, seq):
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_verifier_rejects_tampered_programs(name):
     if name in V_SCHEDULES:
-        program, _ = _build(name, 4, 4, _u_shape(4), slots="shared", num_meshes=2)
+        program, _, _ = _build(name, 4, 4, _u_shape(4), slots="shared", num_meshes=2)
     else:
-        program, _ = _build(name, 3, 3, _u_shape(3), slots="shared")
+        program, _, _ = _build(name, 3, 3, _u_shape(3), slots="shared")
     seq = program.launch_sequence()
     # A Free removed: the buffer is left live.
     k = next(i for i, (_, x) in enumerate(seq) if isinstance(x, Free) and x.buffer.kind is BufferKind.RESIDUALS)
@@ -182,7 +184,7 @@ def test_verifier_rejects_tampered_programs(name):
     f = next(i for i, (_, x) in enumerate(seq) if isinstance(x, RunForward) and x.residuals == res)
     bad = seq[:f + 1] + [seq[k]] + seq[f + 1:k] + seq[k + 1:]
     with pytest.raises(PlanVerificationError,
-                       match=f"mesh {program.schedule.stage_mesh[res.index]}: .*reads " + re.escape(str(res))):
+                       match=f"mesh {program.stage_mesh[res.index]}: .*reads " + re.escape(str(res))):
         verify(_rebuild(program, bad))
     # A launch order that breaks a mesh's own order: two of mesh 0's launches swapped.
     a, b = [i for i, (mesh, _) in enumerate(program.order) if mesh == 0][:2]
@@ -195,7 +197,7 @@ def test_verifier_rejects_tampered_programs(name):
 
 def test_verifier_rejects_miswired_cotangents_and_sends():
     """A backward reading its cotangents out of StageIO order, or a send of the wrong slot."""
-    program, _ = _build("1f1b", 3, 2, _u_shape(3))
+    program, _, _ = _build("1f1b", 3, 2, _u_shape(3))
     seq = program.launch_sequence()
     k = next(i for i, (_, x) in enumerate(seq) if isinstance(x, RunBackward) and len(x.cotangents) > 1)
     swapped = dataclasses.replace(seq[k][1], cotangents=seq[k][1].cotangents[::-1])
@@ -215,13 +217,13 @@ def test_interleaved_program_runs_with_several_stages_per_mesh(P, v, rounds, edg
     """Stage k runs on mesh k mod P; each mesh's compute follows its sequence, and each stage holds
     the residuals its mesh's sequence says (forwards minus backwards so far, at most)."""
     S, M = P * v, P * rounds
-    program, quads = _build("interleaved_1f1b", S, M, edges_of(S), None if delay is None else [delay] * P, slots,
+    program, quads, schedule = _build("interleaved_1f1b", S, M, edges_of(S), None if delay is None else [delay] * P, slots,
                             num_meshes=P)
-    assert program.schedule.stage_mesh == tuple(s % P for s in range(S))
+    assert program.stage_mesh == tuple(s % P for s in range(S))
     assert len(program.instructions) == P
-    peak = _interpret(program, quads)
-    for mesh, seq in enumerate(program.schedule.sequences):
-        for s in program.schedule.stages_on(mesh):
+    peak = _interpret(program, quads, schedule)
+    for mesh, seq in enumerate(schedule.sequences):
+        for s in schedule.stages_on(mesh):
             live = held = 0
             for t in seq:
                 if t.where == s and t.kind is F:
@@ -236,8 +238,8 @@ def test_interleaved_program_runs_with_several_stages_per_mesh(P, v, rounds, edg
     ("1f1b", 3, 4, None, {0, 1, 2}), ("zb_h1", 3, 4, None, {0, 2}), ("gpipe", 2, 1, None, {1}),
     ("interleaved_1f1b", 4, 4, 2, {0, 1, 2, 3}), ("interleaved_1f1b", 4, 4, 2, {1})])
 def test_each_mesh_reduces_its_stages_once_right_after_their_last_gradient_pass(name, S, M, num_meshes, reduced):
-    program, _ = _build(name, S, M, _chain(S), num_meshes=num_meshes, reduced=frozenset(reduced))
-    home = program.schedule.stage_mesh
+    program, _, _ = _build(name, S, M, _chain(S), num_meshes=num_meshes, reduced=frozenset(reduced))
+    home = program.stage_mesh
     for mesh, instructions in enumerate(program.instructions):
         mine = sorted(s for s in reduced if home[s] == mesh)
         at = [k for k, ins in enumerate(instructions) if isinstance(ins, ReduceGradients)]
@@ -255,11 +257,11 @@ def test_each_mesh_reduces_its_stages_once_right_after_their_last_gradient_pass(
 
 
 def test_the_verifier_rejects_a_missing_misplaced_or_stray_reduction():
-    program, _ = _build("1f1b", 2, 4, _chain(2), reduced=frozenset({0, 1}))
+    program, _, _ = _build("1f1b", 2, 4, _chain(2), reduced=frozenset({0, 1}))
     verify(program, frozenset({0, 1}))
     with pytest.raises(PlanVerificationError, match="mesh 0: gradient reduction of stages 0, but none"):
         verify(program, frozenset({1}))
-    plain, _ = _build("1f1b", 2, 4, _chain(2))
+    plain, _, _ = _build("1f1b", 2, 4, _chain(2))
     with pytest.raises(PlanVerificationError, match=re.escape("mesh 0: not one gradient reduction of stages (0,)")):
         verify(plain, frozenset({0, 1}))
     # The reduction moved before the mesh's last backward: that backward accumulates too late.
@@ -277,7 +279,7 @@ def test_each_kind_says_what_it_reads_writes_frees_and_runs():
     (every kind but the whole backward) and a 1F1B one (the whole backward)."""
     seen = set()
     for name in ("zb_h1", "1f1b"):
-        program, _ = _build(name, 2, 2, _chain(2), reduced=frozenset({0, 1}))
+        program, _, _ = _build(name, 2, 2, _chain(2), reduced=frozenset({0, 1}))
         for mesh, ins in program.launch_sequence():
             seen.add(type(ins))
             if isinstance(ins, RunForward):
@@ -326,7 +328,7 @@ def test_the_verifier_reads_a_new_kind_through_its_interface():
         reads = property(lambda self: (self.buffer,))
         writes = property(lambda self: ())
 
-    program, _ = _build("1f1b", 2, 2, _chain(2))
+    program, _, _ = _build("1f1b", 2, 2, _chain(2))
     seq = program.launch_sequence()
     f = next(i for i, (_, x) in enumerate(seq) if isinstance(x, RunForward))
     res = seq[f][1].residuals

@@ -51,12 +51,12 @@ def traces():
             schedule=schedule))
         state, _ = step(state, batch)
         _, trace = step.trace("/tmp/meshpar_live_bytes.json", state, batch)
-        out[schedule] = (state, trace, step.get_executable(state, batch))
+        out[schedule] = (state, trace, step.get_executable(state, batch), step.get_compiled(state, batch).schedule)
     return out
 
 
 def test_resident_bytes_hold_the_state_as_placed(traces):
-    state, trace, executable = traces["1f1b"]
+    state, trace, executable, _ = traces["1f1b"]
     held = _shard_bytes((state.params, state.opt_state))
     for d, n in held.items():
         assert trace.live_bytes.total[d] >= n
@@ -79,7 +79,7 @@ def test_first_stage_holds_micro_batches_as_the_schedule_says(traces):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
 def test_prediction_from_the_profile_equals_the_measured_peaks(traces, schedule):
-    _, trace, executable = traces[schedule]
+    _, trace, executable, _ = traces[schedule]
     predicted = predict_live_bytes(executable.program, trace.memory_profile)
     assert predicted.source == "predicted" and trace.live_bytes.source == "measured"
     assert dict(predicted.activations) == dict(trace.live_bytes.activations)
@@ -114,9 +114,9 @@ def test_running_programs_temporaries_count_in_the_total(traces):
     """XLA's memory analysis of each stage program (its scratch space) is counted on its mesh's
     devices while it runs: one measured program per compute task, and a total that covers the
     resident bytes plus the largest program's temporaries."""
-    _, trace, executable = traces["1f1b"]
+    _, trace, executable, schedule = traces["1f1b"]
     temps = trace.memory_profile.program_temp_bytes
-    tasks = {(t.kind.value, t.where) for seq in executable.program.schedule.sequences for t in seq}
+    tasks = {(t.kind.value, t.where) for seq in schedule.sequences for t in seq}
     assert set(temps) == {(task,) for task in tasks} and all(v >= 0 for v in temps.values())
     assert any(v > 0 for v in temps.values())
     for m, devices in enumerate(executable.mesh_devices):

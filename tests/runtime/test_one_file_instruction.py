@@ -46,7 +46,7 @@ class Scale(Instruction):
     writes = property(lambda self: (self.into,))
 
     def check(self, program: PipelineProgram, mesh: int) -> str | None:
-        home = program.schedule.stage_mesh[self.source.index]
+        home = program.stage_mesh[self.source.index]
         return None if home == mesh else f"scales a buffer of stage {self.source.index}, which lives on mesh {home}"
 
     def __str__(self) -> str:
@@ -82,10 +82,10 @@ def with_scales(program: PipelineProgram, stage: int, slot: int, factor: float =
                 on: int | None = None) -> tuple[PipelineProgram, list[Scale]]:
     """``program`` with, at the end of its mesh's list (``on``: another one), one ``Scale`` of
     each micro-batch's result ``slot`` of ``stage`` into a result of its own, kept past it."""
-    mesh = program.schedule.stage_mesh[stage] if on is None else on
+    mesh = program.stage_mesh[stage] if on is None else on
     into_slot = len(program.stages[stage].out_edges)
     scales = [Scale(BufferId(BufferKind.RESULT, stage, m, slot), BufferId(BufferKind.RESULT, stage, m, into_slot),
-                    factor) for m in range(program.schedule.num_micro_batches)]
+                    factor) for m in range(program.num_micro_batches)]
     lists = list(program.instructions)
     order = [*program.order, *((mesh, len(lists[mesh]) + k) for k in range(len(scales)))]
     lists[mesh] = (*lists[mesh], *scales)

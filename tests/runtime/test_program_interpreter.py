@@ -70,7 +70,7 @@ class FakeStage:
 
 
 def _run(program, local=None, fail_at=None):
-    S, M = len(program.stages), program.schedule.num_micro_batches
+    S, M = len(program.stages), program.num_micro_batches
     log, moved = [], []
     stages = [FakeStage(s, log, fail_at if s == S - 1 else None) for s in range(S)]
 
@@ -81,8 +81,8 @@ def _run(program, local=None, fail_at=None):
                                                  else "act"), *value[1:])
         return run
 
-    local = [True] * program.schedule.num_meshes if local is None else local
-    home = program.schedule.stage_mesh
+    local = [True] * program.num_meshes if local is None else local
+    home = program.stage_mesh
     interpreter = ProgramInterpreter(program, stages, [move(k) for k in range(len(program.transfers))], {}, local,
                                      watch=False)
     inputs = [StageInputs((), tuple((m,) for m in range(M))) if local[home[s]] else None for s in range(S)]
@@ -96,8 +96,9 @@ def _run(program, local=None, fail_at=None):
 def test_runs_each_meshs_sequence_in_order_and_accumulates_every_backward(name, S, P, M, delays):
     program = _program(name, S, M, P, delays)
     run, log, moved = _run(program)
-    for mesh, seq in enumerate(program.schedule.sequences):
-        on_mesh = [(k, s, m) for k, s, m in log if program.schedule.stage_mesh[s] == mesh]
+    edges = [(s, s + 1) for s in range(S - 1)]
+    for mesh, seq in enumerate(make_schedule(name, S, M, edges, delays, P).sequences):
+        on_mesh = [(k, s, m) for k, s, m in log if program.stage_mesh[s] == mesh]
         assert on_mesh == [(t.kind, t.where, t.micro_batch) for t in seq]
     # One gradient contribution per micro-batch: each whole backward or weight pass adds one.
     assert [g[0] for g in run.grads] == [M] * S

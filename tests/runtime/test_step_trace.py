@@ -16,6 +16,7 @@ from examples.mlp import MLP
 from examples.train_step import supervised_step
 from meshpar.passes.pipeline.placing.edge_transfer import Direction
 from meshpar.passes.pipeline.lowering.pipeline_program import RunForward
+from meshpar.passes.pipeline.scheduling.pipeline_schedule import PipelineSchedule
 from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind, task_dependencies
 from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, read_chrome_trace
 from meshpar.runtime.pipeline_executor import PipelineExecutable
@@ -36,6 +37,7 @@ class Traced:
     inputs, and jax.jit's step."""
 
     executable: PipelineExecutable
+    schedule: PipelineSchedule  # the compiler's, which the program was lowered from
     compiled_before: int
     compiled_after: int
     plain: Any
@@ -64,7 +66,7 @@ def traced(request, tmp_path_factory) -> Traced:
     outputs, trace = parallel.trace(path, state, batch)
     serialized, serialized_trace = parallel.trace(path + ".serialized", state, batch, serialize=True)
     timeline, serialized_timeline = trace.timeline, serialized_trace.timeline
-    return Traced(executable, before, executable.compiled_count(), plain, jax.jit(step)(state, batch),
+    return Traced(executable, parallel.get_compiled(state, batch).schedule, before, executable.compiled_count(), plain, jax.jit(step)(state, batch),
                   outputs, timeline, path, serialized, serialized_timeline,
                   (trace.outside_pipeline_s, serialized_trace.outside_pipeline_s))
 
@@ -105,7 +107,7 @@ def test_written_trace_round_trips_to_the_returned_timeline(traced):
 def test_one_event_per_task_on_its_lane(traced):
     program = traced.executable.program
     for timeline in (traced.timeline, traced.serialized_timeline):
-        assert collections.Counter(e.task for e in timeline.events) == collections.Counter(program.schedule.order)
+        assert collections.Counter(e.task for e in timeline.events) == collections.Counter(traced.schedule.order)
         links = {(t.edge, t.direction): Lane(LaneKind.LINK, t.src_stage, t.dst_stage) for t in program.transfers}
         for e in timeline.events:
             if e.task.kind.is_compute:
@@ -125,7 +127,7 @@ def _assert_no_overlap(events):
 
 
 def test_compute_lanes_never_overlap_and_tasks_start_after_their_dependencies(traced):
-    schedule = traced.executable.schedule
+    schedule = traced.schedule
     for timeline in (traced.timeline, traced.serialized_timeline):
         for lane in timeline.lanes():
             if lane.kind is LaneKind.COMPUTE:

@@ -271,7 +271,7 @@ class Send(Instruction):
         if self.into != received_buffer(t, self.micro_batch):
             return f"names {self.into} as where it arrives, but transfer {self.transfer} delivers into " \
                    f"{received_buffer(t, self.micro_batch)}"
-        if program.schedule.stage_mesh[t.src_stage] != mesh:
+        if program.stage_mesh[t.src_stage] != mesh:
             return f"is not on the mesh of transfer {self.transfer}'s source"
         return None
 
@@ -299,7 +299,7 @@ class Recv(Instruction):
         want = received_buffer(t, self.micro_batch)
         if self.buffer != want:
             return f"receives into {self.buffer}, but transfer {self.transfer} delivers {want}"
-        if program.schedule.stage_mesh[t.dst_stage] != mesh:
+        if program.stage_mesh[t.dst_stage] != mesh:
             return f"is not on the mesh of transfer {self.transfer}'s destination"
         return None
 
@@ -339,9 +339,16 @@ class ReduceGradients(Instruction):
 class PipelineProgram:
     """Per-mesh instruction lists and the launch order that interleaves them.
 
+    What the runtime needs of the schedule it was lowered from is here as plain values (the
+    schedule itself stays with the compiler: ``CompiledPipeline.schedule``).
+
     Attributes:
-      schedule: the schedule this program runs.
-      stages: one ``StageIO`` per stage (stage ``s`` runs on mesh ``schedule.stage_mesh[s]``).
+      stage_mesh: per stage, the mesh running it.
+      num_micro_batches: the micro-batches of a step.
+      edges: per schedule edge, ``(producer, consumer)`` stages (``EdgeTransfer.edge`` indexes it).
+      split_backward: whether a backward runs as an input pass and a weight pass (the tasks'
+        dependencies differ: ``pipeline_tasks.task_dependencies``).
+      stages: one ``StageIO`` per stage (stage ``s`` runs on mesh ``stage_mesh[s]``).
       transfers: every boundary move, two per edge (``EdgeTransfer``).
       instructions: per mesh, its instructions in launch order.
       order: ``(mesh, position)`` of every instruction once, per-mesh
@@ -349,12 +356,19 @@ class PipelineProgram:
       results: buffers alive after the program (the loss of each micro-batch).
     """
 
-    schedule: PipelineSchedule
+    stage_mesh: tuple[int, ...]
+    num_micro_batches: int
+    edges: tuple[tuple[int, int], ...]
+    split_backward: bool
     stages: tuple[StageIO, ...]
     transfers: tuple[EdgeTransfer, ...]
     instructions: tuple[tuple[Instruction, ...], ...]
     order: tuple[tuple[int, int], ...]
     results: tuple[BufferId, ...]
+
+    @property
+    def num_meshes(self) -> int:
+        return len(self.instructions)
 
     def launch_sequence(self) -> list[tuple[int, Instruction]]:
         """``(mesh, instruction)`` in launch order."""
@@ -482,13 +496,14 @@ def lower_to_program(schedule: PipelineSchedule, stages: Sequence[StageIO], tran
         BufferId(BufferKind.RESULT, s, m, slot)
         for s, io in enumerate(stages) for slot in io.kept_slots for m in range(schedule.num_micro_batches)
     )
-    program = PipelineProgram(schedule, stages, transfers, tuple(map(tuple, lists)), tuple(order), results)
+    program = PipelineProgram(schedule.stage_mesh, schedule.num_micro_batches, tuple(schedule.edges),
+                              schedule.split_backward, stages, transfers, tuple(map(tuple, lists)), tuple(order), results)
     verify_pipeline_program(program, reduced_stages)
     return program
 
 
 def _off_its_mesh(program: PipelineProgram, mesh: int, stage: int) -> str | None:
-    home = program.schedule.stage_mesh[stage]
+    home = program.stage_mesh[stage]
     return None if home == mesh else f"runs stage {stage}, which the schedule places on mesh {home}"
 
 
@@ -506,7 +521,7 @@ def _cotangent_wiring(program: PipelineProgram, mesh: int, stage: int, m: int, c
 def _reduction_error(program: PipelineProgram, reduced_stages: frozenset[int]) -> str | None:
     """Whether each mesh reduces exactly its stages of ``reduced_stages``, once, after every
     gradient pass of them."""
-    home = program.schedule.stage_mesh
+    home = program.stage_mesh
     for mesh, instructions in enumerate(program.instructions):
         want = tuple(sorted(s for s in reduced_stages if home[s] == mesh))
         at = [k for k, ins in enumerate(instructions) if ins.reduces]
@@ -562,7 +577,7 @@ def verify_pipeline_program(program: PipelineProgram, reduced_stages: frozenset[
             sent[key] = mesh
         for key in ins.receives:
             if key not in sent or key in received:
-                home = program.schedule.stage_mesh[program.transfers[key[0]].src_stage]
+                home = program.stage_mesh[program.transfers[key[0]].src_stage]
                 raise PlanVerificationError(f"mesh {mesh}: {ins} has no earlier unmatched send on mesh {home}")
             received.add(key)
         for b in ins.writes:
@@ -576,6 +591,6 @@ def verify_pipeline_program(program: PipelineProgram, reduced_stages: frozenset[
     if reduction:
         raise PlanVerificationError(reduction)
     left = {(mesh, b) for mesh, bs in enumerate(live) for b in bs}
-    expected = {(program.schedule.stage_mesh[b.index], b) for b in program.results}
+    expected = {(program.stage_mesh[b.index], b) for b in program.results}
     if left != expected:
         raise PlanVerificationError(f"buffers live after the program other than its results: {sorted(map(str, (b for _, b in left ^ expected)))}")

@@ -20,9 +20,9 @@ def program_text(step: StepProgram, program: PipelineProgram) -> str:
     width = len(str(max(len(step.instructions) - 1, 0)))
     lines += [f"  {k:>{width}}  {ins}" for k, ins in enumerate(step)]
     launched = {at: n for n, at in enumerate(program.order)}
-    home = program.schedule.stage_mesh
+    home = program.stage_mesh
     lines.append(f"pipeline program: {len(program.instructions)} meshes, "
-                 f"{len(program.order)} instructions, {program.schedule.num_micro_batches} micro-batches")
+                 f"{len(program.order)} instructions, {program.num_micro_batches} micro-batches")
     for mesh, instructions in enumerate(program.instructions):
         stages = ", ".join(str(s) for s, m in enumerate(home) if m == mesh) or "none"
         lines.append(f"  mesh {mesh} (stages {stages}): {len(instructions)} instructions")

@@ -60,8 +60,8 @@ class StageKernel:
 @compiler_pass
 def stage_kernels(graph: StageGraph, parts: Sequence[StageParts], program: PipelineProgram, layout: StepLayout,
                   meshes: Sequence[Mesh], loss_seed: float, gradients: DataReplicas) -> tuple[StageKernel, ...]:
-    """Every stage's ``StageKernel``, stage ``s`` on ``meshes[program.schedule.stage_mesh[s]]``."""
-    home = program.schedule.stage_mesh
+    """Every stage's ``StageKernel``, stage ``s`` on ``meshes[program.stage_mesh[s]]``."""
+    home = program.stage_mesh
     leaving = {(t.src_stage, t.slot): t.src for t in program.transfers if t.direction is Direction.ACTIVATION}
     cotangent_of = {t.edge: t.src for t in program.transfers if t.direction is Direction.COTANGENT}
     kernels = []

@@ -249,7 +249,7 @@ class CombineMicroBatches(StepInstruction):
 
     def check(self, graph: StageGraph, program: PipelineProgram) -> str | None:
         stage = self.buffers[0].index
-        if self.mesh != program.schedule.stage_mesh[stage] or any(b not in program.results for b in self.buffers):
+        if self.mesh != program.stage_mesh[stage] or any(b not in program.results for b in self.buffers):
             return f"does not combine the results of stage {stage} on its mesh"
         return None
 
@@ -277,7 +277,7 @@ class ReduceGradient(StepInstruction):
     reduces = property(lambda self: ((self.stage, self.param),))
 
     def check(self, graph: StageGraph, program: PipelineProgram) -> str | None:
-        if self.mesh != program.schedule.stage_mesh[graph.param_owner(self.param)]:
+        if self.mesh != program.stage_mesh[graph.param_owner(self.param)]:
             return "is not on the mesh of the parameter's owner"
         return None
 
@@ -446,8 +446,8 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
         return replicas is not None and replicas.per_replica(slot)
 
     held, gathered = dict(held or {}), dict(gathered or {})
-    home = program.schedule.stage_mesh
-    M = program.schedule.num_micro_batches
+    home = program.stage_mesh
+    M = program.num_micro_batches
     feeds = tuple(
         StageFeed(s, home[s], ops, tuple(layout.in_placements[op.source.index].meshes[0] if op.fetch else None
                                          for op in ops))
