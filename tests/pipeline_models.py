@@ -29,6 +29,23 @@ def mse(out, y):
     return jnp.mean((out - y) ** 2)
 
 
+def regression_batch():
+    """16 rows of ``x`` [16, 6] and ``y`` [16, 4], seeded."""
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
+
+
+def aux_sum_step(state, batch):
+    """A train step whose loss is a sum over the batch (``reduction="sum"``) with aux values
+    combined two ways (a mean and a count): ``(state, loss, aux)``."""
+    def loss_fn(params):
+        err = jnp.sum((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2, axis=-1)
+        return jnp.sum(err), {"err": jnp.mean(err), "hits": jnp.sum(err < 4.0)}
+
+    (loss, aux), grads = meshpar.value_and_grad(loss_fn, has_aux=True, reduction="sum")(state.params)
+    return state.apply_gradients(grads=grads), loss, aux
+
+
 def assert_trees_close(actual, expected, rtol=1e-5, atol=1e-5):
     """Equal within ``rtol``; ``atol`` covers parameters near zero."""
     for path, (a, e) in zip(

@@ -161,7 +161,7 @@ assert step_trace.live_bytes.peak_activation_bytes > 0, step_trace.live_bytes
 mine_path = os.path.join(tempfile.gettempdir(), f"mp_pipeline_trace_{port}.p{pid}.json")
 mine = read_chrome_trace(mine_path)
 os.remove(mine_path)
-schedule = run.get_executable(mlp_state, mlp_batch).schedule
+schedule = run.get_compiled(mlp_state, mlp_batch).schedule
 compute = [e for e in mine.events if e.lane.kind is LaneKind.COMPUTE]
 assert sorted(str(e.task) for e in compute) == sorted(
     str(t) for t in schedule.order if t.kind.is_compute and t.where == pid), mine

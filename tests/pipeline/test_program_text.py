@@ -7,8 +7,7 @@ import optax
 import meshpar
 from examples.mlp import MLP
 from meshpar.passes.pipeline.lowering.program_text import program_text
-from test_step_program import _aux_step, _batch
-from pipeline_models import make_state
+from pipeline_models import aux_sum_step, make_state, regression_batch
 
 # Names of each kind as its line says them (the start of its ``__str__``).
 STEP_WORDS = {"SplitStackedLeaves": "split ", "PlaceInputs": "place ", "RunCompute": "compute of ",
@@ -23,11 +22,11 @@ PIPELINE_WORDS = {"RunForward": "forward of stage", "RunBackward": "backward of 
 
 
 def test_the_compiled_programs_print_one_short_line_per_instruction():
-    batch = _batch()
+    batch = regression_batch()
     state = make_state(MLP(features=(16, 16, 16, 4), num_stages=2), batch["x"][:1])
     state = state.replace(tx=optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-3)))
     state = state.replace(opt_state=state.tx.init(state.params))
-    parallel = meshpar.parallelize(_aux_step, method=meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2))
+    parallel = meshpar.parallelize(aux_sum_step, method=meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2))
     compiled = parallel.get_compiled(state, batch)
     step, program = compiled.step, compiled.program
     text = program_text(step, program)

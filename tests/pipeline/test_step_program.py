@@ -4,7 +4,6 @@
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -19,25 +18,11 @@ from meshpar.passes.pipeline.lowering.step_program import (
 )
 from meshpar.passes.pipeline.cutting.step_split import OuterKind
 from meshpar.passes.verification import PlanVerificationError
-from pipeline_models import make_state, mse
-
-
-def _batch():
-    rng = np.random.default_rng(0)
-    return {"x": rng.standard_normal((16, 6)).astype(np.float32), "y": rng.standard_normal((16, 4)).astype(np.float32)}
-
-
-def _aux_step(state, batch):
-    def loss_fn(params):
-        err = jnp.sum((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2, axis=-1)
-        return jnp.sum(err), {"err": jnp.mean(err), "hits": jnp.sum(err < 4.0)}
-
-    (loss, aux), grads = meshpar.value_and_grad(loss_fn, has_aux=True, reduction="sum")(state.params)
-    return state.apply_gradients(grads=grads), loss, aux
+from pipeline_models import aux_sum_step, make_state, mse, regression_batch
 
 
 def _compiled(step, num_stages=2, **options):
-    batch = _batch()
+    batch = regression_batch()
     state = make_state(MLP(features=(16, 16, 16, 4), num_stages=num_stages), batch["x"][:1])
     state = state.replace(tx=optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-3)))
     state = state.replace(opt_state=state.tx.init(state.params))
@@ -47,7 +32,7 @@ def _compiled(step, num_stages=2, **options):
 
 
 def test_the_compiler_decides_reductions_gradient_homes_and_order():
-    compiled, parallel, state, batch = _compiled(_aux_step)
+    compiled, parallel, state, batch = _compiled(aux_sum_step)
     step = compiled.step
     kinds = [type(i) for i in step]
     # Small outputs of two meshes are shared onto the same devices after assembly, so they combine.
@@ -64,7 +49,7 @@ def test_the_compiler_decides_reductions_gradient_homes_and_order():
     assert all(g.mesh == home[graph.param_owner(g.param)] for g in grads)
     # The clipped update reads every gradient after it was reduced: the verifier accepted it,
     # and the step equals jax.jit's.
-    got, want = parallel(state, batch), jax.jit(_aux_step)(state, batch)
+    got, want = parallel(state, batch), jax.jit(aux_sum_step)(state, batch)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
     small = jax.tree.leaves(got[1:])
@@ -85,7 +70,7 @@ def _verify(compiled, instructions):
 
 
 def test_verifier_rejects_a_second_reduction_a_read_too_early_a_second_pipeline_and_a_lost_combine():
-    compiled, *_ = _compiled(_aux_step)
+    compiled, *_ = _compiled(aux_sum_step)
     ins = list(compiled.step)
     _verify(compiled, ins)
     first_grad = next(k for k, i in enumerate(ins) if isinstance(i, ReduceGradient))

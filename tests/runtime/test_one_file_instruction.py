@@ -28,9 +28,8 @@ from meshpar.passes.simulation.live_bytes import MemoryProfile, predict_live_byt
 from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.program_interpreter import HANDLERS, ProgramInterpreter, register_handler
-from pipeline_models import make_state
+from pipeline_models import aux_sum_step, make_state, regression_batch
 from test_program_interpreter import _program
-from test_step_program import _aux_step, _batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +140,10 @@ def test_registering_refuses_a_second_handler_and_what_is_not_an_instruction(reg
 @pytest.fixture(scope="module")
 def mlp():
     """A 2-stage MLP step with aux values, compiled, and its executable."""
-    batch = _batch()
+    batch = regression_batch()
     state = make_state(MLP(features=(16, 16, 16, 4), num_stages=2), batch["x"][:1])
     state = state.replace(tx=optax.adam(1e-3), opt_state=optax.adam(1e-3).init(state.params))
-    parallel = meshpar.parallelize(_aux_step, method=meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2))
+    parallel = meshpar.parallelize(aux_sum_step, method=meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2))
     return parallel, state, batch, parallel.get_compiled(state, batch), parallel.get_executable(state, batch)
 
 
