@@ -15,7 +15,12 @@ compilation cache when ``jax_compilation_cache_dir`` is set): the real run finds
 ``deferred_compile`` compiles one lowered program on the pool for a caller that needs it only
 later (the transfer programs a move prepares); ``wait_deferred`` waits for every such compile.
 Tracing and lowering stay on the calling thread, under the caller's JAX configuration and
-contexts, as the real run's calls would trace them.
+contexts, as the real run's calls would trace them; the compile on the pool runs under the
+same (``jax_ir.ThreadContext``: the mesh ``jax.set_mesh`` entered, configuration context
+managers). JAX's compilation cache keys on them: a program compiled on a pool thread without
+them was found by the run's first calls (whose operand types hit the lowering itself), not by
+a later call typed alike but spelled otherwise (the state the first step returns: ``P()`` where
+the compiler said ``P(None, None)``), which compiled it again.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+
+from meshpar.passes import jax_ir
 
 __all__ = ["AheadOfTime", "Deferred", "NotCompiledAhead", "Pending", "compile_threads", "deferred_compile",
            "wait_deferred"]
@@ -80,9 +87,24 @@ class Deferred:
         return self._compiled
 
 
+def _submit_compile(lowered: Any) -> concurrent.futures.Future:
+    """``lowered.compile()`` started on the pool, under the calling thread's JAX context (where
+    ``lowered`` was lowered): the compiled program is cached under the key this thread's calls
+    look it up by."""
+    context = jax_ir.ThreadContext()
+
+    def compile_there() -> Any:
+        with context as same:
+            if not same:
+                logger.debug("compiling %s under a JAX context other than its caller's", lowered)
+            return lowered.compile()
+
+    return _compile_pool().submit(compile_there)
+
+
 def deferred_compile(lowered: Any) -> Deferred:
-    """``lowered.compile()`` started on the pool."""
-    future = _compile_pool().submit(lowered.compile)
+    """``lowered.compile()`` started on the pool (under the calling thread's JAX context)."""
+    future = _submit_compile(lowered)
     with _pool_lock:
         _deferred.add(future)
     return Deferred(future)
@@ -226,7 +248,7 @@ class AheadOfTime:
         lowered = traced.lower()
         task.out_tree, task.out_avals = traced.out_tree, jax.tree.leaves(traced.out_avals)
         self._by_operands[key] = task
-        task.future = _compile_pool().submit(lowered.compile)
+        task.future = _submit_compile(lowered)
         return traced.out_avals
 
     @staticmethod

@@ -1,10 +1,10 @@
 """Every program a step launches is compiled before its first step (``step.compile(*args)``, or
 the first call itself), side by side on a pool of threads (``runtime.compile_ahead``): the first
 step then compiles none of the stages' passes, fused runs or gradient reductions, nor the
-programs around the pipeline, and still equals jax.jit; a second process running the same step
-reads every program from JAX's persistent compilation cache. (Across processes, where the
-processes then meet once: tests/multiprocess/mp_pipeline_worker.py and mp_four_worker.py run
-every step through it.)"""
+programs around the pipeline, and still equals jax.jit; the second step, fed the first's state,
+compiles nothing; a second process running the same step reads every program from JAX's
+persistent compilation cache. (Across processes, where the processes then meet once:
+tests/multiprocess/mp_pipeline_worker.py and mp_four_worker.py run every step through it.)"""
 
 import contextlib
 
@@ -81,6 +81,12 @@ def test_the_first_step_compiles_none_of_the_pipelines_programs(layout):
     for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
+    # The second step, fed the state the first returned (its shardings spelled as the compiled
+    # programs give them, not as the compiler did), compiles nothing either.
+    with compiled() as second:
+        jax.block_until_ready(parallel(got_state, batch))
+    assert not second, f"compiled during the second step: {second}"
+
 
 def test_programs_compile_side_by_side_once_each():
     """``AheadOfTime``: a program reading another's result compiles once that one has (its
@@ -112,6 +118,37 @@ def test_programs_compile_side_by_side_once_each():
             y, s = first(value)
             np.testing.assert_allclose(np.asarray(second(y, s)), 2 + 32)
     assert not [n for n in late if n != "jit(_multi_slice)"], late
+
+
+def test_a_call_typed_alike_but_spelled_otherwise_finds_the_program_compiled_ahead():
+    """The pool compiles a program under the JAX context it was lowered in (the mesh
+    ``jax.set_mesh`` entered): a later call whose operands' shardings are equal but spelled
+    otherwise (``P()`` for ``P(None, None)``, as the state a step returns is) misses the
+    lowering JAX cached for the operands compiled ahead, lowers again to the same module and
+    finds it compiled. Compiled on the pool without the mesh, it compiled again (the two-process
+    lm1b test's second step: tests/multiprocess/test_multiprocess.py)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from meshpar.runtime.compile_ahead import AheadOfTime
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    update = jax.jit(lambda w, b: (w * 2 + b, b))
+    compiler = AheadOfTime()
+    compiler.program(update, jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P(None, None))),
+                     jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P("model", None))),
+                     mesh=mesh)
+    with compiled() as ahead:
+        assert compiler.finish() == 1
+    assert ahead == ["jit(<lambda>)"], ahead
+
+    w = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P()))
+    b = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("model")))
+    with compiled() as late:
+        with jax.set_mesh(mesh):
+            out, _ = update(w, b)
+    np.testing.assert_allclose(np.asarray(out), 3)
+    assert not late, late
 
 
 def test_a_second_run_reads_every_program_from_the_persistent_cache(tmp_path):
