@@ -152,9 +152,10 @@ class ParallelizedStep:
         every move, and compiles every program its pipeline launches (``compile_ahead``); with
         several processes every process calls it, and they meet once when all have compiled.
         A first call then starts training at once. Returns the executable."""
-        executable = self.get_executable(*args)
+        leaves, compiled = self._lookup(args)
+        executable = compiled.executable
         if isinstance(executable, PipelineExecutable):
-            executable.compile_ahead()
+            executable.compile_ahead(leaves)
         return executable
 
     def get_executable(self, *args: Any) -> PipelineExecutable | SpmdStep:

@@ -21,6 +21,9 @@ time, naming the version in a comment, so the rest of meshpar reads one IR:
   ``with_context_mesh`` rebuilds a context from its own fields, whatever they are.
 - Tracing caches: ``trace_context_flag`` adds a flag to their keys (``config.bool_state``'s
   ``include_in_trace_context``, the same in 0.10.2 to 0.12).
+- A thread's JAX context: ``ThreadContext`` carries the thread-local settings JAX's caches key
+  on (its flags, ``config.config_states``, and the context managers' settings named in
+  ``_CONTEXT_SETTINGS``, alike in 0.10.2 to 0.12) to another thread.
 - Cluster detection: ``ClusterEnv.auto_detect_unset_distributed_params`` takes
   ``(coordinator_address, num_processes, process_id, local_device_ids,
   cluster_detection_method, initialization_timeout)`` in 0.10.2 to 0.12 (older JAX lacked the
@@ -57,8 +60,8 @@ from jax.extend.core import primitives as prims
 
 # What jax.extend does not export (JAX 0.10.2 to 0.12): effect registries, transformation rule
 # tables, dead-code elimination, the PRNG's key-wrapping primitive, the concrete context mesh,
-# equation contexts, trace-context flags, the launchers JAX detects, and the distributed runtime's
-# and backend's state.
+# equation contexts, trace-context flags, a thread's settings, the launchers JAX detects, and the
+# distributed runtime's and backend's state.
 from jax._src import clusters as _clusters
 from jax._src import config as _config
 from jax._src import core as _core
@@ -74,7 +77,7 @@ from jax._src.random.prng import random_wrap_p
 
 __all__ = [
     "AbstractValue", "Atom", "ClosedJaxpr", "DebugInfo", "DropVar", "Effect", "Jaxpr", "JaxprEqn", "Literal",
-    "Primitive", "ShapedArray", "Var", "backends_are_initialized", "bind_equation", "call_body",
+    "Primitive", "ShapedArray", "ThreadContext", "Var", "backends_are_initialized", "bind_equation", "call_body",
     "check_jaxpr", "cluster_launchers", "compiled_count", "concrete_mesh", "cross_host_transfer_settings",
     "dce_jaxpr", "dce_rule", "detect_distributed_params", "distributed_client", "distributed_params",
     "eval_jaxpr", "inline_requested", "jaxpr_as_fun", "join_effects", "nested_jaxprs", "new_jaxpr_eqn",
@@ -208,6 +211,57 @@ def trace_context_flag(name: str, help: str) -> Any:
     is): a function traced with the flag set is traced again, not served from a cache, with it
     unset, and the other way round. ``with flag(True):`` sets it; ``flag.value`` reads it."""
     return _config.bool_state(name, False, help, include_in_trace_context=True)
+
+
+# JAX's thread-local settings besides its flags: the meshes ``jax.set_mesh`` (the abstract one,
+# and the concrete one in ``device_context``) and ``with mesh:`` enter, ``compute_on``'s, XLA
+# metadata's, Pallas' interpret mode's (JAX 0.10.2 to 0.12 name them so; one missing is skipped).
+_CONTEXT_SETTINGS = ("mesh_context_manager", "abstract_mesh_context_manager", "device_context",
+                     "compute_on_context_manager", "xla_metadata_context_manager",
+                     "pallas_tpu_interpret_mode_context_manager")
+
+
+def _thread_settings() -> list[Any]:
+    settings = list(_config.config_states.values())
+    settings += [getattr(_config, name) for name in _CONTEXT_SETTINGS if hasattr(_config, name)]
+    settings.append(_core.axis_env_state)
+    return settings
+
+
+class ThreadContext:
+    """The JAX context of the thread that made it (every thread-local setting it changed: the
+    mesh ``jax.set_mesh`` entered, ``jax.enable_x64(...)`` and the other configuration context
+    managers), entered on another thread by ``with``. JAX's tracing, lowering and compilation
+    caches key on these settings (``config.trace_context``): a program compiled on a thread
+    without them is found by none of this thread's calls that miss the outer caches (operands
+    typed alike but spelled otherwise, as ``P()`` and ``P(None, None)``) and compiles again.
+    ``with`` gives whether the thread's cache key is now the maker's (a setting JAX keeps no
+    list of, a ``jax.make_user_context``, is not carried)."""
+
+    __slots__ = ("_values", "_key", "_previous")
+
+    def __init__(self) -> None:
+        unset = _config.config_ext.unset
+        self._values = [(s, v) for s in _thread_settings() if (v := s.get_local()) is not unset]
+        self._key = _config.trace_context()
+        self._previous: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> bool:
+        for setting, value in self._values:
+            self._previous.append((setting, setting.swap_local(value)))
+            hook = getattr(setting, "_update_thread_local_hook", None)
+            if hook is not None:
+                hook(value)
+        return _config.trace_context() == self._key
+
+    def __exit__(self, *exc: Any) -> None:
+        unset = _config.config_ext.unset
+        while self._previous:
+            setting, previous = self._previous.pop()
+            setting.set_local(previous)
+            hook = getattr(setting, "_update_thread_local_hook", None)
+            if hook is not None:
+                hook(None if previous is unset else previous)
 
 
 def concrete_mesh() -> Any:

@@ -48,6 +48,7 @@ from meshpar.passes.pipeline.placing.mesh_assignment import device_sharding
 from meshpar.passes.pipeline.placing.plan_moves import TransferOrder, move_device_ids
 from meshpar.passes.resharding.hop_program import HopProgram
 from meshpar.passes.resharding.round_gates import Gate
+from meshpar.runtime.compile_ahead import deferred_compile
 from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.remote import absent
 
@@ -226,8 +227,9 @@ class P2PReshardExecutable:
         return jax.ShapeDtypeStruct(shape, self.dtype, sharding=device_sharding(self._devices[device]))
 
     def _compile_cuts(self, local: set[int]):
-        """Per local source device, one compiled program cutting its pieces; a piece
-        that is the whole tile is the tile itself (listed in ``whole``)."""
+        """Per local source device, one program cutting its pieces (compiling on the pool:
+        ``compile_ahead.deferred_compile``); a piece that is the whole tile is the tile itself
+        (listed in ``whole``)."""
         program, tiles = self.program, dict(self.program.src_tiles)
         by_device: dict[int, list] = {}
         for c in program.cuts:
@@ -241,7 +243,7 @@ class P2PReshardExecutable:
             if sliced:
                 slices = tuple(tuple(slice(o, o + n) for o, n in zip(c.offset, program.piece_shapes[c.piece]))
                                for c in sliced)
-                fn = jax.jit(_cut_fn(slices)).lower(self._on(d, tiles[d])).compile()
+                fn = deferred_compile(jax.jit(_cut_fn(slices)).lower(self._on(d, tiles[d])))
                 cuts.append((d, fn, tuple(c.piece for c in sliced)))
         return whole, cuts
 
@@ -273,8 +275,9 @@ class P2PReshardExecutable:
         return steps, remote
 
     def _compile_assembles(self, local: set[int]) -> list[tuple[int, Any, tuple[int, ...]]]:
-        """Per local destination device, one compiled program placing its pieces into
-        its tile; a device receiving one piece that is its whole tile keeps it as is."""
+        """Per local destination device, one program placing its pieces into its tile
+        (compiling on the pool); a device receiving one piece that is its whole tile keeps it
+        as is."""
         program, tiles = self.program, dict(self.program.dst_tiles)
         pieces_at: dict[int, list] = {}
         for p in program.places:
@@ -285,8 +288,8 @@ class P2PReshardExecutable:
             if len(places) == 1 and program.piece_shapes[places[0].piece] == tiles[d]:
                 out.append((d, None, (places[0].piece,)))
                 continue
-            fn = jax.jit(_assemble_fn(tiles[d], tuple(p.offset for p in places), self.dtype)).lower(
-                *[self._on(d, program.piece_shapes[p.piece]) for p in places]).compile()
+            fn = deferred_compile(jax.jit(_assemble_fn(tiles[d], tuple(p.offset for p in places), self.dtype)).lower(
+                *[self._on(d, program.piece_shapes[p.piece]) for p in places]))
             out.append((d, fn, tuple(p.piece for p in places)))
         return out
 
@@ -302,7 +305,7 @@ class P2PReshardExecutable:
             for d, piece in self._whole:
                 have[(d, piece)] = shards[d]
             for d, fn, pieces in self._cuts:
-                for piece, value in zip(pieces, fn(shards[d])):
+                for piece, value in zip(pieces, fn.get()(shards[d])):
                     have[(d, piece)] = value
         arrivals: list[jax.Array] = []
         tokens: dict = {}
@@ -326,7 +329,7 @@ class P2PReshardExecutable:
                         on_arrival(self._arrival(k, s, r, moved))
         tiles = {}
         for d, fn, pieces in self._assembles:
-            tiles[d] = have[(d, pieces[0])] if fn is None else fn(*[have[(d, p)] for p in pieces])
+            tiles[d] = have[(d, pieces[0])] if fn is None else fn.get()(*[have[(d, p)] for p in pieces])
         return jax.make_array_from_single_device_arrays(
             self.shape, self.dst, [tiles[d] for d in self._dst_order], dtype=self.dtype
         )

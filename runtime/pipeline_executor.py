@@ -36,6 +36,7 @@ from meshpar.passes.pipeline.lowering.step_program import (
 )
 from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterMove, OuterRef
 from meshpar.passes.pipeline.placing.wire_format import from_wire
+from meshpar.runtime.compile_ahead import AheadOfTime, wait_deferred
 from meshpar.runtime.coordination import (Arrival, agree, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
                                          wait_pending, wait_ready)
 from meshpar.runtime.flat_values import flatten, unflatten
@@ -47,6 +48,7 @@ from meshpar.runtime.remote import absent
 from meshpar.runtime.shared_outputs import OutputSharer
 from meshpar.runtime.stacked_leaves import StackedLeaves
 from meshpar.runtime.stage_executables import compile_stage, on_mesh
+from meshpar.runtime.step_ahead import compile_step_ahead
 from meshpar.runtime.step_trace import StepRecorder
 
 __all__ = ["LAUNCH_WINDOW", "PipelineExecutable"]
@@ -114,6 +116,9 @@ class PipelineExecutable:
         self.transfer_moves = tuple(self._move(t.move_key) for t in program.transfers)
         several = jax.process_count() > 1
         if several:
+            # The transfer programs compile on the pool (``compile_ahead.deferred_compile``):
+            # done before this process launches anything.
+            wait_deferred()
             self._connect_meshes()
         reducers = {mesh: self._reducer(mesh, [kernels[s].accumulation for s in ins.stages])
                     for mesh, instructions in enumerate(program.instructions)
@@ -285,10 +290,13 @@ class PipelineExecutable:
         return (sum(e.compiled_count() for e in self.executables)
                 + sum(jax_ir.compiled_count(f.jitted) for f in self._compute_fns))
 
-    def compile_ahead(self) -> int:
+    def compile_ahead(self, leaves: Sequence[Any] | None = None) -> int:
         """Compiles every program the pipeline launches on this process (each stage's passes,
         fused runs, gradient reductions) before anything runs, from the shapes and shardings
-        the compiler gave its operands; then, with several processes, every process meets the
+        the compiler gave its operands, and, given the step's flattened arguments ``leaves``,
+        the programs around it whose operands' types follow from them (``runtime.step_ahead``).
+        The programs compile side by side (``runtime.compile_ahead``), as do the transfer
+        programs the moves prepared; then, with several processes, every process meets the
         others once (bounded by ``timeout_s``). So no process compiles while values are on
         their way to or from it (a process compiling a program while its peers' transfers wait
         on it was a known cause of hangs; marin-community/marin#7655). The first call does this
@@ -310,7 +318,10 @@ class PipelineExecutable:
             inputs.append(StageInputs(fixed, tuple(batch for _ in range(self.num_micro_batches)) if batch else ()))
             grads.append([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                           for a in kernel.accumulation.accumulators])
-        count = self._interpreter.compile_ahead(inputs, grads)
+        compiler = AheadOfTime()
+        compile_step_ahead(self, compiler, leaves, inputs, grads)
+        count = compiler.finish()
+        wait_deferred()
         if jax.process_count() > 1:
             agree("pipeline/compiled_ahead", {"stages": len(self._kernels)}, list(range(jax.process_count())),
                   timeout_s=self.timeout_s, what="compiling the pipeline's programs before its first step")
@@ -332,7 +343,7 @@ class PipelineExecutable:
             ``timeout_s``, naming the first and the processes that did not deliver.
         """
         arrivals: list[Arrival] = []
-        self.compile_ahead()
+        self.compile_ahead(leaves)
         try:
             return self._step(leaves, recorder, meter, arrivals)
         except jax.errors.JaxRuntimeError as e:
@@ -485,17 +496,22 @@ class PipelineExecutable:
         if not self.mesh_local[ins.mesh]:
             return
         parts = [state.run.results[b] for b in ins.buffers]
+        combine, relay = self._combiner_for(ins, len(parts))
+        combined = from_wire(combine(parts), ins.aval)
+        state.values[(ins.value, ins.mesh)] = combined if relay is None else relay(combined)
+
+    def _combiner_for(self, ins: CombineMicroBatches, count: int) -> tuple[Callable, Callable | None]:
+        """The program combining ``count`` micro-batches' values of ``ins`` on its mesh, and the
+        one relaying the result out over it (``None``: none), made once (and compiled ahead)."""
         if id(ins) not in self._combiners:
             mesh = self.meshes[ins.mesh]
             # Relaying the combined value out over its mesh is a program of its own (collectives
             # where the mesh spans processes), launched as every program on the mesh is.
             relay = None if ins.sharding is None else on_mesh(jax.jit(lambda x: x, out_shardings=ins.sharding), mesh,
                                                               self.timeout_s)
-            self._combiners[id(ins)] = (on_mesh(_combiner(ins.how, len(parts), ins.per_replica), mesh, self.timeout_s),
+            self._combiners[id(ins)] = (on_mesh(_combiner(ins.how, count, ins.per_replica), mesh, self.timeout_s),
                                         relay)
-        combine, relay = self._combiners[id(ins)]
-        combined = from_wire(combine(parts), ins.aval)
-        state.values[(ins.value, ins.mesh)] = combined if relay is None else relay(combined)
+        return self._combiners[id(ins)]
 
     def _reduce_gradient(self, ins: ReduceGradient, state: _StepState) -> None:
         grads = state.run.grads[ins.stage]

@@ -23,12 +23,13 @@ from typing import Any
 
 import jax
 
-from meshpar.passes.pipeline.placing.edge_transfer import Direction
+from meshpar.passes.pipeline.placing.edge_transfer import Direction, TransferKind
 from meshpar.passes.pipeline.lowering.fused_runs import RunFused
 from meshpar.passes.pipeline.lowering.pipeline_program import (
     BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, ReduceGradients, RunBackward,
     RunBackwardInput, RunBackwardWeight, RunForward, Send, received_buffer,
 )
+from meshpar.runtime.compile_ahead import AheadOfTime
 from meshpar.runtime.coordination import (Arrival, CoordinationError, not_delivered, raise_lost_peer, senders,
                                          wait_pending, wait_ready)
 from meshpar.passes.simulation.live_bytes import program_key
@@ -184,19 +185,20 @@ class ProgramInterpreter:
         state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [], executables, temps)
         return self._walk(state, recorder, meter)
 
-    def compile_ahead(self, inputs: Sequence[StageInputs | None], grads: list[list[Any] | None]) -> int:
-        """Compiles every program the run launches here (stage passes, fused runs, gradient
-        reductions), launching nothing: ``inputs`` and ``grads`` are ``jax.ShapeDtypeStruct``s
-        with shardings, each launch compiles its program for its operands' and passes on its
-        results' (the compiled program's), each move passes on its destination's. The real run
-        then finds every program compiled (JAX's cache is keyed by the same shapes and
-        shardings). Returns how many programs were compiled."""
+    def compile_ahead(self, inputs: Sequence[StageInputs | None], grads: list[list[Any] | None],
+                      compiler: AheadOfTime) -> ProgramRun:
+        """Queues every program the run launches here (stage passes, fused runs, gradient
+        reductions, moves between stages on one mesh) on ``compiler``, launching nothing:
+        ``inputs`` and ``grads`` are ``jax.ShapeDtypeStruct``s with shardings, each launch queues
+        its program for its operands' and passes on its results (``compile_ahead.Pending``: the
+        compiled program's types), each move passes on its destination's. The programs compile
+        side by side, each once what it reads has compiled; the real run then finds every one
+        compiled (JAX's cache is keyed by the same shapes and shardings). Returns the run's
+        results and accumulated gradients as shapes."""
         n = len(self.program.stages)
-        compiler = _AheadOfTime()
         state = _State(inputs, grads, {}, {}, [0] * n, [0] * n, [0] * n, [0] * n, [],
                        [compiler.watched(e) for e in self.executables], compiler, compile_only=True)
-        self._walk(state, None, None)
-        return compiler.compiled
+        return self._walk(state, None, None)
 
     def _walk(self, state: _State, recorder: StepRecorder | None, meter: LiveBytesMeter | None) -> ProgramRun:
         inputs, grads = state.inputs, state.grads
@@ -339,8 +341,17 @@ class ProgramInterpreter:
         if value is None:  # computed on a mesh of another process
             value = absent(transfer.shape, transfer.dtype, transfer.src)
         if state.compile_only:
-            state.in_flight[(ins.transfer, ins.micro_batch)] = jax.ShapeDtypeStruct(
-                transfer.shape, transfer.dtype, sharding=transfer.dst)
+            # What arrives: the value itself where it stays as it is (two stages on one mesh
+            # alike), a program's result where the move is a program of its own (relaid out on
+            # one mesh), else the value laid out as the destination says.
+            move, here = self.moves[ins.transfer], ins.buffer in state.buffers
+            if here and transfer.kind is TransferKind.LOCAL and transfer.src == transfer.dst:
+                moved = value
+            elif here and getattr(move, "jitted", None) is not None:
+                moved = state.temps.watch(move)(value)
+            else:
+                moved = jax.ShapeDtypeStruct(transfer.shape, transfer.dtype, sharding=transfer.dst)
+            state.in_flight[(ins.transfer, ins.micro_batch)] = moved
             return ()
         moved = state.in_flight[(ins.transfer, ins.micro_batch)] = self.moves[ins.transfer](value)
         return (moved,)
@@ -388,7 +399,7 @@ class _State:
     peak_weight: list[int]
     arriving: list[Arrival]
     executables: Sequence[StageExecutables]
-    temps: _ProgramTemps | _AheadOfTime | None
+    temps: _ProgramTemps | AheadOfTime | None
     # Compiling ahead (``ProgramInterpreter.compile_ahead``): values are shapes, nothing runs.
     compile_only: bool = False
     # Received buffers other processes send here, until a launch reading them waited for them.
@@ -453,35 +464,6 @@ class _ProgramTemps(_LaunchHook):
         """The bytes launched since the last call; ``None`` when nothing was."""
         launched, self._launched = self._launched, None
         return launched
-
-
-class _AheadOfTime(_LaunchHook):
-    """Stands in for the programs a run launches: each call compiles the program for its
-    operands (``jax.ShapeDtypeStruct``s with shardings, inside the program's mesh) and returns
-    the shapes and shardings of its results; one compilation per program and operand types."""
-
-    def __init__(self) -> None:
-        self.compiled = 0
-        self._done: dict[tuple, Any] = {}
-
-    def watch(self, fn: Callable) -> Callable:
-        def call(*args: Any) -> Any:
-            key = (id(fn), tuple((a.shape, a.dtype, a.sharding) for a in jax.tree.leaves(args)))
-            if key not in self._done:
-                with jax.set_mesh(fn.mesh):
-                    results = fn.jitted.lower(*args).compile().out_info
-                    # The compiled results' types drop weak typing, which JAX's cache keys on.
-                    weak = jax.eval_shape(fn.jitted, *args)
-                self._done[key] = jax.tree.map(
-                    lambda r, w: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=r.sharding, weak_type=w.weak_type),
-                    results, weak)
-                self.compiled += 1
-            return self._done[key]
-
-        return call
-
-    def take(self) -> None:
-        return None
 
 
 def _shifted(x: Any, base: int) -> Any:

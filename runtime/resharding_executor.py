@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.resharding.transfer_program import TransferProgram
+from meshpar.runtime.compile_ahead import deferred_compile
 from meshpar.runtime.coordination import wait_ready
 
 __all__ = ["ReshardingExecutable"]
@@ -188,9 +189,9 @@ class ReshardingExecutable:
         steps = _ops(program, position)
         kernel = _kernel(steps, frozenset(program.round_ends), program.dst_tile_shape, self.dtype)
         fn = jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS), check_vma=False))
-        self._compiled = fn.lower(
-            jax.ShapeDtypeStruct(self._in_shape, self.dtype, sharding=self._union_sharding)
-        ).compile()
+        # Compiling on the pool, beside the pipeline's other programs (``compile_ahead``).
+        self._deferred = deferred_compile(fn.lower(
+            jax.ShapeDtypeStruct(self._in_shape, self.dtype, sharding=self._union_sharding)))
         self.num_collectives = sum(len(ops) for ops in steps)
         me = jax.process_index()
         self._local = [d for d in self.union if d.process_index == me]
@@ -198,6 +199,11 @@ class ReshardingExecutable:
         self._dst_ids = set(program.dst_devices)
         self._out_shape = out_shape
         self._placeholders: dict[int, jax.Array] = {}
+
+    @property
+    def _compiled(self) -> Any:
+        """The compiled program (waiting for its compile)."""
+        return self._deferred.get()
 
     @property
     def participates(self) -> bool:

@@ -1,9 +1,12 @@
-"""Every program a pipeline launches is compiled before its first step (``step.compile(*args)``, or
-the first call itself): the first step then compiles none of the stages' passes, fused runs or
-gradient reductions, and still equals jax.jit. (Across processes, where the processes then meet
-once: tests/multiprocess/mp_pipeline_worker.py and mp_four_worker.py run every step through it.)"""
+"""Every program a step launches is compiled before its first step (``step.compile(*args)``, or
+the first call itself), side by side on a pool of threads (``runtime.compile_ahead``): the first
+step then compiles none of the stages' passes, fused runs or gradient reductions, nor the
+programs around the pipeline, and still equals jax.jit; the second step, fed the first's state,
+compiles nothing; a second process running the same step reads every program from JAX's
+persistent compilation cache. (Across processes, where the processes then meet once:
+tests/multiprocess/mp_pipeline_worker.py and mp_four_worker.py run every step through it.)"""
 
-import logging
+import contextlib
 
 import jax
 import numpy as np
@@ -28,40 +31,149 @@ LAYOUTS = {
 }
 
 
-class _Compiles(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.names = []
+# Per recording in progress, the names of the programs XLA compiled (from any thread: the
+# pipeline's programs compile on a pool).
+_recordings: list[list[str]] = []
 
-    def emit(self, record):
-        message = record.getMessage()
-        if message.startswith("Finished XLA compilation of"):
-            self.names.append(message.split(" of ")[1].split(" in ")[0])
+
+def _record(event, duration, fun_name="", **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+        for names in _recordings:
+            names.append(fun_name)
+
+
+jax.monitoring.register_event_duration_secs_listener(_record)
+
+
+@contextlib.contextmanager
+def compiled():
+    names: list[str] = []
+    _recordings.append(names)
+    try:
+        yield names
+    finally:
+        _recordings.remove(names)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_the_first_step_compiles_none_of_the_pipelines_programs(layout, monkeypatch):
+def test_the_first_step_compiles_none_of_the_pipelines_programs(layout):
     model = GPT(num_stages=2, num_layers=2)
     batch = gpt_batch(0, 8, model.seq_len, model.vocab_size)
     state = make_state(model, batch["x"][:1])
     step = supervised_step(gpt_loss)
     want_state, want_loss = jax.jit(step)(state, batch)
     parallel = meshpar.parallelize(step, method=meshpar.PipeshardParallel(num_micro_batches=2, **LAYOUTS[layout]))
-    executable = parallel.compile(state, batch)
-    assert executable.compiled_ahead > 0
-    assert parallel.compile(state, batch) is executable  # compiled once
 
-    compiles = _Compiles()
-    logger = logging.getLogger("jax")
-    logger.addHandler(compiles)
-    monkeypatch.setattr(logger, "level", logging.DEBUG)
-    with jax.log_compiles(True):
+    with compiled() as ahead:
+        executable = parallel.compile(state, batch)
+    with compiled() as late:
         got_state, got_loss = parallel(state, batch)
         jax.block_until_ready(got_state)
-    logger.removeHandler(compiles)
-    assert compiles.names, "no compilation was logged at all (the check would pass vacuously)"
-    late = [n for n in compiles.names if n in PIPELINE_PROGRAMS]
+    assert executable.compiled_ahead > 0
+    assert parallel.compile(state, batch) is executable  # compiled once
+    assert set(PIPELINE_PROGRAMS) & set(ahead), f"no pipeline program was logged compiling ahead: {ahead}"
+    # The programs around the pipeline (the update, the micro-batches' slicing, the gradient
+    # accumulators, the losses' combining) compile ahead too: the first step compiles only what
+    # jax.device_put compiles to place the state on the stage meshes.
+    late = [n for n in late if n != "jit(_multi_slice)"]
     assert not late, f"compiled during the first step: {late}"
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     for got, want in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+    # The second step, fed the state the first returned (its shardings spelled as the compiled
+    # programs give them, not as the compiler did), compiles nothing either.
+    with compiled() as second:
+        jax.block_until_ready(parallel(got_state, batch))
+    assert not second, f"compiled during the second step: {second}"
+
+
+def test_programs_compile_side_by_side_once_each():
+    """``AheadOfTime``: a program reading another's result compiles once that one has (its
+    operands' shardings are the compiled program's), the same program for the same operand types
+    compiles once, and the real call finds the program compiled on the pool's thread."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from meshpar.runtime.compile_ahead import AheadOfTime, Pending
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    sharded = NamedSharding(mesh, P("data"))
+    first = jax.jit(lambda x: (x * 2, x.sum()))
+    second = jax.jit(lambda y, s: y + s)
+    x = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=sharded)
+    compiler = AheadOfTime()
+    doubled, total = compiler.program(first, x, mesh=mesh)
+    assert isinstance(doubled, Pending) and doubled.shape == (8, 4)
+    out = compiler.program(second, doubled, total, mesh=mesh)
+    assert compiler.program(first, x, mesh=mesh)[0] is doubled  # queued once
+    again = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P("data")))
+    compiler.program(first, again, mesh=mesh)  # equal operand types: the same program
+    assert compiler.finish() == 2
+    assert compiler.resolve(doubled).sharding.is_equivalent_to(sharded, 2)
+    assert compiler.resolve(out).shape == (8, 4)
+
+    with compiled() as late:
+        with jax.set_mesh(mesh):
+            value = jax.device_put(np.ones((8, 4), np.float32), sharded)
+            y, s = first(value)
+            np.testing.assert_allclose(np.asarray(second(y, s)), 2 + 32)
+    assert not [n for n in late if n != "jit(_multi_slice)"], late
+
+
+def test_a_call_typed_alike_but_spelled_otherwise_finds_the_program_compiled_ahead():
+    """The pool compiles a program under the JAX context it was lowered in (the mesh
+    ``jax.set_mesh`` entered): a later call whose operands' shardings are equal but spelled
+    otherwise (``P()`` for ``P(None, None)``, as the state a step returns is) misses the
+    lowering JAX cached for the operands compiled ahead, lowers again to the same module and
+    finds it compiled. Compiled on the pool without the mesh, it compiled again (the two-process
+    lm1b test's second step: tests/multiprocess/test_multiprocess.py)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from meshpar.runtime.compile_ahead import AheadOfTime
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=jax.devices()[:4])
+    update = jax.jit(lambda w, b: (w * 2 + b, b))
+    compiler = AheadOfTime()
+    compiler.program(update, jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P(None, None))),
+                     jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P("model", None))),
+                     mesh=mesh)
+    with compiled() as ahead:
+        assert compiler.finish() == 1
+    assert ahead == ["jit(<lambda>)"], ahead
+
+    w = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P()))
+    b = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("model")))
+    with compiled() as late:
+        with jax.set_mesh(mesh):
+            out, _ = update(w, b)
+    np.testing.assert_allclose(np.asarray(out), 3)
+    assert not late, late
+
+
+def test_a_second_run_reads_every_program_from_the_persistent_cache(tmp_path):
+    """With ``jax_compilation_cache_dir`` set, a second process running the same step compiles
+    nothing: every program of its first step (the pipeline's, and those around it) is read from
+    JAX's persistent cache, as jax.jit's are."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from repo_paths import ROOT_DIR, TESTS_DIR
+
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_cache_worker.py")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PYTHONPATH": os.pathsep.join([TESTS_DIR, ROOT_DIR, os.environ.get("PYTHONPATH", "")])}
+
+    def run() -> dict:
+        done = subprocess.run([sys.executable, worker, str(tmp_path)], capture_output=True, text=True, timeout=300,
+                              env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold, warm = run(), run()
+    assert cold["cache_misses"] > 0 and set(PIPELINE_PROGRAMS) & set(cold["programs"]), cold
+    assert warm["cache_misses"] == 0, warm
+    assert warm["cache_hits"] == cold["cache_misses"], (cold, warm)
+    assert warm["loss"] == cold["loss"]
