@@ -23,7 +23,8 @@ time, naming the version in a comment, so the rest of meshpar reads one IR:
   ``include_in_trace_context``, the same in 0.10.2 to 0.12).
 - A thread's JAX context: ``ThreadContext`` carries the thread-local settings JAX's caches key
   on (its flags, ``config.config_states``, and the context managers' settings named in
-  ``_CONTEXT_SETTINGS``, alike in 0.10.2 to 0.12) to another thread.
+  ``_CONTEXT_SETTINGS``: in ``config`` in 0.10.2, the meshes' in ``mesh`` in 0.12) to another
+  thread.
 - Cluster detection: ``ClusterEnv.auto_detect_unset_distributed_params`` takes
   ``(coordinator_address, num_processes, process_id, local_device_ids,
   cluster_detection_method, initialization_timeout)`` in 0.10.2 to 0.12 (older JAX lacked the
@@ -215,7 +216,8 @@ def trace_context_flag(name: str, help: str) -> Any:
 
 # JAX's thread-local settings besides its flags: the meshes ``jax.set_mesh`` (the abstract one,
 # and the concrete one in ``device_context``) and ``with mesh:`` enter, ``compute_on``'s, XLA
-# metadata's, Pallas' interpret mode's (JAX 0.10.2 to 0.12 name them so; one missing is skipped).
+# metadata's, Pallas' interpret mode's. JAX 0.10.2 to 0.12 name them so; 0.10.2 keeps them all in
+# ``config``, 0.12 the abstract mesh's and ``device_context`` in ``mesh`` (one missing is skipped).
 _CONTEXT_SETTINGS = ("mesh_context_manager", "abstract_mesh_context_manager", "device_context",
                      "compute_on_context_manager", "xla_metadata_context_manager",
                      "pallas_tpu_interpret_mode_context_manager")
@@ -223,7 +225,9 @@ _CONTEXT_SETTINGS = ("mesh_context_manager", "abstract_mesh_context_manager", "d
 
 def _thread_settings() -> list[Any]:
     settings = list(_config.config_states.values())
-    settings += [getattr(_config, name) for name in _CONTEXT_SETTINGS if hasattr(_config, name)]
+    for name in _CONTEXT_SETTINGS:
+        found = [getattr(module, name) for module in (_config, _mesh) if hasattr(module, name)]
+        settings += [found[0]] if found else []
     settings.append(_core.axis_env_state)
     return settings
 
