@@ -133,7 +133,7 @@ def test_mlp_pipeline_matches_jit():
     ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, method, steps=2)
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
-    schedule = parallel.get_executable(par_state, batch).schedule
+    schedule = parallel.get_compiled(par_state, batch).schedule
     assert schedule.name == "interleaved_zb" and schedule.stage_mesh == (0, 1, 0, 1)
     assert [list(seq) for seq in schedule.sequences] == [
         list(seq) for seq in make_schedule("interleaved_zb", 4, 4, _chain(4), num_meshes=2).sequences]

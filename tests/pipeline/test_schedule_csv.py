@@ -236,7 +236,7 @@ def test_a_pipeline_on_a_loaded_order_matches_jit(tmp_path):
     ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, method, steps=2)
     assert_trees_close(par_state.params, ref_state.params)
     assert_trees_close(par_state.opt_state, ref_state.opt_state)
-    schedule = parallel.get_executable(par_state, batch).schedule
+    schedule = parallel.get_compiled(par_state, batch).schedule
     assert schedule.name == "looped_gpipe" and schedule.stage_mesh == (0, 1, 0, 1)
     assert format_schedule_csv(schedule.sequences) == LOOPED_GPIPE
 
