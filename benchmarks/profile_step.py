@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps: expected a positive number of steps, got {args.steps}")
+    if args.calls < 2:
+        parser.error(f"--calls: expected at least 2 calls per program (a loop is timed), got {args.calls}")
     if MODELS[args.model][1] % args.micro_batches:
         parser.error(f"--micro-batches: {args.micro_batches} does not divide the {args.model} GPT's batch "
                      f"of {MODELS[args.model][1]}")

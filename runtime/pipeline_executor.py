@@ -386,7 +386,8 @@ class PipelineExecutable:
     def _place_inputs(self, ins: PlaceInputs, state: _StepState) -> None:
         """Each input leaf on the meshes of its placement. A leaf that is the array the last step
         returned at an output that, handed back before, placing returned as it was (a train
-        state passed back as the step returned it) is used as it is, with no per-leaf checks."""
+        state passed back as the step returned it) is used as it is: one identity check instead
+        of placing it."""
         moved, returned, passes = self._ready[id(ins)], self._returned, self._passes_through
         placed: list[dict[int, jax.Array]] = []
         for i, (v, p) in enumerate(zip(state.leaves, ins.placements)):
