@@ -142,7 +142,7 @@ def _bytes_record(live_bytes) -> dict:
 def _transfer_estimates(executable, method, cluster) -> list[dict]:
     """Per transfer of the program: what it is and the planner's estimated seconds
     (``meshpar.passes.planning.calibration.estimated_transfer_s``)."""
-    from meshpar.passes.pipeline.placing.edge_transfer import Direction
+    from meshpar.passes.program.moves import Direction
     from meshpar.passes.planning.calibration import estimated_transfer_s
 
     return [{"edge": t.edge, "activation": t.direction is Direction.ACTIVATION,
@@ -161,7 +161,7 @@ def gradient_stages(executable, host_of: Callable[[int], int]) -> list[dict]:
     devices in data order, the ring one all-reduce runs on. ``mesh``: the stage's mesh."""
     import numpy as np
 
-    from meshpar.passes.pipeline.lowering.step_program import ReduceGradient
+    from meshpar.passes.program.step_instructions import ReduceGradient
 
     device_bytes = [0] * len(executable.stage_meshes)
     for ins in executable.step_program:
@@ -179,7 +179,7 @@ def gradient_stages(executable, host_of: Callable[[int], int]) -> list[dict]:
 def per_step_stages(executable) -> list[int]:
     """The stages whose gradients the pipeline program reduces once per step: those of its
     ``ReduceGradients``; every other stage's backward reduces its micro-batch's itself."""
-    from meshpar.passes.pipeline.lowering.pipeline_program import ReduceGradients
+    from meshpar.passes.program.pipeline_instructions import ReduceGradients
 
     return sorted(s for instructions in executable.program.instructions for ins in instructions
                   if isinstance(ins, ReduceGradients) for s in ins.stages)
@@ -195,15 +195,14 @@ def move_link_bytes(executable, host_of: Callable[[int], int]) -> int | None:
     byte twice), each hop between two hosts once; ``jax.device_put`` and local moves stay in
     one process, so on one host. ``None`` when a move runs as a collective program, whose pieces
     are padded to one static shape: its bytes are not the plan's."""
-    from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
-    from meshpar.passes.pipeline.lowering.step_program import FeedStages, ReduceGradient, RunMove
-    from meshpar.passes.resharding.hop_program import HopProgram
+    from meshpar.passes.program.moves import TransferKind
+    from meshpar.passes.program.step_instructions import FetchParameter, ReduceGradient, RunMove
+    from meshpar.passes.program.resharding_programs import HopProgram
 
     M = executable.num_micro_batches
     step = list(executable.step_program)
     uses = [(t.move_key, M) for t in executable.program.transfers]
-    uses += [(op.fetch.move_key, 1) for ins in step if isinstance(ins, FeedStages) for feed in ins.stages
-             for op in feed.operands if op.fetch]
+    uses += [(ins.via.move_key, 1) for ins in step if isinstance(ins, FetchParameter)]
     uses += [(ins.move.move_key, 1) for ins in step if isinstance(ins, ReduceGradient) and ins.move is not None]
     uses += [(ins.via.move_key, 1) for ins in step if isinstance(ins, RunMove)]
     total = 0
@@ -274,7 +273,7 @@ def _run(args: argparse.Namespace, out: RecordWriter) -> None:
 
     import meshpar
     from benchmarks.emulated_cluster import interface_counters
-    from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
+    from meshpar.passes.program.moves import TransferKind
     from meshpar.passes.simulation.live_bytes import predict_live_bytes
     from meshpar.runtime.coordination import kv_client
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind
-from meshpar.passes.simulation.timeline import Timeline
+from meshpar.passes.program.tasks import TaskKind
+from meshpar.passes.program.timeline import Timeline
 
 __all__ = ["KIND_COLORS", "plot_timelines"]
 

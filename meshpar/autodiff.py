@@ -45,10 +45,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshpar.passes import jax_ir
 from meshpar.nnx_state import has_variables
-from meshpar.passes.pipeline.cutting.micro_batching import REDUCTIONS, AuxReduction, LossReduction
+from meshpar.passes import jax_ir
+from meshpar.passes.pipeline.cutting.micro_batching import REDUCTIONS, LossReduction
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
+from meshpar.passes.program.step_values import AuxReduction
 
 __all__ = ["AuxReduction", "grad", "is_tracing_pipeline", "value_and_grad", "tracing_pipeline"]
 

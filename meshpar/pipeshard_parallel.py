@@ -21,15 +21,16 @@ from jax.sharding import Mesh
 
 from meshpar.cluster import Cluster
 from meshpar.logical_partitioning import check_logical_axis_rules
-from meshpar.passes.model.devices import DeviceKey, device_key, device_name
+from meshpar.passes.pipeline.pipeline_options import (
+    GradientOptions, GradientReduction, PipelineOptions, PlacementOptions, ScheduleOptions, TransferOptions,
+)
 from meshpar.passes.pipeline.placing.edge_transfer import Executor
 from meshpar.passes.pipeline.placing.mesh_assignment import check_stage_split, count_meshes, mesh_shapes
-from meshpar.passes.pipeline.pipeline_options import (GradientOptions, GradientReduction, PipelineOptions,
-                                                      PlacementOptions, ScheduleOptions, TransferOptions)
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import ScheduleKind, check_stage_placement, schedule_kind
-from meshpar.passes.simulation.weight_delay import check_weight_delay
+from meshpar.passes.program.devices import DeviceKey, device_key, device_name
 from meshpar.passes.resharding.balancers import Balancer, get_balancer
 from meshpar.passes.resharding.strategies import Strategy, get_strategy
+from meshpar.passes.simulation.weight_delay import check_weight_delay
 
 __all__ = ["AUTO", "PipeshardParallel"]
 

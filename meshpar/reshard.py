@@ -15,10 +15,11 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from meshpar.cluster import Cluster
-from meshpar.passes.pipeline.placing.edge_transfer import Executor, TransferKind
+from meshpar.passes.pipeline.placing.edge_transfer import Executor
 from meshpar.passes.pipeline.placing.plan_moves import (
-    MoveKey, MoveOptions, TransferOrder, default_cluster, plan_move, resharding_task,
+    MoveKey, MoveOptions, default_cluster, move_plan, plan_move, resharding_task,
 )
+from meshpar.passes.program.moves import TransferKind, TransferOrder
 from meshpar.passes.resharding.balancers import get_balancer
 from meshpar.passes.resharding.plan_resharding import plan_resharding
 from meshpar.passes.resharding.strategies import get_strategy
@@ -46,10 +47,12 @@ def _named(sharding: Any, ndim: int, arg: str) -> NamedSharding:
 
 @functools.lru_cache(maxsize=256)
 def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, kind, order):
-    move = plan_move(MoveKey.of(kind, shape, dtype, src, dst), MoveOptions(strategy, balancer, cluster, chunks, order))
+    key = MoveKey.of(kind, shape, dtype, src, dst)
+    options = MoveOptions(strategy, balancer, cluster, chunks, order)
+    move, plan = plan_move(key, options), move_plan(key, options)
     if kind is TransferKind.COLLECTIVE:
-        return ReshardingExecutable(move.program, shape, dtype, src, dst), move.plan
-    return P2PReshardExecutable(move.program, dtype, src, dst, order=order, gates=move.gates), move.plan
+        return ReshardingExecutable(move.program, shape, dtype, src, dst), plan
+    return P2PReshardExecutable(move.program, dtype, src, dst, order=order, gates=move.gates), plan
 
 
 def plan_for(x: jax.Array, dst: NamedSharding, **kwargs: Any):

@@ -28,8 +28,8 @@ from collections.abc import Sequence
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import (
     SCHEDULES, PipelineSchedule, ScheduleKind, make_schedule, schedule_kind,
 )
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
 from meshpar.passes.pipeline.scheduling.schedule_csv import load_schedule_csv, save_schedule_csv
+from meshpar.passes.program.tasks import Task, TaskKind
 from meshpar.passes.simulation.schedule_simulator import SimulatedStep, StageSeconds, TaskDurations, simulate
 
 __all__ = ["PassTimes", "Chart", "chart", "main", "png_chart", "text_chart"]

@@ -16,19 +16,24 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshpar.autodiff import tracing_pipeline
-from meshpar.batch_arguments import batch_size as check_batch, check_same_host_batch, describe_arguments
+from meshpar.batch_arguments import batch_size as check_batch
+from meshpar.batch_arguments import check_same_host_batch, describe_arguments
 from meshpar.grad_call import pipeline_call
-from meshpar.nnx_state import (NnxStateError, StateUpdates, check_distinct_variables, has_variables,
-                               partition_specs, returning_updates)
-from meshpar.passes.pipeline.describe_pipeline import describe_pipeline
+from meshpar.nnx_state import (
+    NnxStateError, StateUpdates, check_distinct_variables, has_variables, partition_specs, returning_updates,
+)
 from meshpar.passes.pipeline.cutting.exact_micro_batching import micro_batch_step
 from meshpar.passes.pipeline.cutting.micro_batching import resolve_micro_batching
-from meshpar.passes.pipeline_driver import CompiledPipeline, compile_pipeline, state_counterparts
 from meshpar.passes.pipeline.cutting.stage_graph import StageGraph, StageMarkerError, user_location
-from meshpar.passes.pipeline.cutting.step_split import GradCallError, OuterKind
+from meshpar.passes.pipeline.cutting.step_split import GradCallError
+from meshpar.passes.pipeline.describe_pipeline import describe_pipeline
+from meshpar.passes.pipeline.lowering.spmd_program import lower_spmd_step, verify_spmd_step
+from meshpar.passes.pipeline_driver import CompiledPipeline, compile_pipeline, state_counterparts
+from meshpar.passes.program.step_values import OuterKind
 from meshpar.pipeshard_parallel import PipeshardParallel
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable
@@ -221,7 +226,9 @@ def _single_program(compiled: Any, outer: Any, out_tree: Any, method: PipeshardP
     ins = [p.on(0) if p.meshes else read_as.get(i, NamedSharding(mesh, P(method.data_axis)))
            for i, p in enumerate(layout.in_placements)]
     outs = [p.on(0) if p is not None and p.meshes else None for p in layout.out_placements]
-    step = SpmdStep(outer, compiled.micro_batching, ins, outs, out_tree, compiled.step.leaf_shardings,
+    lowered = lower_spmd_step(outer, compiled.micro_batching)
+    verify_spmd_step(outer, lowered)
+    step = SpmdStep(lowered, ins, outs, out_tree, compiled.step.leaf_shardings,
                     carried=[i for i in replaced if i is not None],
                     description=f"one stage, one micro-batch on mesh {dict(mesh.shape)}: one SPMD program "
                                 f"(PipeshardParallel.single_program)")

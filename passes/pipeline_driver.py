@@ -63,45 +63,55 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.extend.core.primitives import scan_p
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from .compiler_pass import compiler_pass
 from . import jax_ir
-from .simulation.cost_model import estimate_durations, stage_gradients
-from .pipeline.placing.batch_rows import (GlobalBatchFeed, GlobalBatchPlacement, global_batch_feeds, global_batch_placements, verify_global_batch_feeds,
-                                         verify_global_batch_placements)
-from .pipeline.placing.edge_transfer import EdgeTransfer, TransferKind, plan_edge_transfers, verify_edge_transfers
-from .pipeline.placing.mesh_assignment import StageMeshMap, place_stages, verify_stage_mesh_map
-from .pipeline.pipeline_options import PipelineOptions
-from .pipeline.placing.plan_moves import MoveKey, MoveOptions, MoveTable, plan_moves, verify_move_table
-from .pipeline.lowering.pipeline_program import PipelineProgram, lower_to_program, stage_io, verify_pipeline_program
-from .pipeline.scheduling.pipeline_schedule import (PipelineSchedule, forward_only_schedule, make_schedule,
-                                                     verify_schedule)
-from .simulation.schedule_simulator import TaskDurations
-from .pipeline.cutting.layer_clustering import even_layer_markers, insert_layer_markers
-from .pipeline.cutting.marker_grouping import MarkerGrouping, group_markers, verify_marker_grouping
-from .pipeline.cutting.stage_graph import Ref, RefKind, StageGraph, split_stages, verify_stage_graph
+from .compiler_pass import compiler_pass
 from .pipeline.cutting.degenerate_stages import degenerate_stages
 from .pipeline.cutting.forward_step import forward_operands, verify_forward_operands
+from .pipeline.cutting.layer_clustering import even_layer_markers, insert_layer_markers
+from .pipeline.cutting.marker_grouping import MarkerGrouping, group_markers, verify_marker_grouping
+from .pipeline.cutting.micro_batching import MicroBatching
+from .pipeline.cutting.split_scans import verify_split_scans
+from .pipeline.cutting.stage_graph import Ref, StageGraph, split_stages, verify_stage_graph
+from .pipeline.cutting.stage_parts import stage_parts, verify_stage_parts
+from .pipeline.cutting.step_split import StepSplit, split_step, verify_step_split
+from .pipeline.lowering.fused_runs import fuse_compute_runs
+from .pipeline.lowering.launch_sequences import LaunchSequences, launch_sequences, verify_launch_sequences
+from .pipeline.lowering.pipeline_program import lower_to_program, stage_io, verify_pipeline_program
+from .pipeline.lowering.program_text import program_text
+from .pipeline.lowering.stage_kernels import stage_kernels, verify_stage_kernels
+from .pipeline.lowering.step_program import lower_step, verify_step_program
+from .pipeline.pipeline_options import PipelineOptions
+from .pipeline.placing.batch_rows import (
+    global_batch_feeds, global_batch_placements, verify_global_batch_feeds, verify_global_batch_placements,
+)
 from .pipeline.placing.data_replicas import DataReplicas, plan_data_replicas, verify_data_replicas
 from .pipeline.placing.drop_mesh_axis import drop_mesh_axis
-from .pipeline.cutting.micro_batching import MicroBatching
-from .pipeline.lowering.stage_kernels import StageKernel, stage_kernels, verify_stage_kernels
-from .pipeline.cutting.stage_parts import StageParts, stage_parts, verify_stage_parts
-from .pipeline.lowering.fused_runs import fuse_compute_runs
+from .pipeline.placing.edge_transfer import plan_edge_transfers, verify_edge_transfers
+from .pipeline.placing.mesh_assignment import StageMeshMap, place_stages, verify_stage_mesh_map
+from .pipeline.placing.plan_moves import MoveOptions, plan_moves, verify_move_table
+from .pipeline.placing.stacked_leaves import (
+    gathered_arrays, split_stacked_leaves, stacked_arrays, stacked_params, take_pieces, verify_leaf_pieces,
+)
 from .pipeline.placing.step_layout import StepLayout, layout_step, verify_step_layout
+from .pipeline.scheduling.pipeline_schedule import (
+    PipelineSchedule, forward_only_schedule, make_schedule, verify_schedule,
+)
 from .pipeline.step_primitives import pipeline_grad_p, stage_boundary_p
-from .pipeline.lowering.step_program import StepProgram, lower_step, verify_step_program
-from .pipeline.lowering.program_text import program_text
-from .pipeline.lowering.launch_sequences import LaunchSequences, launch_sequences, verify_launch_sequences
-from .pipeline.cutting.split_scans import verify_split_scans
-from .pipeline.placing.stacked_leaves import (GatheredArray, LeafPieces, StackedArray, gathered_arrays,
-                                              split_stacked_leaves, stacked_arrays, stacked_params, take_pieces,
-                                              verify_leaf_pieces)
-from .pipeline.cutting.step_split import StepSplit, split_step, verify_step_split
-from .pipeline.placing.wire_format import wire_aval
-from .verification import PlanVerificationError
+from .program.batch_rows import GlobalBatchFeed, GlobalBatchPlacement
+from .program.moves import EdgeTransfer, MoveKey, MoveTable, TransferKind
+from .program.pipeline_instructions import PipelineProgram
+from .program.stacked_leaves import GatheredArray, LeafPieces, StackedArray
+from .program.stage_kernel import StageKernel, StageParts
+from .program.step_instructions import StepProgram
+from .program.step_values import RefKind
+from .program.wire_format import wire_aval
+from .simulation.cost_model import estimate_durations, stage_gradients
+from .simulation.schedule_simulator import TaskDurations
 from .simulation.weight_delay import weight_delays
+from .verification import PlanVerificationError
 
 __all__ = ["PIPELINE_PASSES", "CompileState", "CompiledPipeline", "Pass", "PipelineOptions", "compile_pipeline",
            "run_passes", "state_counterparts"]

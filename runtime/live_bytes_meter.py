@@ -26,9 +26,9 @@ from typing import Any
 
 import jax
 
-from meshpar.passes.model.devices import DeviceKey, device_key
-from meshpar.passes.pipeline.lowering.pipeline_program import BufferId, BufferKind
-from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile, ProgramKey
+from meshpar.passes.program.devices import DeviceKey, device_key
+from meshpar.passes.program.live_bytes import LiveBytes, MemoryProfile, ProgramKey
+from meshpar.passes.program.pipeline_instructions import BufferId, BufferKind
 
 __all__ = ["LiveBytesMeter", "device_bytes"]
 

@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 import jax
 
-from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
-from meshpar.passes.pipeline.placing.plan_moves import PlannedMove
+from meshpar.passes.program.moves import PlannedMove, TransferKind
 from meshpar.runtime.coordination import owns_a_device_of
 from meshpar.runtime.p2p_executor import P2PReshardExecutable
 from meshpar.runtime.remote import absent

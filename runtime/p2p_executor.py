@@ -43,11 +43,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshpar.passes import jax_ir
-from meshpar.passes.model.devices import device_key
-from meshpar.passes.pipeline.placing.mesh_assignment import device_sharding
-from meshpar.passes.pipeline.placing.plan_moves import TransferOrder, move_device_ids
-from meshpar.passes.resharding.hop_program import HopProgram
-from meshpar.passes.resharding.round_gates import Gate
+from meshpar.passes.program.devices import device_key
+from meshpar.passes.program.moves import TransferOrder, move_device_ids
+from meshpar.passes.program.resharding_programs import Gate, HopProgram
+from meshpar.passes.program.shardings import device_sharding
 from meshpar.runtime.compile_ahead import deferred_compile
 from meshpar.runtime.coordination import wait_ready
 from meshpar.runtime.remote import absent

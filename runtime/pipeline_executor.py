@@ -1,8 +1,8 @@
-"""Runs a compiled pipeline step: its step program (``passes.pipeline.lowering.step_program``), one
+"""Runs a compiled pipeline step: its step program (``passes.program.step_instructions``), one
 handler per instruction kind, the pipeline program in its middle (``program_interpreter``).
 
 The executable is built from what the compiler verified and nothing else: the step program,
-whose every instruction carries what it needs (placements, each stage's operands, the moves
+whose every instruction carries what it needs (placements, one feed per stage operand, the moves
 around the pipeline, the outputs' sources, the stacked leaves' splits and joins), the pipeline
 program, the move table, and the stage kernels. Each move, stage program and helper program
 is prepared once, at construction, so the hot path plans, compiles and looks up nothing.
@@ -15,34 +15,35 @@ import functools
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshpar.passes import jax_ir
-from meshpar.passes.model.devices import device_key, planner_ids
-from meshpar.passes.pipeline.placing.batch_rows import GlobalBatchPlacement
-from meshpar.passes.pipeline.placing.edge_transfer import MoveKey
-from meshpar.passes.pipeline.cutting.micro_batching import AuxReduction
-from meshpar.passes.pipeline.lowering.pipeline_program import PipelineProgram, ReduceGradients
-from meshpar.passes.pipeline.placing.plan_moves import MoveTable
-from meshpar.passes.pipeline.lowering.stage_kernels import StageKernel
-from meshpar.passes.pipeline.lowering.step_program import (
-    AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedStages, JoinStackedLeaves, PlaceInputs, ReduceGradient,
-    RunCompute, RunMove, RunPipeline, ShareOutputs, SplitStackedLeaves, StepProgram,
+from meshpar.passes.program.batch_rows import GlobalBatchPlacement
+from meshpar.passes.program.devices import device_key, planner_ids
+from meshpar.passes.program.moves import MoveKey, MoveTable
+from meshpar.passes.program.pipeline_instructions import PipelineProgram, ReduceGradients
+from meshpar.passes.program.stage_kernel import StageKernel
+from meshpar.passes.program.step_instructions import (
+    AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedConstant, FeedValue, FetchParameter, FoldKey,
+    JoinStackedLeaves, MoveMicroBatches, PlaceInputs, ReduceGradient, RunCompute, RunMove, RunPipeline, ShareOutputs,
+    SliceMicroBatches, SplitStackedLeaves, StepProgram,
 )
-from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterMove, OuterRef
-from meshpar.passes.pipeline.placing.wire_format import from_wire
+from meshpar.passes.program.step_values import AuxReduction, OuterKind, OuterRef
+from meshpar.passes.program.wire_format import from_wire
 from meshpar.runtime.compile_ahead import AheadOfTime, wait_deferred
-from meshpar.runtime.coordination import (Arrival, agree, owns_a_device_of, raise_lost_peer, senders, wait_arrivals,
-                                         wait_pending, wait_ready)
+from meshpar.runtime.coordination import (
+    Arrival, agree, owns_a_device_of, raise_lost_peer, senders, wait_arrivals, wait_pending, wait_ready,
+)
 from meshpar.runtime.flat_values import flatten, unflatten
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.move_handlers import Move, prepare_move
-from meshpar.runtime.placement import micro_batch_view, join, on_meshes, place, put
+from meshpar.runtime.placement import join, micro_batch_view, on_meshes, place, put
 from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, StageInputs
 from meshpar.runtime.remote import absent
 from meshpar.runtime.shared_outputs import OutputSharer
@@ -87,7 +88,7 @@ class PipelineExecutable:
         self.step_program, self.program, self.moves = step, program, moves
         self.description = description
         self.home = program.stage_mesh
-        on = {self.home[k.stage.index]: k.mesh for k in kernels}
+        on = {self.home[k.stage]: k.mesh for k in kernels}
         self.meshes = tuple(on[m] for m in range(len(program.instructions)))
         # Ids distinct across platforms: the meshes may be on a GPU and on the host.
         self.device_ids = planner_ids(*(m.devices.flat for m in self.meshes))
@@ -151,7 +152,10 @@ class PipelineExecutable:
             PlaceInputs: self._prepare_placing,
             RunCompute: self._prepare_compute,
             RunMove: self._prepare_move,
-            FeedStages: self._prepare_feed,
+            FetchParameter: self._prepare_fetch,
+            FeedConstant: self._prepare_constant,
+            SliceMicroBatches: self._prepare_slicing,
+            MoveMicroBatches: self._prepare_micro_batch_moves,
             ReduceGradient: self._prepare_gradient,
             ShareOutputs: self._prepare_sharing,
         }
@@ -163,7 +167,12 @@ class PipelineExecutable:
             PlaceInputs: self._place_inputs,
             RunCompute: self._run_compute,
             RunMove: self._run_move,
-            FeedStages: self._feed_stages,
+            FetchParameter: self._fetch_parameter,
+            FeedValue: self._feed_value,
+            FeedConstant: self._feed_constant,
+            FoldKey: self._fold_key,
+            SliceMicroBatches: self._slice_micro_batches,
+            MoveMicroBatches: self._move_micro_batches,
             RunPipeline: self._run_pipeline,
             CombineMicroBatches: self._combine_micro_batches,
             ReduceGradient: self._reduce_gradient,
@@ -193,15 +202,14 @@ class PipelineExecutable:
         self._ready[id(ins)] = {p.leaf: (p, [self._move(k) for k in p.moves]) for p in ins.global_batches}
 
     def _prepare_compute(self, ins: RunCompute) -> None:
-        compute = ins.compute
-        fn = jax_ir.jaxpr_as_fun(compute.jaxpr)
+        fn = jax_ir.jaxpr_as_fun(ins.jaxpr)
         targets = ins.output_shardings
 
         def run(*args):
             outs = fn(*args)
             return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
-        self._ready[id(ins)] = on_mesh(jax.jit(run), self.meshes[compute.mesh], self.timeout_s)
+        self._ready[id(ins)] = on_mesh(jax.jit(run), self.meshes[ins.mesh], self.timeout_s)
         self._compute_fns.append(self._ready[id(ins)])
 
     def _prepare_move(self, ins: RunMove) -> None:
@@ -209,35 +217,25 @@ class PipelineExecutable:
         if not ins.unpacked:
             self._ready[id(ins)] = (move, None, None)
             return
-        avals = [self.step_program.avals[r] for r in ins.move.values]
+        avals = [self.step_program.avals[r] for r in ins.values]
         # Packing relays values out over their mesh: collectives where it spans processes.
         self._ready[id(ins)] = (move, on_mesh(_packer(ins.via.src), ins.via.src.mesh, self.timeout_s),
                                 on_mesh(_unpacker(avals, ins.unpacked), ins.unpacked[0].mesh, self.timeout_s))
 
-    def _prepare_feed(self, ins: FeedStages) -> None:
-        M = ins.num_micro_batches
+    def _prepare_fetch(self, ins: FetchParameter) -> None:
+        self._ready[id(ins)] = self._move(ins.via.move_key)
+
+    def _prepare_constant(self, ins: FeedConstant) -> None:
+        if self.local[ins.stage]:
+            self._ready[id(ins)] = put(self.step_program.consts[ins.const], ins.sharding)
+
+    def _prepare_slicing(self, ins: SliceMicroBatches) -> None:
+        if self.local[ins.stage]:
+            self._ready[id(ins)] = _slicer(ins.sharding, ins.num_micro_batches)
+
+    def _prepare_micro_batch_moves(self, ins: MoveMicroBatches) -> None:
         # Every process joins each move of a global batch, whichever stage reads it.
-        prepared: dict[tuple[int, int], _Feeding] = {
-            (f.stage, f.position): _GlobalBatch(f, tuple(self._move(k) for k in f.moves)) for f in ins.global_batches}
-        for feed in ins.stages:
-            for op, owner in zip(feed.operands, feed.fetched_from):
-                key = (feed.stage, op.position)
-                if key in prepared:
-                    continue
-                if op.fetch is not None:
-                    prepared[key] = _Fetched(self._move(op.fetch.move_key), owner)
-                elif not self.local[feed.stage]:
-                    continue
-                elif op.fold_key:
-                    prepared[key] = _FoldedKey(_FOLD_ALL)
-                elif op.per_micro_batch:
-                    # The whole value placed once, micro-batches leading, then cut by one program.
-                    prepared[key] = _Sliced(*_slicer(op.sharding, M))
-                elif op.source.kind is OuterKind.CONST:
-                    prepared[key] = _Constant(put(self.step_program.consts[op.source.index], op.sharding))
-                else:
-                    prepared[key] = _Computed()
-        self._ready[id(ins)] = prepared
+        self._ready[id(ins)] = tuple(self._move(k) for k in ins.batch.moves)
 
     def _prepare_gradient(self, ins: ReduceGradient) -> None:
         if ins.move is not None:
@@ -310,11 +308,13 @@ class PipelineExecutable:
                 inputs.append(None)
                 grads.append(None)
                 continue
-            avals = kernel.stage.jaxpr.in_avals
-            shaped = {o.position: jax.ShapeDtypeStruct(avals[o.position].shape, avals[o.position].dtype,
-                                                       sharding=o.sharding) for o in kernel.operands}
-            fixed = tuple(shaped[o.position] for o in kernel.operands if not o.per_micro_batch)
-            batch = tuple(shaped[o.position] for o in kernel.operands if o.per_micro_batch)
+            avals = kernel.in_avals
+
+            def shaped(o):
+                return jax.ShapeDtypeStruct(avals[o.position].shape, avals[o.position].dtype, sharding=o.sharding)
+
+            fixed = tuple(map(shaped, kernel.fixed_operands))
+            batch = tuple(map(shaped, kernel.batch_operands))
             inputs.append(StageInputs(fixed, tuple(batch for _ in range(self.num_micro_batches)) if batch else ()))
             grads.append([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                           for a in kernel.accumulation.accumulators])
@@ -409,7 +409,6 @@ class PipelineExecutable:
                 if j is not None and returned[j][0]() is v and len(d) == 1 and d.get(returned[j][1]) is v:
                     self._passes_through[i] = j
         state.placed = placed
-        state.placements = ins.placements
 
     def _place_global_batch(self, i: int, leaf: jax.Array, batch: GlobalBatchPlacement, moves: Sequence[Move],
                             state: _StepState) -> dict[int, jax.Array]:
@@ -430,64 +429,92 @@ class PipelineExecutable:
         return placed
 
     def _run_compute(self, ins: RunCompute, state: _StepState) -> None:
-        compute = ins.compute
-        if self.mesh_local[compute.mesh]:
-            wait_pending(state.remote, [(r, compute.mesh) for r in compute.inputs], self.timeout_s,
-                         "moves around the pipeline",
-                         lambda: f"launching the program on mesh {compute.mesh} that computes "
-                                 f"{', '.join(map(str, compute.outputs))}")
-            outs = self._ready[id(ins)](*[self._value(r, compute.mesh, state) for r in compute.inputs])
-            state.values.update({(ref, compute.mesh): o for ref, o in zip(compute.outputs, outs)})
+        mesh = ins.mesh
+        if self.mesh_local[mesh]:
+            wait_pending(state.remote, [(r, mesh) for r in ins.inputs], self.timeout_s, "moves around the pipeline",
+                         lambda: f"launching the program on mesh {mesh} that computes "
+                                 f"{', '.join(map(str, ins.outputs))}")
+            outs = self._ready[id(ins)](*[self._value(r, mesh, state) for r in ins.inputs])
+            state.values.update({(ref, mesh): o for ref, o in zip(ins.outputs, outs)})
 
     def _run_move(self, ins: RunMove, state: _StepState) -> None:
         # Every process joins the move, whether or not it holds either end.
-        step, via = ins.move, ins.via
+        via = ins.via
         move, pack, unpack = self._ready[id(ins)]
         if pack is None:
-            moved = state.values[(step.values[0], step.dst)] = move(
-                self._value(step.values[0], step.src, state, via.src))
-            arrival = self._note_arrival(step, via, moved, state.arrivals)
+            moved = state.values[(ins.values[0], ins.dst)] = move(
+                self._value(ins.values[0], ins.src, state, via.src))
+            arrival = self._note_arrival(ins, moved, state.arrivals)
             if arrival is not None:
-                state.remote[(step.values[0], step.dst)] = arrival
+                state.remote[(ins.values[0], ins.dst)] = arrival
             return
-        if self.mesh_local[step.src]:
-            vector = pack(*[self._value(r, step.src, state) for r in step.values])
+        if self.mesh_local[ins.src]:
+            vector = pack(*[self._value(r, ins.src, state) for r in ins.values])
         else:
             vector = absent(via.shape, via.dtype, via.src)
         moved = move(vector)
-        arrival = self._note_arrival(step, via, moved, state.arrivals)
-        if self.mesh_local[step.dst]:
+        arrival = self._note_arrival(ins, moved, state.arrivals)
+        if self.mesh_local[ins.dst]:
             if arrival is not None:  # unpacking launches a program reading it
                 wait_arrivals([arrival], self.timeout_s, "moves around the pipeline", f"unpacking {arrival.what}")
-            state.values.update({(r, step.dst): v for r, v in zip(step.values, unpack(moved))})
+            state.values.update({(r, ins.dst): v for r, v in zip(ins.values, unpack(moved))})
 
-    def _feed_stages(self, ins: FeedStages, state: _StepState) -> None:
-        """Each stage's operands: placed leaves, constants and values computed before the pipeline,
-        fetched parameters, micro-batch slices sent straight from where the batch is to the stage
-        that reads them, and keys folded with each micro-batch's index."""
-        prepared = self._ready[id(ins)]
-        M = ins.num_micro_batches
-        out: list[StageInputs | None] = []
-        for feed in ins.stages:
-            s = feed.stage
-            fixed, columns = [], []
-            for op in feed.operands:
-                how = prepared.get((s, op.position))
-                if how is None:  # an operand of a stage of another process's
-                    continue
-                (columns if how.per_micro_batch else fixed).append(how.operand(self, ins, feed, op, state))
-            if not self.local[s]:
-                out.append(None)
-                continue
-            batch = tuple(tuple(c[m] for c in columns) for m in range(M)) if columns else ()
-            out.append(StageInputs(tuple(fixed), batch))
-        state.inputs = out
+    # Feeds: each fills one stage operand, ``state.operands[(stage, position)]`` (one value, or a
+    # list of one per micro-batch); one that moves values runs on every process.
+
+    def _fetch_parameter(self, ins: FetchParameter, state: _StepState) -> None:
+        value = self._ready[id(ins)](state.placed[ins.leaf][ins.owner])
+        self._feeding(value, ins.via.src, ins.stage, f"parameter in{ins.leaf} fetched", state)
+        state.operands[(ins.stage, ins.position)] = value
+
+    def _feed_value(self, ins: FeedValue, state: _StepState) -> None:
+        if self.local[ins.stage]:
+            state.operands[(ins.stage, ins.position)] = self._value(ins.value, ins.mesh, state)
+            if (ins.value, ins.mesh) in state.remote:
+                state.feeding.append(state.remote.pop((ins.value, ins.mesh)))
+
+    def _feed_constant(self, ins: FeedConstant, state: _StepState) -> None:
+        if self.local[ins.stage]:
+            state.operands[(ins.stage, ins.position)] = self._ready[id(ins)]
+
+    def _fold_key(self, ins: FoldKey, state: _StepState) -> None:
+        if self.local[ins.stage]:
+            wait_pending(state.remote, [(ins.key, ins.mesh)], self.timeout_s, "moves around the pipeline",
+                         lambda: f"folding key {ins.key}")
+            state.operands[(ins.stage, ins.position)] = _FOLD_ALL(self._value(ins.key, ins.mesh, state),
+                                                                  ins.num_micro_batches)
+
+    def _slice_micro_batches(self, ins: SliceMicroBatches, state: _StepState) -> None:
+        if not self.local[ins.stage]:
+            return
+        if ins.unplaced:
+            leaf = state.leaves[ins.value.index]
+            on_devices = isinstance(leaf, jax.Array) and leaf.is_fully_addressable and jax.process_count() == 1
+            leaf = leaf if on_devices else np.asarray(leaf)
+        else:
+            leaf = self._value(ins.value, ins.mesh, state)
+        stacked = put(leaf.reshape(ins.num_micro_batches, ins.micro_batch_size, *leaf.shape[1:]), ins.stacked,
+                      f"stage {ins.stage}'s operand {ins.position} ({ins.value})")
+        state.operands[(ins.stage, ins.position)] = self._ready[id(ins)](stacked)
+
+    def _move_micro_batches(self, ins: MoveMicroBatches, state: _StepState) -> None:
+        batch = ins.batch
+        leaf = state.leaves[batch.leaf]
+        if leaf.sharding != batch.source:
+            raise ValueError(f"batch leaf {batch.leaf}: laid out as {leaf.sharding}, but the step "
+                             f"was compiled for {batch.source}")
+        column = [move(micro_batch_view(leaf, rows, ins.micro_batch_size))
+                  for rows, move in zip(batch.rows, self._ready[id(ins)])]
+        for m, (rows, moved) in enumerate(zip(batch.rows, column)):
+            self._feeding(moved, rows.sharding, ins.stage, f"micro-batch {m} of batch leaf {batch.leaf}", state)
+        state.operands[(ins.stage, ins.position)] = column
 
     def _run_pipeline(self, ins: RunPipeline, state: _StepState) -> None:
         # The stages' fetched parameters and micro-batches other processes send here, arrived
         # before any stage program reading them is launched (``coordination.wait_pending`` says why).
         if state.feeding:
             wait_arrivals(state.feeding, self.timeout_s, "stage operands", "starting the pipeline")
+        state.inputs = self._stage_inputs(state.operands)
         state.run = self._interpreter.run(state.inputs, self._zero_grads(), state.recorder, state.meter)
         state.arrivals += state.run.arriving
         self.peak_live_activations = state.run.peak_live_activations
@@ -552,15 +579,15 @@ class PipelineExecutable:
                     results.append(next(iter(arrays.values())))
                 else:
                     ms = sorted(arrays)
-                    results.append(join([arrays[m] for m in ms], [source.placement.on(m) for m in ms],
-                                        arrays[ms[0]].shape, arrays[ms[0]].dtype))
+                    results.append(join([arrays[m] for m in ms], source.placed_as.union, arrays[ms[0]].shape,
+                                        arrays[ms[0]].dtype))
             elif len(source.meshes) == 1:
                 results.append(self._value(ref, source.meshes[0], state, source.shardings[0]))
                 on_one_mesh[j] = source.meshes[0]
             else:
                 aval = self.out_avals[j]
                 results.append(join([state.values[(ref, m)] for m in source.meshes if (ref, m) in state.values],
-                                    source.shardings, aval.shape, aval.dtype))
+                                    source.union, aval.shape, aval.dtype))
         state.outputs = state.assembled = results
         state.on_one_mesh = on_one_mesh
 
@@ -585,12 +612,12 @@ class PipelineExecutable:
         return absent(aval.shape, aval.dtype, stand_in)
 
     @staticmethod
-    def _note_arrival(step: OuterMove, via: Any, moved: jax.Array, arrivals: list[Arrival]) -> Arrival | None:
+    def _note_arrival(ins: RunMove, moved: jax.Array, arrivals: list[Arrival]) -> Arrival | None:
         """Adds ``moved`` to ``arrivals`` when other processes send it here, and returns it."""
-        sending = senders(via.src)
-        if owns_a_device_of(via.dst.mesh) and sending:
-            names = ", ".join(map(str, step.values))
-            arrivals.append(Arrival(moved, f"{names} moved from mesh {step.src} to mesh {step.dst}", sending))
+        sending = senders(ins.via.src)
+        if owns_a_device_of(ins.via.dst.mesh) and sending:
+            names = ", ".join(map(str, ins.values))
+            arrivals.append(Arrival(moved, f"{names} moved from mesh {ins.src} to mesh {ins.dst}", sending))
             return arrivals[-1]
         return None
 
@@ -602,6 +629,21 @@ class PipelineExecutable:
             state.feeding.append(Arrival(value, f"{what} for stage {stage}", sending))
 
 
+    def _stage_inputs(self, operands: dict[tuple[int, int], Any]) -> list[StageInputs | None]:
+        """Per stage here, its operands as its programs take them (``StageKernel.fixed_operands``,
+        then per micro-batch its ``batch_operands``); ``None`` for another process's stage."""
+        out: list[StageInputs | None] = []
+        for kernel, local in zip(self._kernels, self.local):
+            if not local:
+                out.append(None)
+                continue
+            s = kernel.stage
+            fixed = tuple(operands[(s, o.position)] for o in kernel.fixed_operands)
+            columns = [operands[(s, o.position)] for o in kernel.batch_operands]
+            batch = tuple(tuple(c[m] for c in columns) for m in range(self.num_micro_batches)) if columns else ()
+            out.append(StageInputs(fixed, batch))
+        return out
+
     def _zero_grads(self) -> list[list[jax.Array] | None]:
         """Per stage here, its gradient accumulators (``data_replicas.Accumulator``), zero: made
         by one program per mesh (the step donates them, so each step makes its own)."""
@@ -610,111 +652,6 @@ class PipelineExecutable:
             for s, zeros in zip(stages, make()):
                 grads[s] = zeros
         return grads
-
-
-class _Feeding:
-    """How one stage operand is fed, prepared once per ``FeedStages`` (``_prepare_feed``).
-
-    ``operand`` gives the operand for a step: one value read by every micro-batch, or (with
-    ``per_micro_batch``) a list of one value per micro-batch. Every process runs a feeding's
-    moves, whether or not it owns the stage.
-    """
-
-    per_micro_batch: ClassVar[bool] = False
-
-    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
-        raise NotImplementedError
-
-
-@dataclasses.dataclass(frozen=True)
-class _Fetched(_Feeding):
-    """A parameter fetched from where its owner's mesh (``owner``) placed it, by ``move``."""
-
-    move: Move
-    owner: int
-
-    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
-        value = self.move(state.placed[op.source.index][self.owner])
-        ex._feeding(value, op.fetch.move_key.src, feed.stage, f"parameter {op.source} fetched", state)
-        return value
-
-
-@dataclasses.dataclass(frozen=True)
-class _Constant(_Feeding):
-    """A constant of the step program, placed once where the stage reads it."""
-
-    value: Any
-
-    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
-        return self.value
-
-
-@dataclasses.dataclass(frozen=True)
-class _Computed(_Feeding):
-    """A value placed or computed before the pipeline, on the stage's mesh."""
-
-    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
-        value = ex._value(op.source, feed.mesh, state)
-        if (op.source, feed.mesh) in state.remote:
-            state.feeding.append(state.remote.pop((op.source, feed.mesh)))
-        return value
-
-
-@dataclasses.dataclass(frozen=True)
-class _FoldedKey(_Feeding):
-    """A PRNG key folded with each micro-batch's index by ``fold``."""
-
-    fold: Callable
-    per_micro_batch: ClassVar[bool] = True
-
-    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
-        wait_pending(state.remote, [(op.source, feed.mesh)], ex.timeout_s, "moves around the pipeline",
-                     lambda: f"folding key {op.source}")
-        return self.fold(ex._value(op.source, feed.mesh, state), ins.num_micro_batches)
-
-
-@dataclasses.dataclass(frozen=True)
-class _GlobalBatch(_Feeding):
-    """A global batch leaf's micro-batches, each sent by one of ``moves`` straight from where the
-    batch is to the stage that reads it (``feed``: the leaf's ``GlobalBatchFeed``)."""
-
-    feed: Any
-    moves: tuple[Move, ...]
-    per_micro_batch: ClassVar[bool] = True
-
-    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
-        global_feed = self.feed
-        leaf = state.leaves[global_feed.leaf]
-        if leaf.sharding != global_feed.source:
-            raise ValueError(f"batch leaf {global_feed.leaf}: laid out as {leaf.sharding}, but the step "
-                             f"was compiled for {global_feed.source}")
-        column = [move(micro_batch_view(leaf, rows, ins.micro_batch_size))
-                  for rows, move in zip(global_feed.rows, self.moves)]
-        for m, (rows, moved) in enumerate(zip(global_feed.rows, column)):
-            ex._feeding(moved, rows.sharding, feed.stage, f"micro-batch {m} of batch leaf {global_feed.leaf}", state)
-        return column
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sliced(_Feeding):
-    """A per-micro-batch operand: the whole value placed once as ``stacked`` (micro-batches
-    leading), then cut into the micro-batches by one program, ``unstack``."""
-
-    stacked: NamedSharding
-    unstack: Callable
-    per_micro_batch: ClassVar[bool] = True
-
-    def operand(self, ex: PipelineExecutable, ins: FeedStages, feed: Any, op: Any, state: _StepState) -> Any:
-        M, size = ins.num_micro_batches, ins.micro_batch_size
-        if op.source.kind is OuterKind.IN and not state.placements[op.source.index].meshes:
-            leaf = state.leaves[op.source.index]  # a batch leaf, never placed whole
-            on_devices = isinstance(leaf, jax.Array) and leaf.is_fully_addressable \
-                and jax.process_count() == 1
-            leaf = leaf if on_devices else np.asarray(leaf)
-        else:
-            leaf = ex._value(op.source, feed.mesh, state)
-        return self.unstack(put(leaf.reshape(M, size, *leaf.shape[1:]), self.stacked,
-                                f"stage {feed.stage}'s operand {op.position} ({op.source})"))
 
 
 @dataclasses.dataclass
@@ -728,13 +665,14 @@ class _StepState:
     arrivals: list[Arrival]
     placed: list[dict[int, jax.Array]] = dataclasses.field(default_factory=list)
     values: dict[tuple[OuterRef, int], jax.Array] = dataclasses.field(default_factory=dict)
+    # Per (stage, position), the operand a feed made: one value, or one per micro-batch.
+    operands: dict[tuple[int, int], Any] = dataclasses.field(default_factory=dict)
     inputs: list[StageInputs | None] = dataclasses.field(default_factory=list)
     run: ProgramRun | None = None
     outputs: list[Any] = dataclasses.field(default_factory=list)
     # The outputs as assembled, and which of them are one mesh's array (by output leaf: the mesh).
     assembled: list[Any] = dataclasses.field(default_factory=list)
     on_one_mesh: dict[int, int] = dataclasses.field(default_factory=dict)
-    placements: Sequence[Any] = ()
     # Values other processes send here, by (ref, mesh), until a program reading them waited.
     remote: dict[tuple[OuterRef, int], Arrival] = dataclasses.field(default_factory=dict)
     # Stage operands other processes send here (fetches, micro-batches), awaited before the pipeline.
@@ -743,7 +681,7 @@ class _StepState:
     def held(self) -> list[Any]:
         """Every array (or nested list of arrays) this step holds outside the pipeline program."""
         held: list[Any] = [list(self.leaves), [list(p.values()) for p in self.placed], list(self.values.values()),
-                           [(i.fixed, i.batch) for i in self.inputs if i is not None], self.outputs]
+                           list(self.operands.values()), self.outputs]
         if self.run is not None:
             held += [list(self.run.results.values()), self.run.grads]
         return held
@@ -805,13 +743,10 @@ def _accumulator_maker(plans: Sequence[Sequence[Any]]) -> Callable[[], list[list
                    out_shardings=shardings)
 
 
-def _slicer(sharding: NamedSharding, num_micro_batches: int) -> tuple[NamedSharding, Callable]:
-    """For a per-micro-batch operand read with ``sharding``: the sharding of its whole value
-    shaped ``[M, micro-batch, ...]`` (each micro-batch already where the stage reads it), and
-    one program cutting that into the M micro-batches."""
-    stacked = NamedSharding(sharding.mesh, P(None, *sharding.spec))
-    return stacked, jax.jit(lambda x: [x[m] for m in range(num_micro_batches)],
-                            out_shardings=[sharding] * num_micro_batches)
+def _slicer(sharding: NamedSharding, num_micro_batches: int) -> Callable:
+    """One program cutting a value shaped ``[M, micro-batch, ...]`` (each micro-batch already where
+    the stage reads it) into the M micro-batches, each laid out as ``sharding``."""
+    return jax.jit(lambda x: [x[m] for m in range(num_micro_batches)], out_shardings=[sharding] * num_micro_batches)
 
 
 def _fold_all(key: jax.Array, num_micro_batches: int) -> list[jax.Array]:

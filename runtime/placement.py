@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshpar.passes.model.devices import device_key
-from meshpar.passes.pipeline.placing.batch_rows import MicroBatchRows
-from meshpar.passes.pipeline.placing.step_layout import Placement, spans_platforms, union_sharding
+from meshpar.passes.program.batch_rows import MicroBatchRows
+from meshpar.passes.program.devices import device_key
+from meshpar.passes.program.shardings import PlaceLeaf
 
 __all__ = ["put", "place", "on_meshes", "join", "view", "micro_batch_view"]
 
@@ -65,28 +65,25 @@ def view(x: jax.Array, sharding: NamedSharding, shape: tuple[int, ...] | None = 
                                                     dtype=x.dtype)
 
 
-def place(value: Any, placement: Placement, what: str = "a value") -> dict[int, jax.Array]:
-    """``value`` on each mesh of ``placement`` (one array over all of them, viewed per mesh);
-    ``what`` names it in errors (``put``)."""
-    if not placement.meshes:
-        return {}
-    if len(placement.meshes) == 1 or spans_platforms(placement.shardings):
+def place(value: Any, placement: PlaceLeaf, what: str = "a value") -> dict[int, jax.Array]:
+    """``value`` on each mesh of ``placement``: put once over their union and viewed per mesh, or
+    put on each; ``what`` names it in errors (``put``)."""
+    if placement.union is None:
         return {m: put(value, placement.on(m), what) for m in placement.meshes}
-    return on_meshes(put(value, union_sharding(placement.shardings), what), placement)
+    return on_meshes(put(value, placement.union, what), placement)
 
 
-def on_meshes(union: jax.Array, placement: Placement) -> dict[int, jax.Array]:
+def on_meshes(union: jax.Array, placement: PlaceLeaf) -> dict[int, jax.Array]:
     """``union``, a value laid out over every mesh of ``placement`` (its union sharding), as
     each mesh's view."""
     return {m: view(union, placement.on(m)) for m in placement.meshes}
 
 
-def join(parts: Sequence[jax.Array], shardings: Sequence[NamedSharding], shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """Per-mesh replicated copies of one value (possibly shard-less here) as one array over all
-    their devices; on meshes of several platforms, the first mesh's copy."""
-    if spans_platforms(shardings):
+def join(parts: Sequence[jax.Array], union: NamedSharding | None, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Per-mesh replicated copies of one value (possibly shard-less here) as one array laid out as
+    ``union``, over all their devices; ``None`` (meshes of several platforms): the first copy."""
+    if union is None:
         return parts[0]
-    union = union_sharding(shardings)
     shards = [s.data for x in parts for s in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(shape, union, shards, dtype=dtype)
 

@@ -23,16 +23,16 @@ from typing import Any
 
 import jax
 
-from meshpar.passes.pipeline.placing.edge_transfer import Direction, TransferKind
-from meshpar.passes.pipeline.lowering.fused_runs import RunFused
-from meshpar.passes.pipeline.lowering.pipeline_program import (
-    BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, ReduceGradients, RunBackward,
-    RunBackwardInput, RunBackwardWeight, RunForward, Send, received_buffer,
+from meshpar.passes.program.live_bytes import program_key
+from meshpar.passes.program.moves import Direction, TransferKind
+from meshpar.passes.program.pipeline_instructions import (
+    BufferId, BufferKind, Free, Instruction, PipelineProgram, Recv, ReduceGradients, RunBackward, RunBackwardInput,
+    RunBackwardWeight, RunForward, RunFused, Send, received_buffer,
 )
 from meshpar.runtime.compile_ahead import AheadOfTime
-from meshpar.runtime.coordination import (Arrival, CoordinationError, not_delivered, raise_lost_peer, senders,
-                                         wait_pending, wait_ready)
-from meshpar.passes.simulation.live_bytes import program_key
+from meshpar.runtime.coordination import (
+    Arrival, CoordinationError, not_delivered, raise_lost_peer, senders, wait_pending, wait_ready,
+)
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import StageExecutables, on_mesh

@@ -31,9 +31,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from meshpar.passes.resharding.transfer_program import TransferProgram
+from meshpar.passes.program.resharding_programs import TransferProgram
 from meshpar.runtime.compile_ahead import deferred_compile
 from meshpar.runtime.coordination import wait_ready
 

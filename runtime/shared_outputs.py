@@ -18,10 +18,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from meshpar.passes.pipeline.lowering.step_program import ShareOutputs
-from meshpar.passes.pipeline.placing.mesh_assignment import device_sharding
+from meshpar.passes.program.shardings import device_sharding
+from meshpar.passes.program.step_instructions import ShareOutputs
 from meshpar.runtime.coordination import Arrival
 from meshpar.runtime.remote import absent
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshpar.passes.model.devices import device_key
-from meshpar.passes.pipeline.placing.mesh_assignment import device_sharding
+from meshpar.passes.program.devices import device_key
+from meshpar.passes.program.shardings import device_sharding
 from meshpar.runtime.p2p_executor import token_of
 from meshpar.runtime.remote import absent
 

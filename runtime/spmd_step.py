@@ -3,14 +3,14 @@
 With a single stage and a single micro-batch there is nothing to pipeline: the
 pipeline runtime would launch the forward, the backward, the gradient
 reduction and the update as separate programs, where one program lets XLA fuse
-across them. The compiled pipeline still decides where every value lives
-(``passes.step_layout``); this runs the traced step under ``jax.jit`` with
-those placements as its input and output shardings, so a step moves nothing
-the pipeline path would not, and the next step's inputs are already placed.
-
-Semantics equal the pipeline's with ``M = 1``: the gradient equation is
-``value_and_grad`` of the loss, and each PRNG key the loss reads once per step
-is ``fold_in(key, 0)`` when the step folds keys.
+across them. The compiler lowers the step to one plain jaxpr
+(``passes.pipeline.lowering.spmd_program``: the gradient equation as
+``value_and_grad`` over the one micro-batch, keys folded as the pipeline folds
+them, no stage markers) and decides where every value lives
+(``passes.step_layout``); this runs that jaxpr under ``jax.jit`` with those
+placements as its input and output shardings, so a step moves nothing the
+pipeline path would not, and the next step's inputs are already placed. It
+decides nothing about what the step computes.
 """
 
 from __future__ import annotations
@@ -22,19 +22,18 @@ import jax
 from jax.sharding import NamedSharding
 
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.step_primitives import pipeline_grad_p, stage_boundary_p
-from meshpar.passes.pipeline.cutting.micro_batching import MicroBatching
 from meshpar.runtime.placement import put
 
 __all__ = ["SpmdStep"]
 
 
 class SpmdStep:
-    """The traced step ``jaxpr`` compiled as one program.
+    """The lowered step ``jaxpr`` compiled as one program.
 
     Args:
-      jaxpr: the step traced at the whole batch's shapes, with one gradient equation.
-      micro_batching: the gradient equation's combination rules (``num_micro_batches == 1``).
+      jaxpr: the step lowered to JAX primitives only (``lower_spmd_step``), at the shapes and
+        dtypes of the whole batch it was traced at; one input per flattened input leaf, one
+        output per output leaf.
       in_shardings: per flattened input leaf, where it is placed.
       out_shardings: per output leaf, where it goes (``None``: where XLA computes it).
       out_tree: the step's output treedef.
@@ -44,26 +43,23 @@ class SpmdStep:
         them back where this one put them.
     """
 
-    def __init__(self, jaxpr: jax_ir.ClosedJaxpr, micro_batching: MicroBatching,
-                 in_shardings: Sequence[NamedSharding], out_shardings: Sequence[NamedSharding | None],
-                 out_tree: Any, leaf_shardings: Sequence[NamedSharding | None], description: str = "",
+    def __init__(self, jaxpr: jax_ir.ClosedJaxpr, in_shardings: Sequence[NamedSharding],
+                 out_shardings: Sequence[NamedSharding | None], out_tree: Any,
+                 leaf_shardings: Sequence[NamedSharding | None], description: str = "",
                  carried: Collection[int] = ()) -> None:
-        if micro_batching.num_micro_batches != 1:
-            raise ValueError(f"micro_batching: one SPMD program runs one micro-batch, got "
-                             f"{micro_batching.num_micro_batches}")
         self.out_tree = out_tree
         self.leaf_shardings = tuple(leaf_shardings)
         self.description = description
         self.in_shardings = tuple(in_shardings)
-        fold = micro_batching.fold_keys
         traced_as = [(v.aval.shape, v.aval.dtype) for v in jaxpr.jaxpr.invars]
+        run = jax_ir.jaxpr_as_fun(jaxpr)
 
         def step(*leaves: jax.Array) -> tuple[jax.Array, ...]:
             # jax.jit traces again for operands of other shapes (``run_as_given``): the jaxpr
             # holds only for the shapes it was traced at.
             if [(x.shape, x.dtype) for x in leaves] != traced_as:
                 raise _OtherSignature
-            return tuple(_evaluate(jaxpr.jaxpr, jaxpr.consts, leaves, fold))
+            return tuple(run(*leaves))
 
         self._run = jax.jit(step, in_shardings=self.in_shardings, out_shardings=tuple(out_shardings))
         # Where every input lies in this process, jax.jit checks where the state's leaves lie
@@ -104,40 +100,6 @@ class SpmdStep:
     def compiled_count(self) -> int:
         """Executables compiled so far: one after the first step."""
         return jax_ir.compiled_count(self._run)
-
-
-def _evaluate(jaxpr: jax_ir.Jaxpr, consts: Sequence[Any], args: Sequence[Any], fold_keys: frozenset[int]) -> list[Any]:
-    """``jaxpr`` evaluated with its gradient equation as ``value_and_grad`` over one micro-batch."""
-    env: dict[jax_ir.Var, Any] = {}
-
-    def read(v: jax_ir.Atom) -> Any:
-        return v.val if isinstance(v, jax_ir.Literal) else env[v]
-
-    for var, value in zip((*jaxpr.constvars, *jaxpr.invars), (*consts, *args)):
-        env[var] = value
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if eqn.primitive is pipeline_grad_p:
-            n = eqn.params["num_diff"]
-            invals = [*invals[:n], *(jax.random.fold_in(x, 0) if k in fold_keys else x
-                                     for k, x in enumerate(invals[n:]))]
-            outs = pipeline_grad_p.impl(*invals, **{**eqn.params,
-                                                    "loss_jaxpr": _without_markers(eqn.params["loss_jaxpr"])})
-        else:
-            outs = jax_ir.bind_equation(eqn, invals)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _without_markers(loss: jax_ir.ClosedJaxpr) -> jax_ir.ClosedJaxpr:
-    """``loss`` without its stage markers: one program has no stages, and the markers' effect
-    would cost every call JAX's C++ dispatch (the program then runs like ``jax.jit`` of the
-    step, whose markers bind nothing)."""
-    jaxpr = loss.jaxpr
-    eqns = [e for e in jaxpr.eqns if e.primitive is not stage_boundary_p]
-    effects = jaxpr.effects - set(stage_boundary_p.abstract_eval()[1])
-    return jax_ir.ClosedJaxpr(jaxpr.replace(eqns=eqns, effects=effects), loss.consts)
 
 
 class _OtherSignature(Exception):

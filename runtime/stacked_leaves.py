@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from meshpar.passes.pipeline.placing.plan_moves import MoveKey
-from meshpar.passes.pipeline.placing.stacked_leaves import GatheredArray, LeafPieces, StackedArray
+from meshpar.passes.program.moves import MoveKey
+from meshpar.passes.program.stacked_leaves import GatheredArray, LeafPieces, StackedArray
 from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals
 from meshpar.runtime.placement import put, view
 from meshpar.runtime.remote import absent

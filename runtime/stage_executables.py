@@ -37,13 +37,12 @@ from typing import Any, Union
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.placing.data_replicas import StageReplicas
-from meshpar.passes.pipeline.cutting.stage_graph import RefKind
-from meshpar.passes.pipeline.lowering.stage_kernels import StageKernel
-from meshpar.passes.pipeline.placing.wire_format import from_wire, to_wire
+from meshpar.passes.program.stage_kernel import StageKernel, StageReplicas
+from meshpar.passes.program.wire_format import from_wire, to_wire
 from meshpar.runtime.coordination import LaunchRendezvous, raise_lost_collective_peer, wait_ready
 from meshpar.runtime.flat_values import flatten, unflatten
 
@@ -161,7 +160,7 @@ def compile_stage(kernel: StageKernel, timeout_s: float) -> StageExecutables:
     accumulators' (so every micro-batch's pass reads them as the first did, and compiles
     once). With ``accumulation.replicas``, runs its per-replica parts side by side instead
     (module doc); the loss seed is then the replicas'."""
-    stage, parts, io, operands = kernel.stage, kernel.parts, kernel.io, kernel.operands
+    parts, io = kernel.parts, kernel.io
     output_shardings, input_cotangent_shardings = kernel.output_shardings, kernel.input_cotangent_shardings
     mesh, loss_seed, accumulation = kernel.mesh, kernel.loss_seed, kernel.accumulation
     replicas = accumulation.replicas if accumulation is not None else None
@@ -169,16 +168,16 @@ def compile_stage(kernel: StageKernel, timeout_s: float) -> StageExecutables:
     if replicas is not None:
         parts, loss_seed = replicas.parts, replicas.loss_seed
     split = _Replication(replicas, mesh)
-    fixed_pos = [o.position for o in operands if not o.per_micro_batch]
-    batch_pos = [o.position for o in operands if o.per_micro_batch]
-    act_pos = [k for k, r in enumerate(stage.inputs) if r.kind is RefKind.ACT]
-    out_avals = stage.jaxpr.out_avals
+    fixed_pos = [o.position for o in kernel.fixed_operands]
+    batch_pos = [o.position for o in kernel.batch_operands]
+    act_pos = list(kernel.act_inputs)
+    out_avals = kernel.out_avals
     forward_fn = jax_ir.jaxpr_as_fun(parts.forward)
     backward_fn = jax_ir.jaxpr_as_fun(parts.backward)
     input_fn = jax_ir.jaxpr_as_fun(parts.backward_input)
     weight_fn = jax_ir.jaxpr_as_fun(parts.backward_weight)
     num_acts = parts.num_act_cotangents
-    in_avals = stage.jaxpr.in_avals
+    in_avals = kernel.in_avals
     state_from_residual = tuple(
         k if k is not None and k < parts.num_residuals else None for k in parts.forwarded_state)
     # On a mesh of one device the small residuals and weight state travel packed: a program's
@@ -192,7 +191,7 @@ def compile_stage(kernel: StageKernel, timeout_s: float) -> StageExecutables:
         state_from_residual = None
 
     def forward(fixed, batch, acts):
-        args = [None] * len(stage.inputs)
+        args = [None] * len(in_avals)
         for group, positions in ((fixed, fixed_pos), (batch, batch_pos), (acts, act_pos)):
             for value, k in zip(group, positions):
                 args[k] = value

@@ -22,14 +22,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
-from meshpar.passes.pipeline.cutting.micro_batching import is_key
-from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterRef
-from meshpar.passes.pipeline.lowering.step_program import (
-    CombineMicroBatches, FeedStages, PlaceInputs, ReduceGradient, RunCompute, RunMove, RunPipeline, SplitStackedLeaves,
+from meshpar.passes.program.step_instructions import (
+    CombineMicroBatches, PlaceInputs, ReduceGradient, RunCompute, RunMove, RunPipeline, SliceMicroBatches,
+    SplitStackedLeaves,
 )
-from meshpar.passes.pipeline.placing.step_layout import spans_platforms
+from meshpar.passes.program.step_values import OuterKind, OuterRef
+from meshpar.passes.program.wire_format import is_key
 from meshpar.runtime.compile_ahead import AheadOfTime, NotCompiledAhead
 from meshpar.runtime.program_interpreter import ProgramRun, StageInputs
 
@@ -71,7 +70,7 @@ class _Walk:
         self.handlers = {
             SplitStackedLeaves: self.split_stacked,
             PlaceInputs: self.place_inputs,
-            FeedStages: self.feed_stages,
+            SliceMicroBatches: self.slice_micro_batches,
             RunCompute: self.run_compute,
             RunMove: self.run_move,
             CombineMicroBatches: self.combine,
@@ -109,59 +108,48 @@ class _Walk:
         if self.leaves is None:
             return
         moved = self.ex._ready[id(ins)]
-        for i, (leaf, p) in enumerate(zip(self.leaves, ins.placements)):
-            placement = moved[i][0].placement if i in moved else p
+        for i, (leaf, placement) in enumerate(zip(self.leaves, ins.placements)):
             # ``put`` keeps a jax.Array's weak type (one array per mesh); a view of one array
             # over several meshes, or host data, is not weak.
-            whole = len(placement.meshes) == 1 or spans_platforms(placement.shardings)
-            weak = bool(getattr(leaf, "weak_type", False)) and whole and i not in moved
+            weak = bool(getattr(leaf, "weak_type", False)) and placement.union is None and i not in moved
             self.placed.append({m: jax.ShapeDtypeStruct(np.shape(leaf), _dtype(leaf), sharding=placement.on(m),
                                                         weak_type=weak) for m in placement.meshes})
 
-    def feed_stages(self, ins: FeedStages) -> None:
-        # The per-micro-batch slicing programs: the whole value placed ``[M, micro-batch, ...]``.
-        prepared, M = self.ex._ready[id(ins)], ins.num_micro_batches
-        for feed in ins.stages:
-            if not self.ex.local[feed.stage]:
-                continue
-            avals = self.ex._kernels[feed.stage].stage.jaxpr.in_avals
-            for op in feed.operands:
-                # A sliced operand's preparation: its stacked sharding and its slicing program.
-                how = prepared.get((feed.stage, op.position))
-                stacked, unstack = getattr(how, "stacked", None), getattr(how, "unstack", None)
-                if isinstance(stacked, NamedSharding) and callable(unstack):
-                    aval = avals[op.position]
-                    self.program(unstack, jax.ShapeDtypeStruct((M, *aval.shape), aval.dtype, sharding=stacked))
+    def slice_micro_batches(self, ins: SliceMicroBatches) -> None:
+        # The slicing program: the whole value placed ``[M, micro-batch, ...]``.
+        if self.ex.local[ins.stage]:
+            aval = self.ex._kernels[ins.stage].in_avals[ins.position]
+            self.program(self.ex._ready[id(ins)],
+                         jax.ShapeDtypeStruct((ins.num_micro_batches, *aval.shape), aval.dtype, sharding=ins.stacked))
 
     def accumulators(self) -> None:
         for _, make in self.ex._accumulators:
             self.program(make)
 
     def run_compute(self, ins: RunCompute) -> None:
-        compute = ins.compute
-        if not self.ex.mesh_local[compute.mesh]:
+        if not self.ex.mesh_local[ins.mesh]:
             return
-        outs = self.program(self.ex._ready[id(ins)], *[self.value(r, compute.mesh) for r in compute.inputs])
+        outs = self.program(self.ex._ready[id(ins)], *[self.value(r, ins.mesh) for r in ins.inputs])
         if outs is not None:
-            self.values.update({(ref, compute.mesh): o for ref, o in zip(compute.outputs, outs)})
+            self.values.update({(ref, ins.mesh): o for ref, o in zip(ins.outputs, outs)})
 
     def run_move(self, ins: RunMove) -> None:
-        step, via = ins.move, ins.via
+        via = ins.via
         move, pack, unpack = self.ex._ready[id(ins)]
         if pack is None:
-            value = self.value(step.values[0], step.src)
+            value = self.value(ins.values[0], ins.src)
             if value is not None and getattr(move, "jitted", None) is not None:
                 self.program(move, value)
             weak = bool(getattr(value, "weak_type", False))
-            self.values[(step.values[0], step.dst)] = jax.ShapeDtypeStruct(via.shape, via.dtype, sharding=via.dst,
-                                                                           weak_type=weak)
+            self.values[(ins.values[0], ins.dst)] = jax.ShapeDtypeStruct(via.shape, via.dtype, sharding=via.dst,
+                                                                         weak_type=weak)
             return
-        if self.ex.mesh_local[step.src]:
-            self.program(pack, *[self.value(r, step.src) for r in step.values])
-        if self.ex.mesh_local[step.dst]:
+        if self.ex.mesh_local[ins.src]:
+            self.program(pack, *[self.value(r, ins.src) for r in ins.values])
+        if self.ex.mesh_local[ins.dst]:
             outs = self.program(unpack, jax.ShapeDtypeStruct(via.shape, via.dtype, sharding=via.dst))
             if outs is not None:
-                self.values.update({(r, step.dst): v for r, v in zip(step.values, outs)})
+                self.values.update({(r, ins.dst): v for r, v in zip(ins.values, outs)})
 
     def combine(self, ins: CombineMicroBatches) -> None:
         if not self.ex.mesh_local[ins.mesh] or self.run is None:

@@ -49,10 +49,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from meshpar.passes.pipeline.lowering.pipeline_program import Instruction, PipelineProgram
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, task_dependencies
-from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile
-from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
+from meshpar.passes.program.live_bytes import LiveBytes, MemoryProfile
+from meshpar.passes.program.pipeline_instructions import Instruction, PipelineProgram
+from meshpar.passes.program.tasks import Task, task_dependencies
+from meshpar.passes.program.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 
 __all__ = ["StepRecorder", "StepTrace", "SWITCH_INTERVAL_S"]
 

@@ -1,11 +1,15 @@
 """The import rules of the layout, checked by scanning every module's imports (``ast``).
 
 - The compiler (``meshpar.passes``) imports nothing from the API package or the runtime.
-- The runtime (``meshpar.runtime``) imports only the compiler's IR types and its own modules:
-  no compiler pass (a function marked ``@compiler_pass``) and not the driver.
+- The runtime (``meshpar.runtime``) imports of the compiler only the program format
+  (``meshpar.passes.program``) and the one JAX-internals module (``meshpar.passes.jax_ir``).
+- The program format is the compiler's lowest floor: it imports only itself and the shared base
+  modules, and none of its types holds compiler IR (a ``Stage``, ``StageOperand``,
+  ``Placement``, ``OuterCompute``, ``PipelineSchedule``).
 - No import cycles among meshpar's modules, counting imports inside functions too.
-- The compiler's floors import downward only: model -> resharding -> pipeline -> simulation ->
-  planning, and inside the pipeline floor its groups: cutting -> scheduling -> placing -> lowering.
+- The compiler's floors import downward only: program -> model -> resharding -> pipeline ->
+  simulation -> planning, and inside the pipeline floor its groups: cutting -> scheduling ->
+  placing -> lowering.
 - JAX's internals (``jax._src``) are imported by ``meshpar.passes.jax_ir`` alone, in the
   packages, the benchmarks, the examples and the tests.
 """
@@ -70,7 +74,7 @@ def test_scanner_sees_the_packages():
     assert len(MODULES) > 70
     assert "meshpar.passes.pipeline_driver" in IMPORTS["meshpar.step_compiler"] or any(
         m.startswith("meshpar.passes.pipeline") for m in IMPORTS["meshpar.step_compiler"])
-    assert "meshpar.passes.pipeline.lowering.pipeline_program" in IMPORTS["meshpar.runtime.program_interpreter"]
+    assert "meshpar.passes.program.pipeline_instructions" in IMPORTS["meshpar.runtime.program_interpreter"]
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) == "meshpar.passes"))
@@ -85,27 +89,83 @@ def test_runtime_imports_only_compiler_and_runtime(module):
     assert not outside, f"{module} imports {outside}: the runtime reads IR types and executors, never the API"
 
 
-def _imported_names(path: pathlib.Path) -> list[tuple[str, str]]:
-    """``(module, name)`` of every ``from meshpar.passes... import name`` in ``path``."""
-    return [(node.module, a.name) for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshpar.passes")
-            for a in node.names]
+FORMAT = "meshpar.passes.program"
+JAX_IR = "meshpar.passes.jax_ir"
 
 
-DRIVER = "meshpar.passes.pipeline_driver"
+def _in_format(module: str) -> bool:
+    return module == FORMAT or module.startswith(FORMAT + ".")
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if _layer(m) == "meshpar.runtime"))
-def test_runtime_imports_no_compiler_pass_and_not_the_driver(module):
+def test_runtime_imports_of_the_compiler_only_the_program_format(module):
+    compiler = sorted(m for m in IMPORTS[module] if _layer(m) == "meshpar.passes" and m != "meshpar.passes"
+                      and not _in_format(m) and m != JAX_IR)
+    assert not compiler, (f"{module} imports {compiler}: the runtime reads the program format "
+                          f"({FORMAT}) and jax_ir, nothing else of the compiler")
+
+
+def test_the_runtime_reads_the_program_format():
+    # The rule above is vacuous if the runtime imported nothing of the compiler.
+    used = {m for module in MODULES if _layer(module) == "meshpar.runtime" for m in IMPORTS[module]}
+    assert {f"{FORMAT}.pipeline_instructions", f"{FORMAT}.step_instructions", f"{FORMAT}.stage_kernel",
+            f"{FORMAT}.moves", JAX_IR} <= used
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _in_format(m)))
+def test_the_program_format_is_the_lowest_floor(module):
+    above = sorted(m for m in IMPORTS[module] if _layer(m) != "meshpar.passes" or (
+        not _in_format(m) and m not in BASE and m != "meshpar.passes"))
+    assert not above, f"{module} imports {above}: the program format imports only itself and {sorted(BASE)}"
+
+
+FORBIDDEN_IR = ("Stage", "StageOperand", "Placement", "OuterCompute", "OuterMove", "PipelineSchedule", "StageGraph")
+
+
+def _format_types() -> list[type]:
     import importlib
+    import inspect
+
+    found = []
+    for module in sorted(m for m in MODULES if _in_format(m)):
+        mod = importlib.import_module(module)
+        found += [obj for _, obj in inspect.getmembers(mod, inspect.isclass) if obj.__module__ == module]
+    return found
+
+
+def test_no_format_type_holds_compiler_ir():
+    """Every field of every type of the program format, and every argument and result of its
+    methods, names no compiler IR (issue 43: operands are values the runtime can use as they are)."""
+    import dataclasses
+    import re
+
+    types = _format_types()
+    assert len(types) > 30  # the scan sees the format's types
+    holding = {}
+    for cls in types:
+        hints = {}
+        if dataclasses.is_dataclass(cls):
+            hints |= {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        for name, member in vars(cls).items():
+            fn = member.fget if isinstance(member, property) else member
+            if callable(fn) and getattr(fn, "__annotations__", None):
+                hints |= {f"{name}.{k}": str(v) for k, v in fn.__annotations__.items()}
+        bad = {k: v for k, v in hints.items() if any(re.search(rf"\b{f}\b", v) for f in FORBIDDEN_IR)}
+        if bad:
+            holding[cls.__name__] = bad
+    assert not holding, f"program format types hold compiler IR: {holding}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if _in_format(m)))
+def test_the_program_format_holds_no_compiler_pass(module):
+    import importlib
+    import inspect
 
     from meshpar.passes.compiler_pass import is_compiler_pass
 
-    names = _imported_names(MODULES[module])
-    passes = sorted(f"{m}.{n}" for m, n in names if is_compiler_pass(getattr(importlib.import_module(m), n, None)))
-    driver = sorted(f"{m}.{n}" for m, n in names if m == DRIVER or f"{m}.{n}" == DRIVER)
-    assert not passes and not driver, (f"{module} imports compiler passes {passes} or the driver {driver}: the "
-                                       f"runtime interprets what the compiler made")
+    mod = importlib.import_module(module)
+    passes = [name for name, fn in inspect.getmembers(mod, inspect.isfunction) if is_compiler_pass(fn)]
+    assert not passes, f"{module} defines compiler passes {passes}: the format holds what passes make"
 
 
 def test_the_passes_are_marked():
@@ -113,10 +173,20 @@ def test_the_passes_are_marked():
     from meshpar.passes.compiler_pass import is_compiler_pass
     from meshpar.passes.pipeline_driver import compile_pipeline
     from meshpar.passes.pipeline.lowering.pipeline_program import lower_to_program
-    from meshpar.passes.pipeline.lowering.step_program import StepProgram, lower_step
+    from meshpar.passes.pipeline.lowering.step_program import lower_step
+    from meshpar.passes.program.step_instructions import StepProgram
 
     assert is_compiler_pass(compile_pipeline) and is_compiler_pass(lower_to_program) and is_compiler_pass(lower_step)
     assert not is_compiler_pass(StepProgram)
+
+
+def test_the_ir_scan_catches_compiler_ir():
+    # The rule above is vacuous if the scan misses a field naming IR: a made-up one is caught.
+    import dataclasses
+    import re
+
+    Leaky = dataclasses.make_dataclass("Leaky", [("stage", "Stage")], frozen=True)
+    assert any(re.search(rf"\b{f}\b", str(fld.type)) for fld in dataclasses.fields(Leaky) for f in FORBIDDEN_IR)
 
 
 def test_no_import_cycles():
@@ -157,7 +227,7 @@ def test_jax_internals_scan_sees_them():
 # The compiler's floors, lowest first: a module imports its own floor or lower ones, and the
 # shared base modules; the driver sits above them all. Inside the pipeline floor, its groups
 # follow the data flow the same way, above its shared primitives and options.
-FLOORS = ("model", "resharding", "pipeline", "simulation", "planning")
+FLOORS = ("program", "model", "resharding", "pipeline", "simulation", "planning")
 BASE = {"meshpar.passes.jax_ir", "meshpar.passes.compiler_pass", "meshpar.passes.verification", "meshpar.passes.policies"}
 PIPELINE_GROUPS = ("cutting", "scheduling", "placing", "lowering")
 PIPELINE_BASE = {"meshpar.passes.pipeline.step_primitives", "meshpar.passes.pipeline.pipeline_options"}
@@ -192,20 +262,3 @@ def test_floor_scan_sees_every_floor_and_group():
     seen = {_rank(m, FLOORS, 2) for m in MODULES} | {None}
     groups = {_rank(m, PIPELINE_GROUPS, 3) for m in MODULES if m.startswith("meshpar.passes.pipeline.")}
     assert seen >= set(range(len(FLOORS))) and groups >= set(range(len(PIPELINE_GROUPS)))
-
-
-def test_the_pipeline_program_holds_no_compiler_ir():
-    """The pipeline program hands the runtime plain values (each stage's mesh, the micro-batch
-    count, the schedule's edges), not the compiler's IR it was lowered from (issue 43: no
-    ``Stage``, ``StageOperand``, ``Placement``, ``OuterCompute`` or ``PipelineSchedule`` in the
-    format)."""
-    import re
-    import typing
-
-    from meshpar.passes.pipeline.lowering.pipeline_program import PipelineProgram
-
-    forbidden = ("Stage", "StageOperand", "Placement", "OuterCompute", "PipelineSchedule")
-    hints = {name: str(hint) for name, hint in typing.get_type_hints(PipelineProgram).items()}
-    holding = {name: hint for name, hint in hints.items() if any(re.search(rf"\b{f}\b", hint) for f in forbidden)}
-    assert not holding, f"PipelineProgram holds compiler IR: {holding}"
-    assert {"stage_mesh", "num_micro_batches", "edges", "split_backward"} <= set(hints)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .devices import DeviceKey, device_key
+from ..program.devices import DeviceKey, device_key
 
 __all__ = ["DeviceMesh"]
 

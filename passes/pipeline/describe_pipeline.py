@@ -11,12 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-
-from ..compiler_pass import compiler_pass
 from .. import jax_ir
-from .placing.edge_transfer import Direction
-from .cutting.stage_graph import RefKind
-from .cutting.step_split import OuterCompute, OuterKind, OuterMove
+from ..compiler_pass import compiler_pass
+from ..program.moves import Direction
+from ..program.step_values import OuterKind, RefKind
+from .cutting.step_split import OuterCompute, OuterMove
 
 __all__ = ["describe_pipeline"]
 

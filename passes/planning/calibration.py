@@ -23,14 +23,14 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from ..model.cluster import Cluster
-from ..pipeline.placing.edge_transfer import Direction, EdgeTransfer, TransferKind
 from ..pipeline.placing.plan_moves import resharding_task
 from ..pipeline.scheduling.pipeline_schedule import SCHEDULES
-from ..pipeline.scheduling.pipeline_tasks import TaskKind
+from ..program.moves import Direction, EdgeTransfer, TransferKind
+from ..program.tasks import TaskKind
+from ..program.timeline import Timeline
 from ..resharding.balancers import BALANCERS
 from ..resharding.plan_resharding import plan_resharding
 from ..resharding.strategies import STRATEGIES, Strategy
-from ..simulation.timeline import Timeline
 from .layer_profile import ModelProfile
 from .protocol import Hardware, PipelinePlan, Planner, StagePlan, first_devices
 

@@ -22,8 +22,9 @@ import numpy as np
 from .. import jax_ir
 from ..pipeline.cutting.jaxpr_flops import jaxpr_flops, jaxpr_ops
 from ..pipeline.cutting.layer_clustering import insert_layer_markers, max_layers
-from ..pipeline.cutting.stage_graph import RefKind, StageGraph, count_markers, split_stages
+from ..pipeline.cutting.stage_graph import StageGraph, count_markers, split_stages
 from ..pipeline.cutting.stage_parts import stage_parts
+from ..program.step_values import RefKind
 from .layer_profile import CrossingValue, LayerProfile, ModelProfile
 
 __all__ = ["AUTO_LAYERS", "profile_layers", "profile_loss"]

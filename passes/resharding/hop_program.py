@@ -32,80 +32,13 @@ import itertools
 import json
 
 from ..compiler_pass import compiler_pass
-from .resharding_plan import ReshardingPlan
-from .chains import Chain, split_box_exact
-from .transfer_program import pack_steps
+from ..program.resharding_programs import Box, Cut, Hop, HopProgram, Place
 from ..verification import PlanVerificationError
+from .chains import Chain, split_box_exact
+from .resharding_plan import ReshardingPlan
+from .transfer_program import pack_steps
 
-__all__ = ["Cut", "Hop", "HopProgram", "Place", "lower_to_hops", "replicate_scalar", "verify_hop_program"]
-
-Box = tuple[tuple[int, int], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Cut:
-    """Piece ``piece`` is sliced out of ``device``'s source tile at ``offset``."""
-
-    piece: int
-    device: int
-    offset: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Hop:
-    """Piece ``piece`` moves from ``src_device`` (which has it) to ``dst_device``."""
-
-    piece: int
-    src_device: int
-    dst_device: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Place:
-    """``device`` writes piece ``piece`` into its destination tile at ``offset``."""
-
-    piece: int
-    device: int
-    offset: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class HopProgram:
-    """Everything a point-to-point runtime needs to move one tensor.
-
-    Attributes:
-      shape: the global tensor shape (``()`` for a scalar).
-      piece_shapes: shape of each piece, indexed by piece id.
-      src_tiles, dst_tiles: per device id, its tile shape.
-      cuts: every piece's origin; one per piece.
-      steps: hops per step, in dispatch order; ``rounds[r]`` is the range of
-        step indices of plan round ``r``.
-      rounds: ``(first, last + 1)`` step indices per round.
-      places: per destination device, where each piece it receives goes.
-      fingerprint: identifies the data movement (equal on every process).
-    """
-
-    shape: tuple[int, ...]
-    piece_shapes: tuple[tuple[int, ...], ...]
-    src_tiles: tuple[tuple[int, tuple[int, ...]], ...]
-    dst_tiles: tuple[tuple[int, tuple[int, ...]], ...]
-    cuts: tuple[Cut, ...]
-    steps: tuple[tuple[Hop, ...], ...]
-    rounds: tuple[tuple[int, int], ...]
-    places: tuple[Place, ...]
-    fingerprint: str
-
-    @property
-    def num_hops(self) -> int:
-        return sum(len(s) for s in self.steps)
-
-    @property
-    def src_devices(self) -> tuple[int, ...]:
-        return tuple(d for d, _ in self.src_tiles)
-
-    @property
-    def dst_devices(self) -> tuple[int, ...]:
-        return tuple(d for d, _ in self.dst_tiles)
+__all__ = ["lower_to_hops", "replicate_scalar", "verify_hop_program"]
 
 
 def _fingerprint(program_doc: dict) -> str:

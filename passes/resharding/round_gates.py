@@ -21,28 +21,13 @@ Hosts are processes (one per host, each with its NIC); hops inside a host are ne
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from ..compiler_pass import compiler_pass
-from .hop_program import HopProgram
+from ..program.resharding_programs import Gate, HopProgram
 from ..verification import PlanVerificationError
 
-__all__ = ["Gate", "round_gates", "verify_round_gates"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Gate:
-    """Before round ``round``, the pieces ``pieces`` that ``src_device`` sends across hosts wait
-    for a token made of the arrivals ``arrivals`` ((device, piece) keys of earlier rounds, all
-    on host ``host``), gathered on ``collector`` (one of those devices)."""
-
-    round: int
-    host: int
-    arrivals: tuple[tuple[int, int], ...]
-    collector: int
-    src_device: int
-    pieces: tuple[int, ...]
+__all__ = ["round_gates", "verify_round_gates"]
 
 
 @compiler_pass

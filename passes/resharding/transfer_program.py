@@ -26,77 +26,16 @@ overlapping writes carry identical data.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from ..compiler_pass import compiler_pass
+from ..program.resharding_programs import Step, Transfer, TransferProgram
+from ..verification import PlanVerificationError
 from .chains import Chain, Split, split_box, split_box_exact
 from .resharding_plan import ReshardingPlan, ScheduledTask
 from .strategies import Strategy
-from ..verification import PlanVerificationError
 
-__all__ = ["Chain", "Transfer", "Step", "TransferProgram", "lower_plan", "pack_steps", "plan_chains", "split_box",
-           "split_box_exact", "verify_program"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Transfer:
-    """One box from one device to another.
-
-    Attributes:
-      src_device: sender's device id.
-      from_source: read from the sender's source tile (``True``) or from the
-        destination buffer it is filling (a relay, ``False``).
-      src_offset: box start inside that tile.
-      dst_device: receiver's device id; writes into its destination buffer.
-      dst_offset: box start inside the receiver's destination tile.
-      shape: box shape.
-    """
-
-    src_device: int
-    from_source: bool
-    src_offset: tuple[int, ...]
-    dst_device: int
-    dst_offset: tuple[int, ...]
-    shape: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    """Transfers that run together: no device sends twice or receives twice."""
-
-    transfers: tuple[Transfer, ...]
-
-    @property
-    def shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Distinct box shapes, in first-use order (one collective each)."""
-        return tuple(dict.fromkeys(t.shape for t in self.transfers))
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferProgram:
-    """Everything a runtime needs to move the tensor, device by device.
-
-    Attributes:
-      src_tile_shape, dst_tile_shape: per-device tile shapes (uniform: the
-        runtime needs layouts that divide the tensor).
-      src_devices, dst_devices: device ids of each mesh, in mesh order.
-      steps: run in sequence.
-      round_ends: index of the last step of each plan round.
-      fingerprint: the plan's fingerprint.
-    """
-
-    src_tile_shape: tuple[int, ...]
-    dst_tile_shape: tuple[int, ...]
-    src_devices: tuple[int, ...]
-    dst_devices: tuple[int, ...]
-    steps: tuple[Step, ...]
-    round_ends: tuple[int, ...]
-    fingerprint: str
-
-    @property
-    def num_transfers(self) -> int:
-        return sum(len(s.transfers) for s in self.steps)
+__all__ = ["Chain", "lower_plan", "pack_steps", "plan_chains", "split_box", "split_box_exact", "verify_program"]
 
 
 def plan_chains(t: ScheduledTask, strategy: Strategy, host_of: Callable[[int], int],

@@ -22,17 +22,16 @@ from collections.abc import Sequence
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ..compiler_pass import compiler_pass
 from .. import jax_ir
-from ..pipeline.placing.data_replicas import StageAccumulation
+from ..compiler_pass import compiler_pass
 from ..pipeline.cutting.jaxpr_flops import jaxpr_flops
-from ..pipeline.placing.drop_mesh_axis import spec_without
-from ..pipeline.placing.edge_transfer import Direction, EdgeTransfer
 from ..pipeline.pipeline_options import GradientReduction
+from ..pipeline.placing.drop_mesh_axis import spec_without
 from ..pipeline.placing.plan_moves import MOVE_EXECUTORS
+from ..program.moves import Direction, EdgeTransfer
+from ..program.stage_kernel import StageAccumulation, StageParts
 from .collectives import ring_all_reduce_s
 from .schedule_simulator import StageSeconds, TaskDurations
-from ..pipeline.cutting.stage_parts import StageParts
 
 __all__ = ["DEVICE_FLOPS", "compute_seconds", "transfer_seconds", "StageGradients",
            "stage_gradients", "estimate_durations"]

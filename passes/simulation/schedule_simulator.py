@@ -45,8 +45,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from ..pipeline.scheduling.pipeline_schedule import PipelineSchedule
-from ..pipeline.scheduling.pipeline_tasks import Task, TaskKind, task_dependencies
-from .timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
+from ..program.tasks import Task, TaskKind, task_dependencies
+from ..program.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 
 __all__ = ["StageSeconds", "TaskDurations", "SimulatedStep", "simulate", "stage_seconds_from",
            "transfer_seconds_from"]

@@ -23,9 +23,10 @@ from benchmarks.pipeline_cases import (
 )
 from benchmarks.pipeline_worker import schedule_spec
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import make_schedule
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
+from meshpar.passes.program.tasks import Task, TaskKind
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
-from meshpar.passes.simulation.timeline import Lane, LaneKind, TimelineEvent, timeline_of, write_chrome_trace
+from meshpar.passes.program.timeline import Lane, LaneKind, TimelineEvent, timeline_of
+from meshpar.passes.simulation.timeline import write_chrome_trace
 
 ROOT = ROOT_DIR
 F, B = TaskKind.FORWARD, TaskKind.BACKWARD

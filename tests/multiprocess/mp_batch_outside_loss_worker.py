@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import meshpar  # noqa: E402
 from examples.mlp import MLP  # noqa: E402
-from meshpar.passes.pipeline.lowering.step_program import FeedStages, PlaceInputs  # noqa: E402
+from meshpar.passes.program.step_instructions import MoveMicroBatches, PlaceInputs
 from meshpar.runtime.placement import put  # noqa: E402
 from pipeline_models import assert_local_shards_close, make_state  # noqa: E402
 
@@ -69,12 +69,12 @@ parallel = meshpar.parallelize(masked_step, method=meshpar.PipeshardParallel(
 # mask and y (read by the normaliser and the metric) also moved whole to the meshes reading them.
 compiled = parallel.get_compiled(state, batch)
 (placing,) = [ins for ins in compiled.step if isinstance(ins, PlaceInputs)]
-(feeding,) = [ins for ins in compiled.step if isinstance(ins, FeedStages)]
+feeding = [ins.batch for ins in compiled.step if isinstance(ins, MoveMicroBatches)]
 names = {i: jax.tree_util.keystr(path) for i, (path, _) in
          enumerate(jax.tree_util.tree_flatten_with_path((state, batch))[0]) if i >= len(jax.tree.leaves(state))}
 moved_whole = sorted(names[p.leaf] for p in placing.global_batches)
 assert moved_whole == ["[1]['mask']", "[1]['y']"], moved_whole
-assert sorted({names[f.leaf] for f in feeding.global_batches}) == ["[1]['mask']", "[1]['x']", "[1]['y']"], feeding
+assert sorted({names[f.leaf] for f in feeding}) == ["[1]['mask']", "[1]['x']", "[1]['y']"], feeding
 print(f"process {pid}: planned whole moves of {moved_whole} and micro-batch feeds", flush=True)
 par_state = state
 start = time.perf_counter()

@@ -26,7 +26,7 @@ import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
 from examples.u_transformer import UTransformer, ut_batch, ut_loss  # noqa: E402
-from meshpar.passes.pipeline.placing.edge_transfer import TransferKind  # noqa: E402
+from meshpar.passes.program.moves import TransferKind
 from meshpar.runtime.coordination import kv_client  # noqa: E402
 from pipeline_models import assert_steps_match, make_state  # noqa: E402
 

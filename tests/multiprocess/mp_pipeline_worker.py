@@ -31,7 +31,8 @@ import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.mlp import MLP  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
-from meshpar.passes.simulation.timeline import LaneKind, read_chrome_trace  # noqa: E402
+from meshpar.passes.program.timeline import LaneKind
+from meshpar.passes.simulation.timeline import read_chrome_trace
 from meshpar.runtime.coordination import CoordinationError, kv_client  # noqa: E402
 from pipeline_models import assert_local_shards_close, make_state, mse  # noqa: E402
 

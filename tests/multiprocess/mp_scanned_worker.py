@@ -31,7 +31,7 @@ from flax.training import train_state  # noqa: E402
 import meshpar  # noqa: E402
 from examples.gpt import GPT, gpt_batch, gpt_loss  # noqa: E402
 from examples.train_step import supervised_step  # noqa: E402
-from meshpar.passes.pipeline.placing.stacked_leaves import STACK_AXIS  # noqa: E402
+from meshpar.passes.program.stacked_leaves import STACK_AXIS
 from pipeline_models import NnxScannedStack, assert_local_shards_close, nnx_mse_step  # noqa: E402
 
 model = GPT(scan_layers=True, num_layers=8)

@@ -16,10 +16,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import meshpar
 from examples.mlp import MLP
-from meshpar.passes.pipeline.lowering.step_program import FeedStages, PlaceInputs
+from meshpar.passes.program.step_instructions import MoveMicroBatches, PlaceInputs
 from meshpar.passes.pipeline.placing import batch_rows
 from meshpar.passes.pipeline.placing.batch_rows import micro_batch_rows, verify_global_batch_placements
-from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
+from meshpar.passes.program.moves import TransferKind
 from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.placement import micro_batch_view
 from pipeline_models import assert_trees_close, make_state
@@ -111,13 +111,13 @@ def test_a_global_batch_read_outside_the_loss_is_moved_whole_by_planned_moves(mo
         num_micro_batches=4, num_stages=2, stage_mesh_shape=(4, 1), schedule="1f1b"))
     compiled = parallel.get_compiled(state, batch)
     (placing,) = [ins for ins in compiled.step if isinstance(ins, PlaceInputs)]
-    (feeding,) = [ins for ins in compiled.step if isinstance(ins, FeedStages)]
+    feeding = [ins.batch for ins in compiled.step if isinstance(ins, MoveMicroBatches)]
     leaves = jax.tree.leaves((state, batch))
     first = len(jax.tree.leaves(state))
     mask, x, y = first, first + 1, first + 2  # the batch's leaves, in key order
     batch_leaves = frozenset({mask, x, y})
     assert sorted(p.leaf for p in placing.global_batches) == [mask, y]
-    assert sorted({f.leaf for f in feeding.global_batches}) == [mask, x, y]
+    assert sorted({f.leaf for f in feeding}) == [mask, x, y]
     for p in placing.global_batches:
         assert p.placement == compiled.layout.in_placements[p.leaf] and p.source == rows
         assert all(compiled.moves.of(key).key.kind is TransferKind.P2P for key in p.moves)

@@ -3,7 +3,8 @@
 import pytest
 
 import meshpar.distributed
-from meshpar.passes.pipeline.placing.edge_transfer import Executor, TransferKind, choose_transfer
+from meshpar.passes.pipeline.placing.edge_transfer import Executor, choose_transfer
+from meshpar.passes.program.moves import TransferKind
 
 
 @pytest.mark.parametrize("executor, processes, ndim, expected", [

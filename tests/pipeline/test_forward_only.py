@@ -10,7 +10,7 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import FORWARD_ONLY_SCHEDULES, StagePlacement, make_schedule
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind
+from meshpar.passes.program.tasks import TaskKind
 from pipeline_models import MoveCounter, TensorParallel, TwoStages, assert_trees_close, make_state
 
 M = 4

@@ -11,8 +11,9 @@ import pytest
 import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
-from meshpar.passes.pipeline.lowering.fused_runs import RunFused, fuse_compute_runs
+from meshpar.passes.program.moves import TransferKind
+from meshpar.passes.program.pipeline_instructions import RunFused
+from meshpar.passes.pipeline.lowering.fused_runs import fuse_compute_runs
 from meshpar.passes.pipeline.lowering.pipeline_program import verify_pipeline_program
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
 from pipeline_models import assert_trees_close, make_state

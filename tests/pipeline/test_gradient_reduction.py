@@ -26,7 +26,7 @@ from examples.mlp import MLP
 from examples.train_step import supervised_step
 from examples.u_transformer import UTransformer, ut_batch, ut_loss
 from meshpar.passes.pipeline.placing.data_replicas import verify_data_replicas
-from meshpar.passes.pipeline.lowering.pipeline_program import ReduceGradients
+from meshpar.passes.program.pipeline_instructions import ReduceGradients
 from meshpar.passes.planning.hlo_collectives import CollectiveKind, collective_groups
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import assert_trees_close, make_state, mse, run_both

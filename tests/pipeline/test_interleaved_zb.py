@@ -16,7 +16,7 @@ from examples.train_step import supervised_step
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import (
     SCHEDULES, StagePlacement, check_stage_placement, make_schedule,
 )
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
+from meshpar.passes.program.tasks import Task, TaskKind
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 from pipeline_models import assert_trees_close, make_state, mse, run_both
 

@@ -16,7 +16,8 @@ from examples.mlp import MLP
 from examples.train_step import supervised_step
 from meshpar.passes.pipeline.cutting.layer_clustering import cut_positions, insert_layer_markers, max_layers
 from meshpar.passes.planning.planner_meshpar import Hardware
-from meshpar.passes.pipeline.cutting.stage_graph import RefKind, StageMarkerError, count_markers, split_stages
+from meshpar.passes.program.step_values import RefKind
+from meshpar.passes.pipeline.cutting.stage_graph import StageMarkerError, count_markers, split_stages
 from meshpar.planning import plan_parallelism
 from meshpar.passes.planning.profile_layers import AUTO_LAYERS
 from pipeline_models import assert_trees_close, make_state, mse

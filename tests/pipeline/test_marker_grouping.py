@@ -15,7 +15,8 @@ from examples.train_step import supervised_step
 from meshpar.autodiff import tracing_pipeline
 from meshpar.passes.pipeline.cutting.marker_grouping import (balanced_partition, group_markers, segment_flops,
                                                              verify_marker_grouping)
-from meshpar.passes.pipeline.cutting.stage_graph import MarkerGrouping, RefKind, StageMarkerError
+from meshpar.passes.pipeline.cutting.stage_graph import MarkerGrouping, StageMarkerError
+from meshpar.passes.program.step_values import RefKind
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import assert_trees_close, make_state, mse, run_both
 

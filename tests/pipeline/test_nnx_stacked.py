@@ -19,8 +19,8 @@ from flax import nnx
 import meshpar
 from meshpar.passes.pipeline.cutting import split_scans
 from meshpar.passes.pipeline.cutting.split_scans import layer_scans, split_layer_scans, verify_split_scans
-from meshpar.passes.pipeline.cutting.stage_graph import RefKind
-from meshpar.passes.pipeline.placing.edge_transfer import Direction, TransferKind
+from meshpar.passes.program.step_values import RefKind
+from meshpar.passes.program.moves import Direction, TransferKind
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import assert_trees_close
 

@@ -19,8 +19,10 @@ import meshpar
 from meshpar.autodiff import tracing_pipeline
 from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.cutting.split_conditionals import cut_cond, inline_fixed_calls, split_cond
-from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, split_stages
-from meshpar.passes.pipeline.cutting.step_split import OuterCompute, OuterKind, split_step
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, split_stages
+from meshpar.passes.program.step_values import RefKind
+from meshpar.passes.pipeline.cutting.step_split import OuterCompute, split_step
+from meshpar.passes.program.step_values import OuterKind
 from pipeline_models import TwoStages, assert_trees_close
 
 METHOD = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2, stage_mesh_shape=(2, 2))

@@ -6,13 +6,16 @@ import re
 import numpy as np
 import pytest
 
-from meshpar.passes.pipeline.placing.edge_transfer import Direction, EdgeTransfer, TransferKind
-from meshpar.passes.pipeline.lowering.pipeline_program import (BufferId, BufferKind, Free, Instruction, Recv,
-                                                      ReduceGradients, RunBackward, RunBackwardInput,
-                                                      RunBackwardWeight, RunForward, Send, lower_to_program,
-                                                      stage_io, verify_pipeline_program as verify)
+from meshpar.passes.program.moves import Direction, EdgeTransfer, TransferKind
+from meshpar.passes.program.pipeline_instructions import (
+    BufferId, BufferKind, Free, Instruction, Recv, ReduceGradients, RunBackward, RunBackwardInput, RunBackwardWeight,
+    RunForward, Send,
+)
+from meshpar.passes.pipeline.lowering.pipeline_program import (
+    lower_to_program, stage_io, verify_pipeline_program as verify,
+)
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind
+from meshpar.passes.program.tasks import TaskKind
 from meshpar.passes.verification import PlanVerificationError
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT

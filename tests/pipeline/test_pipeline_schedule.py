@@ -4,7 +4,7 @@ import pytest
 
 from meshpar.passes.pipeline.scheduling.dependency_graph import dependency_graph, verify_acyclic
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
+from meshpar.passes.program.tasks import Task, TaskKind
 from meshpar.passes.verification import PlanVerificationError
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT

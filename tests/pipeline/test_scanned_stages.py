@@ -15,8 +15,8 @@ from flax.training import train_state
 import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.placing.stacked_leaves import STACK_AXIS
-from meshpar.passes.pipeline.cutting.stage_graph import RefKind
+from meshpar.passes.program.stacked_leaves import STACK_AXIS
+from meshpar.passes.program.step_values import RefKind
 from pipeline_models import NnxScannedStack, assert_trees_close, mse, nnx_mse_step, run_both
 
 L = 8

@@ -16,7 +16,7 @@ from examples.train_step import supervised_step
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import (
     SCHEDULES, StagePlacement, check_stage_placement, make_schedule,
 )
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
+from meshpar.passes.program.tasks import Task, TaskKind
 from meshpar.passes.pipeline.scheduling.schedule_csv import (
     format_schedule_csv, load_schedule_csv, parse_schedule_csv, save_schedule_csv,
 )

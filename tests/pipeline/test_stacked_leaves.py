@@ -14,8 +14,10 @@ import meshpar
 from meshpar.autodiff import tracing_pipeline
 from meshpar.passes import jax_ir
 from meshpar.passes.pipeline_driver import state_counterparts
-from meshpar.passes.pipeline.placing.stacked_leaves import (LeafPieces, split_stacked_leaves, stacked_arrays,
-                                                            stacked_params, take_pieces, verify_leaf_pieces)
+from meshpar.passes.program.stacked_leaves import LeafPieces
+from meshpar.passes.pipeline.placing.stacked_leaves import (
+    split_stacked_leaves, stacked_arrays, stacked_params, take_pieces, verify_leaf_pieces,
+)
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 from meshpar.passes.verification import PlanVerificationError
 

@@ -9,8 +9,10 @@ import pytest
 
 import meshpar
 from meshpar.passes import jax_ir
-from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, Stage, split_stages
-from meshpar.passes.pipeline.cutting.stage_parts import StageParts, stage_parts, verify_stage_parts
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, Stage, split_stages
+from meshpar.passes.program.step_values import RefKind
+from meshpar.passes.program.stage_kernel import StageParts
+from meshpar.passes.pipeline.cutting.stage_parts import stage_parts, verify_stage_parts
 from meshpar.passes.verification import PlanVerificationError
 
 F32 = jnp.float32

@@ -11,12 +11,12 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.cutting.micro_batching import AuxReduction
-from meshpar.passes.pipeline.lowering.step_program import (
+from meshpar.passes.program.step_values import AuxReduction
+from meshpar.passes.program.step_instructions import (
     AssembleOutputs, CombineMicroBatches, PlaceInputs, ReduceGradient, RunCompute, RunPipeline, ShareOutputs,
-    verify_step_program,
 )
-from meshpar.passes.pipeline.cutting.step_split import OuterKind
+from meshpar.passes.pipeline.lowering.step_program import verify_step_program
+from meshpar.passes.program.step_values import OuterKind
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import aux_sum_step, make_state, mse, regression_batch
 
@@ -77,7 +77,7 @@ def test_verifier_rejects_a_second_reduction_a_read_too_early_a_second_pipeline_
     with pytest.raises(PlanVerificationError, match="reduced exactly once"):
         _verify(compiled, ins[:first_grad] + [ins[first_grad]] + ins[first_grad:])
     reads_grad = next(k for k, i in enumerate(ins) if isinstance(i, RunCompute)
-                      and any(r.kind is OuterKind.GRAD for r in i.compute.inputs))
+                      and any(r.kind is OuterKind.GRAD for r in i.inputs))
     early = ins[:first_grad] + [ins[reads_grad]] + [i for k, i in enumerate(ins[first_grad:], first_grad) if k != reads_grad]
     with pytest.raises(PlanVerificationError, match="before it is made there"):
         _verify(compiled, early)

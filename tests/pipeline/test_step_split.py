@@ -11,10 +11,12 @@ import pytest
 
 import meshpar
 from meshpar.autodiff import tracing_pipeline
-from meshpar.passes.pipeline.cutting.micro_batching import AuxReduction, default_aux_reduction, key_operands
-from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, split_stages
-from meshpar.passes.pipeline.cutting.step_split import (OuterCompute, OuterKind, OuterMove, OuterRef, split_step,
-                                                        verify_step_split)
+from meshpar.passes.program.step_values import AuxReduction
+from meshpar.passes.pipeline.cutting.micro_batching import default_aux_reduction, key_operands
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, split_stages
+from meshpar.passes.program.step_values import RefKind
+from meshpar.passes.pipeline.cutting.step_split import OuterCompute, OuterMove, split_step, verify_step_split
+from meshpar.passes.program.step_values import OuterKind, OuterRef
 from meshpar.passes.verification import PlanVerificationError
 
 

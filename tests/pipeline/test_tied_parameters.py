@@ -8,7 +8,7 @@ import pytest
 import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.lowering.step_program import ReduceGradient
+from meshpar.passes.program.step_instructions import ReduceGradient
 from pipeline_models import assert_trees_close, make_state, run_both
 
 

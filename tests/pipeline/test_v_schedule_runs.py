@@ -7,7 +7,7 @@ import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
 from examples.u_transformer import UTransformer, ut_batch, ut_loss
-from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
+from meshpar.passes.program.moves import TransferKind
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES
 from pipeline_models import assert_trees_close, make_state, run_both
 

@@ -13,7 +13,7 @@ from repo_paths import TESTS_DIR
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import (
     SCHEDULES, StagePlacement, check_stage_placement, make_schedule,
 )
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
+from meshpar.passes.program.tasks import Task, TaskKind
 from meshpar.passes.pipeline.scheduling.v_schedules import dualpipev_overlapped_pairs
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
 

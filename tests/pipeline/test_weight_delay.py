@@ -12,10 +12,11 @@ from jax.sharding import Mesh
 
 from meshpar.passes.pipeline.cutting.jaxpr_flops import jaxpr_flops
 from meshpar.passes.simulation.cost_model import DEVICE_FLOPS, estimate_durations
-from meshpar.passes.pipeline.placing.edge_transfer import Direction, EdgeTransfer, TransferKind
+from meshpar.passes.program.moves import Direction, EdgeTransfer, TransferKind
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
 from meshpar.passes.simulation.schedule_simulator import StageSeconds, TaskDurations, simulate
-from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, Stage
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, Stage
+from meshpar.passes.program.step_values import RefKind
 from meshpar.passes.pipeline.cutting.stage_parts import stage_parts
 from meshpar.passes.simulation.weight_delay import check_weight_delay, max_delay, weight_delays
 

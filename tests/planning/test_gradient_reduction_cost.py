@@ -14,8 +14,9 @@ from jax.sharding import Mesh
 
 from meshpar.passes.pipeline.pipeline_options import GradientReduction
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind, task_dependencies
-from meshpar.passes.pipeline.cutting.stage_graph import Ref, RefKind, Stage
+from meshpar.passes.program.tasks import TaskKind, task_dependencies
+from meshpar.passes.pipeline.cutting.stage_graph import Ref, Stage
+from meshpar.passes.program.step_values import RefKind
 from meshpar.passes.pipeline.cutting.stage_parts import stage_parts
 from meshpar.passes.simulation.collectives import ring_all_reduce_s
 from meshpar.passes.simulation.cost_model import StageGradients, estimate_durations

@@ -6,11 +6,11 @@ import random
 import pytest
 
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import SCHEDULES, make_schedule
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind, task_dependencies
+from meshpar.passes.program.tasks import Task, TaskKind, task_dependencies
 from meshpar.passes.simulation.schedule_simulator import (
     StageSeconds, TaskDurations, simulate, stage_seconds_from, transfer_seconds_from,
 )
-from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, TimelineEvent
+from meshpar.passes.program.timeline import Lane, LaneKind, Timeline, TimelineEvent
 from meshpar.passes.simulation.weight_delay import max_delay, weight_delays
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import meshpar
-from meshpar.passes.model.devices import device_key, device_name, distinct_devices, planner_ids
-from meshpar.passes.pipeline.placing.edge_transfer import MoveKey, TransferKind
+from meshpar.passes.program.devices import device_key, device_name, distinct_devices, planner_ids
+from meshpar.passes.program.moves import MoveKey, TransferKind
 from meshpar.passes.pipeline.placing.plan_moves import MoveOptions, plan_move
 from meshpar.passes.resharding.hop_program import verify_hop_program
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from meshpar.passes import STRATEGIES, PlanVerificationError, plan_resharding
-from meshpar.passes.resharding.hop_program import Hop, lower_to_hops, replicate_scalar, verify_hop_program
+from meshpar.passes.program.resharding_programs import Hop
+from meshpar.passes.resharding.hop_program import lower_to_hops, replicate_scalar, verify_hop_program
 from meshpar.passes.resharding.transfer_program import split_box_exact
 from random_tasks import random_task
 

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.pipeline.placing.edge_transfer import TransferKind
+from meshpar.passes.program.moves import TransferKind
 from meshpar.passes.pipeline.placing.plan_moves import (
-    MOVE_EXECUTORS, MoveKey, MoveOptions, PlannedMove, plan_move, plan_moves, verify_planned_move,
+    MOVE_EXECUTORS, MoveKey, MoveOptions, move_plan, plan_move, plan_moves, verify_planned_move,
 )
+from meshpar.passes.program.moves import PlannedMove
 from meshpar.passes.resharding.strategies import STRATEGIES
-from meshpar.passes.resharding.hop_program import HopProgram
-from meshpar.passes.resharding.transfer_program import TransferProgram
+from meshpar.passes.program.resharding_programs import HopProgram
+from meshpar.passes.program.resharding_programs import TransferProgram
 from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.move_handlers import MOVE_HANDLERS, prepare_move
 
@@ -35,17 +36,22 @@ def test_every_transfer_kind_has_an_executor_and_a_handler():
 
 def test_each_executor_lowers_what_it_runs():
     p2p = plan_move(_key(TransferKind.P2P), MoveOptions())
-    assert isinstance(p2p.program, HopProgram) and p2p.plan is not None and p2p.fingerprint
+    plan = move_plan(_key(TransferKind.P2P), MoveOptions())
+    assert isinstance(p2p.program, HopProgram) and plan is not None and p2p.fingerprint
+    assert p2p.summary() == f"p2p: {plan.summary()}"
     collective = plan_move(_key(TransferKind.COLLECTIVE), MoveOptions())
     assert isinstance(collective.program, TransferProgram)
-    assert collective.fingerprint == collective.plan.fingerprint
-    scalar = plan_move(_key(TransferKind.P2P, shape=(), src_spec=P(), dst_spec=P()), MoveOptions())
-    assert scalar.plan is None and isinstance(scalar.program, HopProgram)
+    assert collective.fingerprint == move_plan(_key(TransferKind.COLLECTIVE), MoveOptions()).fingerprint
+    scalar_key = _key(TransferKind.P2P, shape=(), src_spec=P(), dst_spec=P())
+    scalar = plan_move(scalar_key, MoveOptions())
+    assert move_plan(scalar_key, MoveOptions()) is None and isinstance(scalar.program, HopProgram)
+    assert scalar.summary() == "p2p: a scalar, replicated to every device"
     signal = plan_move(_key(TransferKind.SIGNAL), MoveOptions())
     assert signal.carry is not None and signal.carry.key.kind is TransferKind.DEVICE_PUT
     assert signal.carry.key.shape == () and signal.carry.key.dtype == np.uint8
-    local = plan_move(_key(TransferKind.LOCAL, same_mesh=True), MoveOptions())
-    assert local.plan is None and local.program is None and local.fingerprint is None
+    local_key = _key(TransferKind.LOCAL, same_mesh=True)
+    local = plan_move(local_key, MoveOptions())
+    assert move_plan(local_key, MoveOptions()) is None and local.program is None and local.fingerprint is None
     device_put = plan_move(_key(TransferKind.DEVICE_PUT), MoveOptions())
     assert device_put.program is None and device_put.fingerprint is None
     assert "across processes the plan is" in device_put.summary()
@@ -56,8 +62,8 @@ def test_each_executor_lowers_what_it_runs():
 def test_the_strategy_reaches_the_plan():
     for name in ("broadcast", "send_recv"):
         strategy = STRATEGIES[name]
-        move = plan_move(_key(TransferKind.P2P), MoveOptions(strategy=strategy))
-        assert move.plan.strategy is strategy
+        assert move_plan(_key(TransferKind.P2P), MoveOptions(strategy=strategy)).strategy is strategy
+        assert f"{name}/" in plan_move(_key(TransferKind.P2P), MoveOptions(strategy=strategy)).summary()
 
 
 def test_plan_moves_plans_each_distinct_move_once():
@@ -81,7 +87,7 @@ def test_verifier_rejects_a_move_without_what_its_executor_runs(broken, match):
 
 def test_a_local_move_between_two_meshes_is_rejected():
     with pytest.raises(PlanVerificationError, match="local move .* between two meshes"):
-        verify_planned_move(PlannedMove(_key(TransferKind.LOCAL)))
+        verify_planned_move(PlannedMove(_key(TransferKind.LOCAL), "local: both stages on one mesh, no move"))
 
 
 @pytest.mark.parametrize("kind", [TransferKind.DEVICE_PUT, TransferKind.P2P, TransferKind.COLLECTIVE,

@@ -10,9 +10,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import meshpar
-from meshpar.passes.pipeline.placing.plan_moves import TransferOrder
+from meshpar.passes.program.moves import TransferOrder
 from meshpar.passes.resharding.hop_program import lower_to_hops
-from meshpar.passes.resharding.round_gates import Gate, round_gates, verify_round_gates
+from meshpar.passes.program.resharding_programs import Gate
+from meshpar.passes.resharding.round_gates import round_gates, verify_round_gates
 from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.p2p_executor import P2PReshardExecutable
 

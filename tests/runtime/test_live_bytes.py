@@ -9,8 +9,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.lowering.pipeline_program import BufferKind
-from meshpar.passes.simulation.live_bytes import LiveBytes, MemoryProfile, predict_live_bytes
+from meshpar.passes.program.pipeline_instructions import BufferKind
+from meshpar.passes.program.live_bytes import LiveBytes, MemoryProfile
+from meshpar.passes.simulation.live_bytes import predict_live_bytes
 from meshpar.runtime.live_bytes_meter import device_bytes
 from pipeline_models import make_state, mse
 

@@ -20,11 +20,13 @@ import pytest
 
 import meshpar
 from examples.mlp import MLP
-from meshpar.passes.pipeline.lowering.pipeline_program import (BufferId, BufferKind, Instruction, PipelineProgram,
-                                                               verify_pipeline_program)
-from meshpar.passes.pipeline.cutting.step_split import OuterKind, OuterRef
-from meshpar.passes.pipeline.lowering.step_program import AssembleOutputs, StepInstruction, verify_step_program
-from meshpar.passes.simulation.live_bytes import MemoryProfile, predict_live_bytes
+from meshpar.passes.program.pipeline_instructions import BufferId, BufferKind, Instruction, PipelineProgram
+from meshpar.passes.pipeline.lowering.pipeline_program import verify_pipeline_program
+from meshpar.passes.program.step_values import OuterKind, OuterRef
+from meshpar.passes.program.step_instructions import AssembleOutputs, StepInstruction
+from meshpar.passes.pipeline.lowering.step_program import verify_step_program
+from meshpar.passes.program.live_bytes import MemoryProfile
+from meshpar.passes.simulation.live_bytes import predict_live_bytes
 from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.program_interpreter import HANDLERS, ProgramInterpreter, register_handler
@@ -130,7 +132,7 @@ def test_a_kind_with_no_handler_is_refused_naming_it():
 def test_registering_refuses_a_second_handler_and_what_is_not_an_instruction(registered):
     with pytest.raises(ValueError, match="Scale has a handler already"):
         register_handler(Scale, scale)
-    from meshpar.passes.pipeline.lowering.pipeline_program import Send
+    from meshpar.passes.program.pipeline_instructions import Send
     with pytest.raises(ValueError, match="Send has a handler already"):
         register_handler(Send, scale)
     with pytest.raises(TypeError, match="not an Instruction subclass"):

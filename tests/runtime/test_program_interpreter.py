@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar.passes.pipeline.placing.edge_transfer import Direction, EdgeTransfer, TransferKind
-from meshpar.passes.pipeline.lowering.pipeline_program import (
-    BufferKind, Free, PipelineProgram, RunForward, lower_to_program, stage_io,
-)
+from meshpar.passes.program.moves import Direction, EdgeTransfer, TransferKind
+from meshpar.passes.program.pipeline_instructions import BufferKind, Free, PipelineProgram, RunForward
+from meshpar.passes.pipeline.lowering.pipeline_program import lower_to_program, stage_io
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import make_schedule
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind
+from meshpar.passes.program.tasks import TaskKind
 from meshpar.runtime.program_interpreter import InstructionError, ProgramInterpreter, StageInputs
 
 
@@ -149,7 +148,7 @@ def test_reading_a_freed_buffer_names_the_instruction():
 
 
 def test_a_program_with_a_kind_the_interpreter_cannot_run_is_refused_naming_it():
-    from meshpar.passes.pipeline.lowering.pipeline_program import Instruction
+    from meshpar.passes.program.pipeline_instructions import Instruction
 
     @dataclasses.dataclass(frozen=True)
     class Peek(Instruction):

@@ -2,6 +2,8 @@
 jax.jit on one device, to the pipeline runtime running the same step, with keys folded as the
 pipeline folds them, and placed so that a step's outputs feed the next without moving."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,13 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import meshpar
+from meshpar.autodiff import tracing_pipeline
+from meshpar.passes import jax_ir
+from meshpar.passes.pipeline.cutting.micro_batching import resolve_micro_batching
+from meshpar.passes.pipeline.lowering.spmd_program import lower_spmd_step, verify_spmd_step
+from meshpar.passes.pipeline.step_primitives import pipeline_grad_p, stage_boundary_p
 from meshpar.passes.planning.hlo_collectives import CollectiveKind, collectives
+from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.spmd_step import SpmdStep
 from pipeline_models import assert_trees_close
 
@@ -157,3 +165,40 @@ def test_steps_after_the_first_skip_meshpar_s_own_placement_and_fall_back_where_
     one, one_loss, _ = single(one, extra, key)
     ref, ref_loss, _ = reference(ref, extra, key)
     np.testing.assert_allclose(float(one_loss), float(ref_loss), rtol=1e-5)
+
+
+def test_lower_spmd_step_leaves_plain_jax_equal_to_jit_with_keys_folded():
+    """The pass alone: the traced step, its gradient equation and stage markers lowered away,
+    evaluates (no meshpar runtime) to jax.jit of the user's step with the dropout key folded
+    with micro-batch 0's index; two micro-batches are refused, and the verifier refuses the
+    traced step itself."""
+    batch, key = _batch(), jax.random.key(3)
+    state = _state(batch)
+    leaves, in_tree = jax.tree.flatten((state, batch, key))
+    with tracing_pipeline():
+        traced = jax.make_jaxpr(lambda *ls: _step(*jax.tree.unflatten(in_tree, ls)))(*leaves)
+    (grad,) = [e for e in traced.jaxpr.eqns if e.primitive is pipeline_grad_p]
+    operands = [v.aval for v in grad.invars[grad.params["num_diff"]:]]
+    aux = [v.aval for v in grad.outvars[1:1 + grad.params["num_aux"]]]
+    micro_batching = resolve_micro_batching(grad.params, operands, operands, aux, 1)
+    assert micro_batching.fold_keys, "the loss reads the dropout key: the pass must fold it"
+
+    lowered = lower_spmd_step(traced, micro_batching)
+    verify_spmd_step(traced, lowered)
+
+    def primitives(jaxpr):
+        for e in jaxpr.eqns:
+            yield e.primitive
+            for sub in jax_ir.nested_jaxprs(e):
+                yield from primitives(sub)
+
+    assert not {p.name for p in primitives(lowered.jaxpr)} & {pipeline_grad_p.name, stage_boundary_p.name}
+    assert not lowered.jaxpr.effects
+    got = jax.tree.unflatten(jax.tree.structure(_step(state, batch, key)), jax_ir.jaxpr_as_fun(lowered)(*leaves))
+    ref = jax.jit(lambda s, b, k: _step(s, b, jax.random.fold_in(k, 0)))(state, batch, key)
+    assert_trees_close(got, ref)
+
+    with pytest.raises(ValueError, match="micro_batching"):
+        lower_spmd_step(traced, dataclasses.replace(micro_batching, num_micro_batches=2))
+    with pytest.raises(PlanVerificationError, match="meshpar_pipeline_grad"):
+        verify_spmd_step(traced, traced)

@@ -14,11 +14,12 @@ import pytest
 import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
-from meshpar.passes.pipeline.placing.edge_transfer import Direction
-from meshpar.passes.pipeline.lowering.pipeline_program import RunForward
+from meshpar.passes.program.moves import Direction
+from meshpar.passes.program.pipeline_instructions import RunForward
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import PipelineSchedule
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import TaskKind, task_dependencies
-from meshpar.passes.simulation.timeline import Lane, LaneKind, Timeline, read_chrome_trace
+from meshpar.passes.program.tasks import TaskKind, task_dependencies
+from meshpar.passes.program.timeline import Lane, LaneKind, Timeline
+from meshpar.passes.simulation.timeline import read_chrome_trace
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.step_trace import StepRecorder
 from pipeline_models import assert_trees_close, make_state, mse

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from meshpar.passes.pipeline.scheduling.pipeline_tasks import Task, TaskKind
+from meshpar.passes.program.tasks import Task, TaskKind
+from meshpar.passes.program.timeline import Lane, LaneKind, Timeline, TimelineEvent, timeline_of
 from meshpar.passes.simulation.timeline import (
-    Lane, LaneKind, Timeline, TimelineEvent, chrome_trace, clip_to_dependencies, merge_timelines, read_chrome_trace, timeline_of,
-    write_chrome_trace,
+    chrome_trace, clip_to_dependencies, merge_timelines, read_chrome_trace, write_chrome_trace,
 )
 
 F, A = TaskKind.FORWARD, TaskKind.SEND_ACT

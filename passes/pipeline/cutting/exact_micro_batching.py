@@ -30,13 +30,15 @@ import jax
 import numpy as np
 from jax.extend.core import primitives as prims
 
-from ...compiler_pass import compiler_pass
 from ... import jax_ir
+from ...compiler_pass import compiler_pass
+from ...program.step_values import AuxReduction
 from ...verification import PlanVerificationError
 from ..step_primitives import pipeline_grad_p
-from .micro_batching import AuxReduction, LossReduction, MicroBatching, default_aux_reduction
-from .row_kinds import (InexactReduction, LiteralEdit, OperandPath, RowKind, RowKinds, StructureMismatch,
-                        analyze_row_kinds, row_axis)
+from .micro_batching import LossReduction, MicroBatching, default_aux_reduction
+from .row_kinds import (
+    InexactReduction, LiteralEdit, OperandPath, RowKind, RowKinds, StructureMismatch, analyze_row_kinds, row_axis,
+)
 
 __all__ = ["ExactMicroBatching", "MicroBatchedStep", "MicroBatchingWarning", "hoist_into_step", "micro_batch_step",
            "plan_exact_micro_batching", "rewrite_loss", "verify_rewritten_loss"]

@@ -8,29 +8,20 @@ holds the rules the compiler applies.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ... import jax_ir
 from ...compiler_pass import compiler_pass
 from ...policies import Policy
-from ... import jax_ir
+from ...program.step_values import AuxReduction
+from ...program.wire_format import is_key
 
-__all__ = ["REDUCTIONS", "AuxReduction", "LossReduction", "MicroBatching", "default_aux_reduction", "is_key",
-           "key_operands", "resolve_micro_batching"]
-
-
-class AuxReduction(enum.Enum):
-    """How an aux leaf's per-micro-batch values combine into the step's value."""
-
-    MEAN = "mean"
-    SUM = "sum"
-    LAST = "last"  # the last micro-batch's value
-    CONCAT = "concat"  # concatenated along dimension 0, in micro-batch order
+__all__ = ["REDUCTIONS", "LossReduction", "MicroBatching", "default_aux_reduction", "key_operands",
+           "resolve_micro_batching"]
 
 
 class LossReduction(Policy):
@@ -57,11 +48,6 @@ class LossReduction(Policy):
 
 # What the user may pass as ``reduction`` (besides ``None``).
 REDUCTIONS = LossReduction.names()
-
-
-def is_key(aval: jax_ir.AbstractValue) -> bool:
-    """Whether ``aval`` is a typed PRNG key array (``jax.random.key``)."""
-    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
 
 
 def default_aux_reduction(micro: jax_ir.AbstractValue, whole: jax_ir.AbstractValue) -> AuxReduction:

@@ -12,7 +12,6 @@ inputs: the transposed markers.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import importlib.util
 import os
 from collections.abc import Iterable, Sequence
@@ -21,28 +20,17 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core.primitives import cond_p, remat_p, scan_p, while_p
 
-from ...compiler_pass import compiler_pass
 from ... import jax_ir
+from ...compiler_pass import compiler_pass
+from ...program.step_values import RefKind
 from ..step_primitives import stage_boundary_p
 
-__all__ = ["MarkerGrouping", "Ref", "RefKind", "Stage", "StageGraph", "StageMarkerError", "count_markers",
-           "first_user_frame", "is_differentiable", "split_stages", "user_location", "verify_stage_graph"]
-
+__all__ = ["MarkerGrouping", "Ref", "Stage", "StageGraph", "StageMarkerError", "count_markers", "first_user_frame",
+           "is_differentiable", "split_stages", "user_location", "verify_stage_graph"]
 
 
 class StageMarkerError(ValueError):
     """A stage marker where the compiler cannot cut, or too few of them."""
-
-
-class RefKind(enum.Enum):
-    """What a ``Ref`` names: a differentiated leaf, another operand, or a stage's output."""
-
-    PARAM = "param"
-    INPUT = "input"
-    ACT = "act"
-
-    def __lt__(self, other: RefKind) -> bool:
-        return self.value < other.value
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -23,71 +23,18 @@ cotangents at once) or wholly in W.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
 
-from ...compiler_pass import compiler_pass
 from ... import jax_ir
-from .stage_graph import RefKind, Stage, is_differentiable
+from ...compiler_pass import compiler_pass
+from ...program.stage_kernel import StageParts
+from ...program.step_values import RefKind
 from ...verification import PlanVerificationError
+from .stage_graph import Stage, is_differentiable
 
-__all__ = ["StageParts", "stage_parts", "verify_stage_parts"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StageParts:
-    """Compute parts of forward stage ``stage``; R residuals, S weight-state values.
-
-    Attributes:
-      forward: ``(*diff_inputs, *other_inputs) -> (*outputs, *residuals)``.
-      backward: ``(*residuals, *output_cotangents) -> (*act_cotangents, *param_cotangents)``;
-        output cotangents are those of the ``diff_outputs`` slots, in order.
-      backward_input: B, ``(*residuals, *output_cotangents) -> (*act_cotangents, *weight_state)``.
-      backward_weight: W, ``(*weight_state) -> (*param_cotangents)``.
-      diff_inputs: positions in ``stage.inputs`` of the ``param`` refs and the floating
-        ``act`` refs, in order.
-      other_inputs: positions of the rest (integer, bool and key activations included), in order.
-      act_inputs, param_inputs: positions of the differentiated ``act`` resp. ``param`` refs;
-        the cotangents come in this order, activations first.
-      diff_outputs: output slots with a cotangent (``StageGraph.differentiated_slots``);
-        the others (aux-only values, integer, bool and key values) have none, so no
-        ``float0`` value is ever built, let alone moved.
-    """
-
-    stage: int
-    forward: jax_ir.ClosedJaxpr
-    backward: jax_ir.ClosedJaxpr
-    backward_input: jax_ir.ClosedJaxpr
-    backward_weight: jax_ir.ClosedJaxpr
-    diff_inputs: tuple[int, ...]
-    other_inputs: tuple[int, ...]
-    act_inputs: tuple[int, ...]
-    param_inputs: tuple[int, ...]
-    diff_outputs: tuple[int, ...]
-    num_outputs: int
-    num_residuals: int
-    num_weight_state: int
-
-    @property
-    def num_act_cotangents(self) -> int:
-        return len(self.act_inputs)
-
-    @property
-    def num_param_cotangents(self) -> int:
-        return len(self.param_inputs)
-
-    @property
-    def forwarded_state(self) -> tuple[int | None, ...]:
-        """Per weight-state value, the B input it merely forwards, else None.
-
-        A jitted B copies an input it returns (JAX 0.10 does not alias them),
-        so a runtime may hand W those inputs itself and skip the copy.
-        """
-        jaxpr = self.backward_input.jaxpr
-        where = {v: k for k, v in enumerate(jaxpr.invars)}
-        return tuple(where.get(v) for v in jaxpr.outvars[self.num_act_cotangents:])
+__all__ = ["stage_parts", "verify_stage_parts"]
 
 
 def _positions(stage: Stage) -> tuple[tuple[int, ...], ...]:

@@ -26,7 +26,6 @@ out of it, packed into one transfer per pair of meshes and dtype. Every process 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 import sys
 import sysconfig
@@ -35,51 +34,19 @@ from typing import Any, Union
 
 import numpy as np
 
-from ...compiler_pass import compiler_pass
 from ... import jax_ir
-from .micro_batching import is_key
+from ...compiler_pass import compiler_pass
+from ...program.step_values import OuterKind, OuterRef
+from ...program.wire_format import is_key
+from ..step_primitives import pipeline_grad_p
 from .split_conditionals import cut_cond, inline_fixed_calls, split_cond
 from .stage_graph import first_user_frame, user_location
-from ..step_primitives import pipeline_grad_p
 
-__all__ = ["OuterKind", "OuterRef", "OuterCompute", "OuterMove", "StepSplit", "split_step", "verify_step_split", "GradCallError"]
-
+__all__ = ["OuterCompute", "OuterMove", "StepSplit", "split_step", "verify_step_split", "GradCallError"]
 
 
 class GradCallError(ValueError):
     """The step's use of ``meshpar.value_and_grad`` cannot be pipelined."""
-
-
-class OuterKind(enum.Enum):
-    """What an ``OuterRef`` names (see there)."""
-
-    IN = "in"
-    CONST = "const"
-    LITERAL = "literal"
-    LOSS = "loss"
-    AUX = "aux"
-    GRAD = "grad"
-    VALUE = "value"
-
-    # Members are singletons: hashing by identity is exact and costs the runtime no Python call
-    # (a step looks values up by ``OuterRef`` hundreds of times).
-    __hash__ = object.__hash__
-
-    def __lt__(self, other: OuterKind) -> bool:
-        return self.value < other.value
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class OuterRef:
-    """A value of the traced step: ``IN`` (step input leaf), ``CONST``, ``LITERAL`` (an
-    output that is a literal), ``LOSS``, ``AUX`` or ``GRAD`` (outputs of the gradient
-    equation, ``index``-th leaf), or ``VALUE`` (the ``index``-th other computed value)."""
-
-    kind: OuterKind
-    index: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind.value}{self.index}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,72 +29,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from ...compiler_pass import compiler_pass
-from ..placing.edge_transfer import TransferKind
-from .pipeline_program import BufferId, Instruction, PipelineProgram, Recv, Send
-from ..scheduling.pipeline_tasks import Task
+from ...program.moves import TransferKind
+from ...program.pipeline_instructions import BufferId, Instruction, LocalMove, PipelineProgram, Recv, RunFused, Send
 
-__all__ = ["LocalMove", "RunFused", "fuse_compute_runs"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalMove:
-    """A move between two stages of one mesh inside a fused program: ``into`` is ``source`` laid
-    out as transfer ``transfer`` delivers it."""
-
-    transfer: int
-    source: BufferId
-    into: BufferId
-
-
-@dataclasses.dataclass(frozen=True)
-class RunFused(Instruction):
-    """``members`` (compute instructions of one mesh, in order) run as one program.
-
-    Attributes:
-      members: what the program computes, in order; each reads the buffers its fields name.
-      moves: the local moves between members the program makes inside itself, each after the
-        member writing its source.
-      inputs: buffers it reads that were live before it.
-      outputs: buffers its members (or its moves) write that outlive it.
-      dropped: buffers live before it that it frees (their last reader is a member).
-      internal: buffers written and freed inside it (never materialised as buffers).
-    """
-
-    members: tuple[Instruction, ...]
-    moves: tuple[LocalMove, ...]
-    inputs: tuple[BufferId, ...]
-    outputs: tuple[BufferId, ...]
-    dropped: tuple[BufferId, ...]
-    internal: tuple[BufferId, ...]
-
-    reads = property(lambda self: self.inputs)
-    writes = property(lambda self: self.outputs)
-    frees = property(lambda self: self.dropped)
-    temporaries = property(lambda self: self.internal)
-
-    @property
-    def tasks(self) -> tuple[Task, ...]:
-        return tuple(t for m in self.members for t in m.tasks)
-
-    @property
-    def accumulates(self) -> tuple[int, ...]:
-        return tuple(dict.fromkeys(s for m in self.members for s in m.accumulates))
-
-    def check(self, program: PipelineProgram, mesh: int) -> str | None:
-        for m in self.members:
-            wrong = m.check(program, mesh)
-            if wrong:
-                return f"member {m} {wrong}"
-        written = {b for m in self.members for b in m.writes} | {mv.into for mv in self.moves}
-        read = {b for m in self.members for b in m.reads} | {mv.source for mv in self.moves}
-        if set(self.outputs) | set(self.internal) != written:
-            return "does not account for every buffer its members write as an output or a temporary"
-        if not set(self.inputs) <= read or set(self.inputs) & written:
-            return "reads buffers its members do not read, or that they write"
-        return None
-
-    def __str__(self) -> str:
-        return f"fused {' '.join(str(t) for t in self.tasks)}"
+__all__ = ["fuse_compute_runs"]
 
 
 def _is_compute(ins: Instruction) -> bool:

@@ -31,15 +31,15 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from ...verification import PlanVerificationError
-from ...model.devices import device_key
-from ..placing.edge_transfer import MoveKey, TransferKind
-from ..placing.plan_moves import MoveTable, move_device_ids
-from .pipeline_program import PipelineProgram
-from .step_program import (AssembleOutputs, CombineMicroBatches, FeedStages, JoinStackedLeaves, PlaceInputs,
-                           ReduceGradient, RunCompute, RunMove, RunPipeline, ShareOutputs, SplitStackedLeaves,
-                           StepProgram)
 from ...compiler_pass import compiler_pass
+from ...program.devices import device_key
+from ...program.moves import MoveKey, MoveTable, TransferKind, move_device_ids
+from ...program.pipeline_instructions import PipelineProgram
+from ...program.step_instructions import (
+    AssembleOutputs, CombineMicroBatches, FetchParameter, JoinStackedLeaves, MoveMicroBatches, PlaceInputs,
+    ReduceGradient, RunCompute, RunMove, RunPipeline, ShareOutputs, SplitStackedLeaves, StepProgram,
+)
+from ...verification import PlanVerificationError
 
 __all__ = ["Transfer", "ProcessLaunches", "LaunchSequences", "launch_sequences", "verify_launch_sequences"]
 
@@ -159,15 +159,18 @@ class _Walk:
                     for n, key in enumerate(placed.moves):
                         self.move(key, f"{ins}: batch leaf {placed.leaf}, move {n}")
             elif isinstance(ins, RunCompute):
-                self.on_mesh(ins.compute.mesh, str(ins))
+                self.on_mesh(ins.mesh, str(ins))
             elif isinstance(ins, RunMove):
                 if ins.unpacked:
-                    self.on_mesh(ins.move.src, f"packing for the {ins}")
+                    self.on_mesh(ins.src, f"packing for the {ins}")
                 self.move(ins.via.move_key, str(ins))
                 if ins.unpacked:
-                    self.on_mesh(ins.move.dst, f"unpacking of the {ins}")
-            elif isinstance(ins, FeedStages):
-                self._feed(ins)
+                    self.on_mesh(ins.dst, f"unpacking of the {ins}")
+            elif isinstance(ins, FetchParameter):
+                self.move(ins.via.move_key, str(ins))
+            elif isinstance(ins, MoveMicroBatches):
+                for m, key in enumerate(ins.batch.moves):
+                    self.move(key, f"micro-batch {m} of batch leaf {ins.batch.leaf} to stage {ins.stage}")
             elif isinstance(ins, RunPipeline):
                 self.pipeline(program)
             elif isinstance(ins, CombineMicroBatches):
@@ -188,17 +191,6 @@ class _Walk:
                     for d in shared.devices:
                         if d not in held:
                             self.transfer(f"{ins}: output {shared.output} onto {d}", shared.source, d)
-
-    def _feed(self, ins: FeedStages) -> None:
-        batches = {(f.stage, f.position): f for f in ins.global_batches}
-        for feed in ins.stages:
-            for op in feed.operands:
-                batch = batches.get((feed.stage, op.position))
-                if batch is not None:
-                    for m, key in enumerate(batch.moves):
-                        self.move(key, f"micro-batch {m} of batch leaf {batch.leaf} to stage {feed.stage}")
-                elif op.fetch is not None:
-                    self.move(op.fetch.move_key, f"fetch of {op.source} for stage {feed.stage}")
 
 
 @compiler_pass

@@ -6,8 +6,8 @@ stays small whatever the model."""
 
 from __future__ import annotations
 
-from .pipeline_program import PipelineProgram
-from .step_program import StepProgram
+from ...program.pipeline_instructions import PipelineProgram
+from ...program.step_instructions import StepProgram
 
 __all__ = ["program_text"]
 

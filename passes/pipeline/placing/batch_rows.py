@@ -15,7 +15,7 @@ replicated over the other axes. A micro-batch is one block's slice (``r`` a mult
 ``size``) or ``size / r`` whole consecutive blocks (``size`` a multiple of ``r``).
 
 A global batch leaf the computations around the pipeline read too (a mask summed into a
-normaliser, a metric of the batch) has a ``Placement`` on their meshes (``step_layout``). No
+normaliser, a metric of the batch) has a ``PlaceLeaf`` on their meshes (``step_layout``). No
 process can fetch it to place it from the host, so ``global_batch_placements`` plans one
 point-to-point move of the whole leaf from its own sharding to where ``runtime.placement.place``
 would put it (one array over the union of the meshes on one platform, else one per mesh); the
@@ -24,68 +24,23 @@ runtime runs that move and nothing else.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ...compiler_pass import compiler_pass
-from ..cutting.step_split import OuterKind
+from ...program.batch_rows import ROWS_AXIS, GlobalBatchFeed, GlobalBatchPlacement, MicroBatchRows
+from ...program.moves import MoveKey, TransferKind
+from ...program.step_values import OuterKind
 from ...verification import PlanVerificationError
-from .edge_transfer import MoveKey, TransferKind
-from .step_layout import Placement, StepLayout, spans_platforms, union_sharding
+from .step_layout import StepLayout
 
-__all__ = ["GlobalBatchFeed", "GlobalBatchPlacement", "MicroBatchRows", "global_batch_feed", "global_batch_feeds",
-           "global_batch_placements", "micro_batch_rows", "placement_targets", "spans_processes",
+__all__ = ["global_batch_feed", "global_batch_feeds", "global_batch_placements", "micro_batch_rows", "spans_processes",
            "verify_global_batch_feeds", "verify_global_batch_placements"]
-
-# The axis a view's mesh names its consecutive blocks by.
-ROWS_AXIS = "meshpar_rows"
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroBatchRows:
-    """Micro-batch rows of a global batch leaf as they lie: ``sharding`` lays out the
-    ``(size, ...)`` view over the devices holding them; on each of them the view's piece is
-    rows ``[start, start + size)`` of its shard of the whole leaf, or (``whole``) its shard."""
-
-    sharding: NamedSharding
-    start: int
-    whole: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class GlobalBatchFeed:
-    """Operand ``position`` of stage ``stage`` read per micro-batch from input leaf ``leaf``, a
-    global array laid out as ``source``: per micro-batch its rows and the move to the stage."""
-
-    stage: int
-    position: int
-    leaf: int
-    source: NamedSharding
-    rows: tuple[MicroBatchRows, ...]
-    moves: tuple[MoveKey, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class GlobalBatchPlacement:
-    """Input leaf ``leaf``, a global batch array laid out as ``source``, placed as ``placement``
-    says by ``moves``: move ``k`` carries the whole leaf point to point from ``source`` to
-    ``placement_targets(placement)[k]``. One target for several meshes is their union, of which
-    each mesh's part is a view; otherwise there is one target per mesh, in its order."""
-
-    leaf: int
-    source: NamedSharding
-    placement: Placement
-    moves: tuple[MoveKey, ...]
-
-    @property
-    def union(self) -> bool:
-        """Whether the one move lands on the union of the placement's meshes."""
-        return len(self.moves) == 1 and len(self.placement.meshes) > 1
 
 
 def _dim0_axes(spec: P) -> tuple[str, ...]:
@@ -172,15 +127,6 @@ def global_batch_feeds(layout: StepLayout, leaves: Sequence[object], num_micro_b
     return tuple(feeds)
 
 
-def placement_targets(placement: Placement) -> tuple[NamedSharding, ...]:
-    """Where a leaf placed as ``placement`` is laid out as arrays, as ``runtime.placement.place``
-    lays it out: one array replicated over the union of its meshes (all on one platform), else
-    one per mesh."""
-    if len(placement.meshes) == 1 or spans_platforms(placement.shardings):
-        return placement.shardings
-    return (union_sharding(placement.shardings),)
-
-
 def _lies_as(leaf: jax.Array, targets: Sequence[NamedSharding]) -> bool:
     """Whether ``leaf`` is laid out as the one array ``targets`` names (placed as it is)."""
     return len(targets) == 1 and (leaf.sharding == targets[0] or leaf.sharding.is_equivalent_to(targets[0], leaf.ndim))
@@ -198,8 +144,8 @@ def _global_source(i: int, leaf: jax.Array) -> NamedSharding:
 def global_batch_placements(layout: StepLayout, leaves: Sequence[object],
                             batch_leaves: frozenset[int]) -> tuple[GlobalBatchPlacement, ...]:
     """Every batch leaf given as a global array (``spans_processes``) that the computations
-    around the pipeline read whole (a ``Placement`` on some mesh), with the point-to-point moves
-    of the whole leaf from its own sharding to where it is placed (``placement_targets``): no
+    around the pipeline read whole (a ``PlaceLeaf`` on some mesh), with the point-to-point moves
+    of the whole leaf from its own sharding to where it is placed (``PlaceLeaf.targets``): no
     process fetches it to the host. Host data is placed from the host (every process holds the
     same value), as is a leaf already laid out as its placement.
 
@@ -212,7 +158,7 @@ def global_batch_placements(layout: StepLayout, leaves: Sequence[object],
         if not placement.meshes or not spans_processes(leaf):
             continue
         source = _global_source(i, leaf)
-        targets = placement_targets(placement)
+        targets = placement.targets
         if _lies_as(leaf, targets):
             continue
         moves = tuple(MoveKey.of(TransferKind.P2P, leaf.shape, leaf.dtype, source, t) for t in targets)
@@ -224,7 +170,7 @@ def verify_global_batch_placements(placements: Sequence[GlobalBatchPlacement], l
                                    leaves: Sequence[object], batch_leaves: frozenset[int]) -> None:
     """Each placed leaf is a batch leaf of ``leaves`` given as a global array laid out as the
     placement's ``source``, placed as the layout says, once; its moves are point-to-point ones
-    of the whole leaf, each from that sharding to one of ``placement_targets``, in their order;
+    of the whole leaf, each from that sharding to one of ``PlaceLeaf.targets``, in their order;
     every other such leaf with a placement already lies as it (no process would fetch it).
 
     Raises:
@@ -241,7 +187,7 @@ def verify_global_batch_placements(placements: Sequence[GlobalBatchPlacement], l
         leaf = leaves[p.leaf]
         if not spans_processes(leaf) or leaf.sharding != p.source:
             raise PlanVerificationError(f"{what}: the leaf is not a global array laid out as {p.source}")
-        targets = placement_targets(p.placement)
+        targets = p.placement.targets
         if tuple(m.dst for m in p.moves) != targets:
             raise PlanVerificationError(f"{what}: moves to {len(p.moves)} shardings, not to the placement's "
                                         f"{len(targets)} arrays")
@@ -252,7 +198,7 @@ def verify_global_batch_placements(placements: Sequence[GlobalBatchPlacement], l
                                             f"from its sharding")
     for i in sorted(batch_leaves - seen):
         placement = layout.in_placements[i]
-        if placement.meshes and spans_processes(leaves[i]) and not _lies_as(leaves[i], placement_targets(placement)):
+        if placement.meshes and spans_processes(leaves[i]) and not _lies_as(leaves[i], placement.targets):
             raise PlanVerificationError(f"global batch leaf {i}: placed on meshes {placement.meshes} by no move")
 
 

@@ -38,86 +38,22 @@ from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ...compiler_pass import compiler_pass
 from ... import jax_ir
+from ...compiler_pass import compiler_pass
+from ...program.stage_kernel import Accumulator, StageAccumulation, StageParts, StageReplicas
+from ...program.step_values import AuxReduction, RefKind
 from ...verification import PlanVerificationError
-from .drop_mesh_axis import manual_mesh_axis, spec_without
-from ..cutting.micro_batching import AuxReduction, MicroBatching
+from ..cutting.micro_batching import MicroBatching
+from ..cutting.stage_graph import StageGraph
+from ..cutting.stage_parts import stage_parts, verify_stage_parts
 from ..pipeline_options import GradientOptions
-from ..cutting.stage_graph import RefKind, StageGraph
-from ..cutting.stage_parts import StageParts, stage_parts, verify_stage_parts
+from .drop_mesh_axis import manual_mesh_axis, spec_without
 from .step_layout import StepLayout
 
-__all__ = ["Accumulator", "StageReplicas", "StageAccumulation", "DataReplicas", "plan_data_replicas",
-           "verify_data_replicas"]
-
-
-@dataclasses.dataclass(frozen=True)
-class StageReplicas:
-    """A stage run as ``count`` replicas over mesh axis ``axis``.
-
-    Attributes:
-      parts: the stage's compute parts traced per replica (``micro_batch / count`` examples).
-      input_dims: per stage input (``Stage.inputs`` order), the dimension its micro-batch value
-        splits along into the replicas' (contiguous blocks, replica ``r`` the ``r``-th); ``None``:
-        every replica reads the whole value.
-      folded_keys: input positions that are keys folded per micro-batch; replica ``r`` reads
-        ``fold_in(key, r)``.
-      output_dims: per output slot, the dimension the replicas' values concatenate along;
-        ``None``: each replica makes one whole value (the loss, an aux value), which the step
-        combines as it combines micro-batches' (``per_replica``).
-      loss_seed: the cotangent seed of a replica's loss.
-    """
-
-    count: int
-    axis: str
-    parts: StageParts
-    input_dims: tuple[int | None, ...]
-    folded_keys: frozenset[int]
-    output_dims: tuple[int | None, ...]
-    loss_seed: float
-
-    def per_replica(self, slot: int) -> bool:
-        """Whether output ``slot`` leaves one value per replica, led by the replica count."""
-        return self.output_dims[slot] is None
-
-
-@dataclasses.dataclass(frozen=True)
-class Accumulator:
-    """A parameter gradient's accumulator over a step's micro-batches: ``shape`` is the
-    parameter's, led by the replica count for a stage run as replicas."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    sharding: NamedSharding
-
-
-@dataclasses.dataclass(frozen=True)
-class StageAccumulation:
-    """How one stage's parameter gradients accumulate and reduce.
-
-    Attributes:
-      replicas: how the stage runs as replicas; ``None``: over the whole micro-batch, each
-        backward reducing its own gradients (``per_micro_batch`` says why).
-      accumulators: per parameter input (``Stage.param_inputs`` order).
-      reduced: per parameter input, the reduced gradient's sharding and dtype (the layout's
-        ``grad_shardings``, the parameter's dtype).
-      per_micro_batch: why the stage reduces per micro-batch ("" when it does not, or has no
-        parameters).
-    """
-
-    replicas: StageReplicas | None
-    accumulators: tuple[Accumulator, ...]
-    reduced: tuple[tuple[NamedSharding, np.dtype], ...]
-    per_micro_batch: str = ""
-
-    @property
-    def needs_reduction(self) -> bool:
-        """Whether the accumulators need a program at the end of the step (a replica sum or a cast)."""
-        return self.replicas is not None or any(
-            a.dtype != dtype for a, (_, dtype) in zip(self.accumulators, self.reduced))
+__all__ = ["DataReplicas", "plan_data_replicas", "verify_data_replicas"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,29 +24,19 @@ The user's ``executor`` is an ``Executor``, resolved once at the API
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from ...compiler_pass import compiler_pass
 from ...policies import Policy
-from .mesh_assignment import batch_sharding
+from ...program.moves import Direction, EdgeTransfer, TransferKind
 from ..cutting.stage_graph import is_differentiable
+from .mesh_assignment import batch_sharding
 
-__all__ = ["EXECUTORS", "Direction", "EdgeTransfer", "Executor", "MoveKey", "TransferKind", "choose_transfer",
-           "plan_edge_transfers", "verify_edge_transfers"]
-
-
-class TransferKind(enum.Enum):
-    LOCAL = "local"
-    DEVICE_PUT = "device_put"
-    P2P = "p2p"
-    COLLECTIVE = "collective"
-    SIGNAL = "signal"
+__all__ = ["EXECUTORS", "Executor", "choose_transfer", "plan_edge_transfers", "verify_edge_transfers"]
 
 
 class Executor(Policy):
@@ -74,21 +64,6 @@ _KINDS: dict[Executor, Callable[[bool, int], TransferKind]] = {
 EXECUTORS = Executor.names()
 
 
-@dataclasses.dataclass(frozen=True)
-class MoveKey:
-    """One kind of move: a ``shape``/``dtype`` value from sharding ``src`` to ``dst``, by ``kind``."""
-
-    kind: TransferKind
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    src: NamedSharding
-    dst: NamedSharding
-
-    @staticmethod
-    def of(kind: TransferKind, shape: Iterable[int], dtype: Any, src: NamedSharding, dst: NamedSharding) -> MoveKey:
-        return MoveKey(kind, tuple(int(n) for n in shape), np.dtype(dtype), src, dst)
-
-
 def choose_transfer(executor: Executor, processes: Iterable[int], ndim: int, same_mesh: bool = False) -> TransferKind:
     """How a value of rank ``ndim`` moves between meshes whose devices live in ``processes``.
 
@@ -106,47 +81,6 @@ def choose_transfer(executor: Executor, processes: Iterable[int], ndim: int, sam
     if same_mesh:
         return TransferKind.LOCAL
     return executor.kind(len(set(processes)) == 1, ndim)
-
-
-class Direction(enum.Enum):
-    ACTIVATION = "activation"  # producer stage -> consumer stage, in the forward
-    COTANGENT = "cotangent"  # consumer stage -> producer stage, in the backward
-
-
-@dataclasses.dataclass(frozen=True)
-class EdgeTransfer:
-    """One way a boundary value crosses: the move every micro-batch of it makes.
-
-    Attributes:
-      edge: the stage-graph edge.
-      direction: activation (forward) or its cotangent (backward).
-      src_stage, dst_stage: the stages it leaves and reaches (on the meshes the schedule
-        places them on).
-      slot: the producer's output slot the edge carries.
-      shape, dtype: the value (a micro-batch's).
-      src, dst: its sharding on each mesh.
-      kind: how it moves.
-    """
-
-    edge: int
-    direction: Direction
-    src_stage: int
-    dst_stage: int
-    slot: int
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    src: NamedSharding
-    dst: NamedSharding
-    kind: TransferKind
-
-    @property
-    def move_key(self) -> MoveKey:
-        """The move this transfer makes for every micro-batch (``plan_moves`` plans it)."""
-        return MoveKey.of(self.kind, self.shape, self.dtype, self.src, self.dst)
-
-    def __str__(self) -> str:
-        return (f"{self.direction.value} of edge {self.edge} (stage {self.src_stage} -> {self.dst_stage}, "
-                f"{self.dtype.name}{list(self.shape)}, {self.kind.value})")
 
 
 @compiler_pass

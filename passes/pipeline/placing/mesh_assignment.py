@@ -18,14 +18,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ...compiler_pass import compiler_pass
 from ...verification import PlanVerificationError
 from ..scheduling.pipeline_schedule import ScheduleKind, check_stage_placement
 
-__all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "count_meshes", "device_sharding",
-           "mesh_shapes", "param_sharding", "place_stages", "verify_stage_mesh_map"]
+__all__ = ["StageMeshMap", "assign_stage_meshes", "batch_sharding", "check_stage_split", "count_meshes", "mesh_shapes",
+           "param_sharding", "place_stages", "verify_stage_mesh_map"]
 
 
 def mesh_shapes(n: int) -> str:
@@ -198,13 +199,6 @@ def assign_stage_meshes(
         Mesh(np.array(ordered[m * per_mesh : (m + 1) * per_mesh]).reshape(shape), axis_names)
         for m in range(num_meshes)
     )
-
-
-def device_sharding(device: Any) -> NamedSharding:
-    """The sharding of an array that lives whole on ``device``, in any process (a
-    ``NamedSharding``: ``SingleDeviceSharding`` cannot name a remote device for the cross-host
-    path)."""
-    return NamedSharding(Mesh(np.array([device]), ("device",)), P())
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...], micro_batch_size: int, data_axis: str) -> NamedSharding:

@@ -7,8 +7,8 @@ pipeline (the update's parameter and scalar moves). Each distinct move
 ``(kind, shape, dtype, src, dst)`` becomes one ``PlannedMove``, made by its
 executor's entry of ``MOVE_EXECUTORS`` and verified there; ``MoveTable``
 holds them all. The runtime builds one callable per entry
-(``meshpar.runtime.move_handlers``), and ``describe()`` reads the plans:
-neither plans anything.
+(``meshpar.runtime.move_handlers``), and ``describe()`` reads each move's
+one-line summary, written here from its plan: neither plans anything.
 
 Executors (``TransferKind``), one entry each:
 
@@ -28,50 +28,32 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ...compiler_pass import compiler_pass
 from ...model.cluster import Cluster
-from ...model.devices import DeviceKey, device_key, planner_ids
 from ...model.mesh import DeviceMesh
 from ...model.sharding_spec import ShardingSpec
-from ...policies import Policy
+from ...program.devices import DeviceKey, device_key
+from ...program.moves import MoveKey, MoveTable, PlannedMove, TransferKind, TransferOrder, move_device_ids
+from ...program.resharding_programs import Gate, HopProgram, TransferProgram
+from ...program.shardings import device_sharding
 from ...resharding.balancers import Balancer, get_balancer
-from ...resharding.hop_program import HopProgram, lower_to_hops, replicate_scalar, verify_hop_program
+from ...resharding.hop_program import lower_to_hops, replicate_scalar, verify_hop_program
 from ...resharding.plan_resharding import plan_resharding
 from ...resharding.resharding_plan import ReshardingPlan
 from ...resharding.resharding_task import ReshardingTask
-from ...resharding.round_gates import Gate, round_gates, verify_round_gates
+from ...resharding.round_gates import round_gates, verify_round_gates
 from ...resharding.strategies import Strategy, get_strategy
-from ...resharding.transfer_program import TransferProgram, lower_plan, verify_program
+from ...resharding.transfer_program import lower_plan, verify_program
 from ...verification import PlanVerificationError
-from .edge_transfer import Executor, MoveKey, TransferKind, choose_transfer
-from .mesh_assignment import device_sharding
+from .edge_transfer import Executor, choose_transfer
 
-__all__ = ["MOVE_EXECUTORS", "P2P_ORDERS", "MoveExecutor", "MoveKey", "MoveOptions", "MoveTable", "PlannedMove",
-           "TransferOrder", "default_cluster", "move_device_ids", "plan_move", "plan_moves", "resharding_task",
-           "verify_move_table"]
-
-
-class TransferOrder(Policy):
-    """How a p2p move dispatches its hops (``meshpar.runtime.p2p_executor``'s module doc)."""
-
-    GATED = "gated"  # every hop at once, each round's cross-host hops gated on the devices
-    EAGER = "eager"  # every hop at once, no gates
-    ROUNDS = "rounds"  # waits on the host for each round's arrivals
-
-    @property
-    def gated(self) -> bool:
-        """Whether the move's rounds are kept apart by round gates (``round_gates``)."""
-        return self is TransferOrder.GATED
-
-    @property
-    def waits_for_rounds(self) -> bool:
-        """Whether the host waits for a round's arrivals before the next round leaves."""
-        return self is TransferOrder.ROUNDS
+__all__ = ["MOVE_EXECUTORS", "P2P_ORDERS", "MoveExecutor", "MoveOptions", "default_cluster", "move_plan", "plan_move",
+           "plan_moves", "resharding_task", "verify_move_table"]
 
 
 # What the user may pass as ``order``.
@@ -90,50 +72,6 @@ class MoveOptions:
     cluster: Cluster | None = None
     chunks: int | None = None
     order: TransferOrder = TransferOrder.GATED
-
-
-@dataclasses.dataclass(frozen=True)
-class PlannedMove:
-    """A move ready to run.
-
-    Attributes:
-      key: what moves, and by which executor.
-      plan: the resharding plan of a value with a rank (``P2P``, ``COLLECTIVE``, and
-        ``DEVICE_PUT``, whose plan prices it on the cluster), else ``None``.
-      program: what the runtime runs: a ``HopProgram`` (``P2P``) or a ``TransferProgram``
-        (``COLLECTIVE``); ``None`` for moves with nothing to lower.
-      gates: ``P2P`` with a ``gated`` order: the round gates of ``program``.
-      order: ``P2P``: how its hops are dispatched.
-      carry: ``SIGNAL``: the 0-d move that carries its byte.
-    """
-
-    key: MoveKey
-    plan: ReshardingPlan | None = None
-    program: Union[HopProgram, TransferProgram, None] = None
-    gates: tuple[Gate, ...] = ()
-    order: TransferOrder = TransferOrder.GATED
-    carry: PlannedMove | None = None
-
-    @property
-    def fingerprint(self) -> str | None:
-        """Identifies the data movement on every process (``None``: nothing lowered)."""
-        if self.carry is not None:
-            return self.carry.fingerprint
-        return None if self.program is None else self.program.fingerprint
-
-    def summary(self) -> str:
-        """One line for ``describe()``."""
-        kind = self.key.kind
-        if kind is TransferKind.LOCAL:
-            return "local: both stages on one mesh, no move"
-        if kind is TransferKind.DEVICE_PUT:
-            across = "" if self.plan is None else f"; across processes the plan is {self.plan.summary()}"
-            return "jax.device_put, since one process owns both meshes" + across
-        if kind is TransferKind.SIGNAL:
-            return "signal: one byte with the same dependencies, zeros delivered (upper-bound run)"
-        if self.plan is None:
-            return f"{kind.value}: a scalar, replicated to every device"
-        return f"{kind.value}: {self.plan.summary()}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +94,6 @@ def default_cluster(src: NamedSharding, dst: NamedSharding) -> Cluster:
     # one process, so one host).
     devices = {d.id: d for d in [*src.mesh.devices.flat, *dst.mesh.devices.flat]}
     return Cluster.from_devices(list(devices.values()))
-
-
-def move_device_ids(src: NamedSharding, dst: NamedSharding) -> Mapping[DeviceKey, int]:
-    """The planner's integer per device of a move's two meshes (``planner_ids``): what the
-    plan and its hop program name devices by, and the runtime maps back."""
-    return planner_ids(src.mesh.devices.flat, dst.mesh.devices.flat)
 
 
 def resharding_task(shape: tuple[int, ...], dtype: Any, src: NamedSharding, dst: NamedSharding,
@@ -191,18 +123,29 @@ def _plan(key: MoveKey, options: MoveOptions) -> ReshardingPlan:
                            strategy=options.strategy, balancer=options.balancer, chunks=options.chunks)
 
 
+def move_plan(key: MoveKey, options: MoveOptions) -> ReshardingPlan | None:
+    """The resharding plan that ``plan_move(key, options)`` lowers (for ``DEVICE_PUT``, the plan
+    that prices the move on the cluster); ``None`` for ``LOCAL``, ``SIGNAL`` and a 0-d value,
+    which have none."""
+    if key.kind in (TransferKind.LOCAL, TransferKind.SIGNAL) or key.shape == ():
+        return None
+    return _plan(key, options)
+
+
 def _ids(sharding: NamedSharding, ids: Mapping[DeviceKey, int]) -> tuple[int, ...]:
     return tuple(ids[device_key(d)] for d in sharding.mesh.devices.flat)
 
 
-def _lower_nothing(key: MoveKey, options: MoveOptions) -> PlannedMove:
-    return PlannedMove(key)
+def _lower_local(key: MoveKey, options: MoveOptions) -> PlannedMove:
+    return PlannedMove(key, "local: both stages on one mesh, no move")
 
 
 def _lower_device_put(key: MoveKey, options: MoveOptions) -> PlannedMove:
     # Nothing to lower inside one process; the plan says what the move costs on the cluster,
     # and how it runs once the meshes are on different processes.
-    return PlannedMove(key, None if key.shape == () else _plan(key, options))
+    plan = move_plan(key, options)
+    across = "" if plan is None else f"; across processes the plan is {plan.summary()}"
+    return PlannedMove(key, "jax.device_put, since one process owns both meshes" + across)
 
 
 def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
@@ -213,7 +156,7 @@ def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
         ids = move_device_ids(key.src, key.dst)
         hops = replicate_scalar(_ids(key.src, ids), _ids(key.dst, ids))
         verify_hop_program(hops)
-        return PlannedMove(key, None, hops, order=options.order)
+        return PlannedMove(key, f"{key.kind.value}: a scalar, replicated to every device", hops, order=options.order)
     plan = _plan(key, options)
     hops = lower_to_hops(plan)
     verify_hop_program(hops)
@@ -224,7 +167,7 @@ def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
         host_of = {ids[device_key(d)]: d.process_index for s in (key.src, key.dst) for d in s.mesh.devices.flat}
         gates = round_gates(hops, host_of)
         verify_round_gates(hops, gates, host_of)
-    return PlannedMove(key, plan, hops, gates, options.order)
+    return PlannedMove(key, f"{key.kind.value}: {plan.summary()}", hops, gates, options.order)
 
 
 def _lower_collective(key: MoveKey, options: MoveOptions) -> PlannedMove:
@@ -237,7 +180,9 @@ def _lower_collective(key: MoveKey, options: MoveOptions) -> PlannedMove:
     plan = _plan(key, options)
     program = lower_plan(plan)
     verify_program(program)
-    return PlannedMove(key, plan, program)
+    if program.fingerprint != plan.fingerprint:
+        raise PlanVerificationError(f"{key.kind.value} move of {key.shape}: its program is not its plan's")
+    return PlannedMove(key, f"{key.kind.value}: {plan.summary()}", program)
 
 
 def _lower_signal(key: MoveKey, options: MoveOptions) -> PlannedMove:
@@ -249,12 +194,13 @@ def _lower_signal(key: MoveKey, options: MoveOptions) -> PlannedMove:
     kind = choose_transfer(Executor.AUTO, processes, 0)
     carry = plan_move(MoveKey.of(kind, (), np.uint8, one, everywhere),
                       dataclasses.replace(options, order=TransferOrder.GATED))
-    return PlannedMove(key, carry=carry)
+    return PlannedMove(key, "signal: one byte with the same dependencies, zeros delivered (upper-bound run)",
+                       carry=carry)
 
 
 # Kind -> executor; a new executor is one entry here and one in the runtime's MOVE_HANDLERS.
 MOVE_EXECUTORS: dict[TransferKind, MoveExecutor] = {
-    TransferKind.LOCAL: MoveExecutor(_lower_nothing, None),
+    TransferKind.LOCAL: MoveExecutor(_lower_local, None),
     TransferKind.DEVICE_PUT: MoveExecutor(_lower_device_put, lambda inter, intra: intra),
     TransferKind.P2P: MoveExecutor(_lower_p2p, lambda inter, intra: inter),
     TransferKind.COLLECTIVE: MoveExecutor(_lower_collective, lambda inter, intra: inter),
@@ -270,27 +216,6 @@ def plan_move(key: MoveKey, options: MoveOptions) -> PlannedMove:
     return move
 
 
-@dataclasses.dataclass(frozen=True)
-class MoveTable:
-    """Every move of a compiled step, by key (``MoveKey.of``)."""
-
-    moves: tuple[PlannedMove, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_key", {m.key: m for m in self.moves})
-
-    def of(self, key: MoveKey) -> PlannedMove:
-        try:
-            return self._by_key[key]  # type: ignore[attr-defined]
-        except KeyError:
-            raise PlanVerificationError(f"no planned move for {key}") from None
-
-    @property
-    def fingerprints(self) -> list[str]:
-        """What every process must agree on: each lowered program's fingerprint, in table order."""
-        return [m.fingerprint for m in self.moves if m.fingerprint is not None]
-
-
 @compiler_pass
 def plan_moves(keys: Iterable[MoveKey], options: MoveOptions) -> MoveTable:
     """One ``PlannedMove`` per distinct key of ``keys``, in first-seen order."""
@@ -303,8 +228,9 @@ def plan_moves(keys: Iterable[MoveKey], options: MoveOptions) -> MoveTable:
 
 def verify_planned_move(move: PlannedMove) -> None:
     """A move carries what its executor runs: a hop program for ``P2P``, a transfer program for
-    ``COLLECTIVE``, a carry for ``SIGNAL``, nothing for ``LOCAL`` and ``DEVICE_PUT``; a program's
-    fingerprint is its plan's; ``LOCAL`` stays on one mesh.
+    ``COLLECTIVE``, a carry for ``SIGNAL``, nothing for ``LOCAL`` and ``DEVICE_PUT``; ``LOCAL``
+    stays on one mesh. (That a collective's program is its plan's is checked where it is
+    lowered, which has the plan.)
 
     Raises:
       PlanVerificationError: naming the move.
@@ -317,8 +243,6 @@ def verify_planned_move(move: PlannedMove) -> None:
         raise PlanVerificationError(f"{kind.value} move of {key.shape}: a carry only a signal has")
     if kind is TransferKind.LOCAL and key.src.mesh != key.dst.mesh:
         raise PlanVerificationError(f"local move of {key.shape} between two meshes")
-    if isinstance(move.program, TransferProgram) and move.program.fingerprint != move.plan.fingerprint:
-        raise PlanVerificationError(f"{kind.value} move of {key.shape}: its program is not its plan's")
 
 
 def verify_move_table(table: MoveTable, keys: Iterable[MoveKey]) -> None:

@@ -17,65 +17,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from ...compiler_pass import compiler_pass
 from ... import jax_ir
-from .edge_transfer import Executor, MoveKey, TransferKind, choose_transfer
+from ...compiler_pass import compiler_pass
+from ...program.moves import ValueMove
+from ...program.shardings import PlaceLeaf
+from ...program.step_values import OuterKind, OuterRef, RefKind
+from ...program.wire_format import is_key
+from ..cutting.stage_graph import StageGraph
+from ..cutting.step_split import OuterMove, StepSplit
+from .edge_transfer import Executor, choose_transfer
 from .mesh_assignment import batch_sharding, param_sharding
-from ..cutting.micro_batching import is_key
-from ..cutting.stage_graph import RefKind, StageGraph
-from ..cutting.step_split import OuterKind, OuterMove, OuterRef, StepSplit
 
-__all__ = ["Placement", "StageOperand", "ValueMove", "StepLayout", "layout_step", "spans_platforms", "union_sharding", "value_move",
-           "verify_step_layout"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where a step input or output leaf lives: one sharding per mesh it is on.
-
-    A leaf on several meshes is one array replicated over all their devices.
-    No meshes: a batch leaf read only per micro-batch, never placed whole; or, in a
-    forward-only step, a leaf nothing reads (an evaluation step given a train state leaves its
-    optimizer state where the train step keeps it).
-    """
-
-    shardings: tuple[NamedSharding, ...]
-    meshes: tuple[int, ...]
-
-    def on(self, mesh: int) -> NamedSharding:
-        return self.shardings[self.meshes.index(mesh)]
-
-
-def spans_platforms(shardings: Sequence[NamedSharding]) -> bool:
-    """Whether ``shardings``' meshes are on several platforms (a GPU and the host): no one array
-    spans them."""
-    return len({d.platform for s in shardings for d in s.mesh.devices.flat}) > 1
-
-
-def union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
-    """Replicated over every device of ``shardings``' meshes (all on one platform): how one
-    array holds a value several meshes read."""
-    devices = [d for s in shardings for d in s.mesh.devices.flat]
-    return NamedSharding(Mesh(np.array(devices), ("union",)), P())
-
-
-@dataclasses.dataclass(frozen=True)
-class ValueMove:
-    """One value moving between meshes after the program: ``what`` names it in errors."""
-
-    what: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    src: NamedSharding
-    dst: NamedSharding
-    kind: TransferKind
-
-    @property
-    def move_key(self) -> MoveKey:
-        """The move this is (``plan_moves`` plans it)."""
-        return MoveKey.of(self.kind, self.shape, self.dtype, self.src, self.dst)
+__all__ = ["StageOperand", "StepLayout", "layout_step", "value_move", "verify_step_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +69,8 @@ class StepLayout:
         when it packs several values: replicated on both meshes).
     """
 
-    in_placements: tuple[Placement, ...]
-    out_placements: tuple[Placement | None, ...]
+    in_placements: tuple[PlaceLeaf, ...]
+    out_placements: tuple[PlaceLeaf | None, ...]
     stage_operands: tuple[tuple[StageOperand, ...], ...]
     grad_shardings: tuple[tuple[NamedSharding, ...], ...]
     gradient_moves: tuple[tuple[ValueMove | None, ...], ...]
@@ -123,14 +79,14 @@ class StepLayout:
 
 
 def _input_placements(graph: StageGraph, split: StepSplit, meshes, home, leaves, specs, batch_leaves,
-                      axis_names: tuple[str, str]) -> list[Placement]:
+                      axis_names: tuple[str, str]) -> list[PlaceLeaf]:
     needs: list[set[int]] = [set(n) for n in split.input_needs]
     for k, leaf in enumerate(split.param_inputs):
         needs[leaf].add(home[graph.param_owner(k)])
     placements = []
     for i, (x, spec) in enumerate(zip(leaves, specs)):
         if not needs[i] and (i in batch_leaves or graph.forward_only):
-            placements.append(Placement((), ()))
+            placements.append(PlaceLeaf((), ()))
             continue
         where = tuple(sorted(needs[i])) or (0,)
         shape = tuple(np.shape(x))
@@ -138,7 +94,7 @@ def _input_placements(graph: StageGraph, split: StepSplit, meshes, home, leaves,
             shardings = (param_sharding(meshes[where[0]], spec, shape, axis_names),)
         else:
             shardings = tuple(NamedSharding(meshes[m], P()) for m in where)
-        placements.append(Placement(shardings, where))
+        placements.append(PlaceLeaf.of(where, shardings))
     return placements
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import networkx as nx
 
-from .pipeline_tasks import Task, TaskKind, task_dependencies
+from ...program.tasks import Task, TaskKind, task_dependencies
 
 __all__ = ["dependency_graph", "verify_acyclic", "launch_order"]
 

@@ -12,7 +12,7 @@ step finds every parameter where the train step keeps it
 
 from __future__ import annotations
 
-from .pipeline_tasks import Task, TaskKind
+from ...program.tasks import Task, TaskKind
 
 __all__ = ["forward_only_actions", "FORWARD_ONLY", "FORWARD_ONLY_V"]
 

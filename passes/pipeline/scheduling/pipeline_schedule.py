@@ -65,10 +65,10 @@ import functools
 from collections.abc import Callable, Sequence
 
 from ...compiler_pass import compiler_pass
+from ...program.tasks import Task, TaskKind, task_dependencies
 from .dependency_graph import dependency_graph, launch_order, verify_acyclic
 from .forward_only import FORWARD_ONLY, FORWARD_ONLY_V, forward_only_actions
 from .interleaved_zero_bubble import interleaved_zb_actions, interleaved_zb_rounds
-from .pipeline_tasks import Task, TaskKind, task_dependencies
 from .v_schedules import V_STAGES_PER_MESH, dualpipev_actions, min_micro_batches_v, zb_v_actions
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT

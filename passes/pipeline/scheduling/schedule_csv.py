@@ -37,8 +37,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from ...program.tasks import Task, TaskKind
 from .pipeline_schedule import PipelineSchedule, ScheduleKind, StagePlacement, make_schedule
-from .pipeline_tasks import Task, TaskKind
 
 F, B, I, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 

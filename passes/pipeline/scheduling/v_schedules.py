@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .pipeline_tasks import Task, TaskKind
+from ...program.tasks import Task, TaskKind
 
 F, I, W = TaskKind.FORWARD, TaskKind.BACKWARD_INPUT, TaskKind.BACKWARD_WEIGHT
 

@@ -12,10 +12,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ... import jax_ir
-from ..cutting.micro_batching import is_key
+from .. import jax_ir
 
-__all__ = ["wire_aval", "to_wire", "from_wire"]
+__all__ = ["from_wire", "is_key", "to_wire", "wire_aval"]
 
 
 def wire_aval(aval: jax_ir.AbstractValue) -> jax_ir.ShapedArray:
@@ -33,3 +32,8 @@ def to_wire(x: Any) -> Any:
 def from_wire(x: Any, aval: jax_ir.AbstractValue) -> Any:
     """A travelled value back as ``aval``'s type."""
     return jax.random.wrap_key_data(x, impl=aval.dtype._impl) if is_key(aval) else x
+
+
+def is_key(aval: jax_ir.AbstractValue) -> bool:
+    """Whether ``aval`` is a typed PRNG key array (``jax.random.key``)."""
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
