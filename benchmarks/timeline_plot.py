@@ -1,4 +1,4 @@
-"""Draws pipeline timelines (``passes.timeline.Timeline``) like the paper's Fig. 4.
+"""Draws pipeline timelines (``passes.program.timeline.Timeline``) like the paper's Fig. 4.
 
 One panel per timeline, stacked over a shared time axis in milliseconds; in
 each, one row per lane (``Timeline.lanes()``: a stage's mesh, then the links

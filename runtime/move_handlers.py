@@ -1,4 +1,4 @@
-"""One runtime handler per executor: a ``PlannedMove`` (``passes.pipeline.placing.plan_moves``) becomes the
+"""One runtime handler per executor: a ``PlannedMove`` (``passes.program.moves``, lowered by ``passes.pipeline.placing.plan_moves``) becomes the
 callable that moves a value.
 
 Every process calls every move in the same order (p2p moves number their transfers by a

@@ -7,7 +7,7 @@ across them. The compiler lowers the step to one plain jaxpr
 (``passes.pipeline.lowering.spmd_program``: the gradient equation as
 ``value_and_grad`` over the one micro-batch, keys folded as the pipeline folds
 them, no stage markers) and decides where every value lives
-(``passes.step_layout``); this runs that jaxpr under ``jax.jit`` with those
+(``passes.pipeline.placing.step_layout``); this runs that jaxpr under ``jax.jit`` with those
 placements as its input and output shardings, so a step moves nothing the
 pipeline path would not, and the next step's inputs are already placed. It
 decides nothing about what the step computes.

@@ -7,7 +7,8 @@ a ``GatheredArray`` (one array on its first piece's mesh; pieces cut there and m
 planned moves, each step). Here inputs are split and outputs joined as it chose. A leaf that
 comes back as the last step returned it is taken as the pieces it was joined from (no work);
 another over a ``StackedArray``'s sharding is split into views of its shards; any other (the
-first step's, or one the user replaced) is sliced.
+first step's, or one the user replaced) is sliced. The handlers of ``SplitStackedLeaves`` and
+``JoinStackedLeaves`` run them.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from jax.sharding import NamedSharding
 
 from meshpar.passes.program.moves import MoveKey
 from meshpar.passes.program.stacked_leaves import GatheredArray, LeafPieces, StackedArray
+from meshpar.passes.program.step_instructions import JoinStackedLeaves, SplitStackedLeaves
 from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals
 from meshpar.runtime.placement import put, view
 from meshpar.runtime.remote import absent
+from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
 
-__all__ = ["StackedLeaves"]
+__all__ = ["HANDLERS", "StackedLeaves"]
 
 
 class StackedLeaves:
@@ -158,3 +161,22 @@ class StackedLeaves:
         if not owns_a_device_of(g.sharding.mesh):
             return absent((bounds[-1], *moved[0].shape[1:]), moved[0].dtype, g.sharding)
         return self._concatenate[i](*moved)
+
+
+def prepare_split(ex: StepExecutable, ins: SplitStackedLeaves) -> StackedLeaves:
+    """The leaves' splitter and joiner, one object (a joined leaf handed back is split into the
+    pieces it was joined from), kept as ``ex.stacked_leaves`` for the join."""
+    ex.stacked_leaves = StackedLeaves(ins.pieces, dict(ins.held), dict(ins.gathered), ex.move)
+    return ex.stacked_leaves
+
+
+def split_stacked(ex: StepExecutable, ins: SplitStackedLeaves, leaves: StackedLeaves, state: StepState) -> None:
+    state.leaves = leaves.split(state.leaves, ex.timeout_s)
+
+
+def join_stacked(ex: StepExecutable, ins: JoinStackedLeaves, ready: None, state: StepState) -> None:
+    state.outputs = ex.stacked_leaves.join(state.outputs, ex.timeout_s)
+
+
+HANDLERS = {SplitStackedLeaves: StepHandler(split_stacked, prepare_split),
+            JoinStackedLeaves: StepHandler(join_stacked)}

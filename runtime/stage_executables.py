@@ -1,10 +1,10 @@
-"""A stage's compute parts (``passes.stage_parts``) as jitted functions on its mesh.
+"""A stage's compute parts (``passes.program.stage_kernel.StageParts``) as jitted functions on its mesh.
 
 The functions take operands grouped as the program's buffers hold them:
 
 - ``forward(fixed, batch, acts) -> (outputs, residuals)``: ``fixed`` are the
-  stage's per-step operands (``StepLayout.stage_operands`` that are not per
-  micro-batch), ``batch`` its micro-batch slices, ``acts`` its received
+  stage's per-step operands (``StageKernel.fixed_operands``), ``batch`` its
+  micro-batch slices (``StageKernel.batch_operands``), ``acts`` its received
   activations in ``StageIO.in_edges`` order;
 - ``backward(residuals, cotangents, grads) -> (input_cotangents, grads)``:
   ``cotangents`` as ``StageIO.cotangent_edges`` lists them; each output's are
@@ -18,9 +18,9 @@ The functions take operands grouped as the program's buffers hold them:
   an input copies it (JAX 0.10);
 - ``backward_weight(weight_state, grads) -> grads``.
 
-Activations and outputs are in wire format (``passes.wire_format``: keys as key data).
+Activations and outputs are in wire format (``passes.program.wire_format``: keys as key data).
 
-A stage run as data-parallel replicas (``passes.pipeline.placing.data_replicas.StageReplicas``) keeps
+A stage run as data-parallel replicas (``passes.program.stage_kernel.StageReplicas``) keeps
 these signatures at the micro-batch's shapes: inside, its per-replica parts run as a
 ``shard_map`` over the data axis, each device on its replica's block of the micro-batch, so
 each replica's parameter cotangents stay its own partial sums.

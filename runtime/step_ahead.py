@@ -44,7 +44,7 @@ def compile_step_ahead(executable: Any, compiler: AheadOfTime, leaves: Sequence[
     walk = _Walk(executable, compiler, leaves)
     for ins in executable.step_program:
         if isinstance(ins, RunPipeline):
-            walk.run = executable._interpreter.compile_ahead(inputs, grads, compiler)
+            walk.run = executable.interpreter.compile_ahead(inputs, grads, compiler)
             if leaves is not None:
                 walk.accumulators()
         elif leaves is not None and type(ins) in walk.handlers:
@@ -107,7 +107,7 @@ class _Walk:
     def place_inputs(self, ins: PlaceInputs) -> None:
         if self.leaves is None:
             return
-        moved = self.ex._ready[id(ins)]
+        moved = self.ex.ready(ins).moved
         for i, (leaf, placement) in enumerate(zip(self.leaves, ins.placements)):
             # ``put`` keeps a jax.Array's weak type (one array per mesh); a view of one array
             # over several meshes, or host data, is not weak.
@@ -119,7 +119,7 @@ class _Walk:
         # The slicing program: the whole value placed ``[M, micro-batch, ...]``.
         if self.ex.local[ins.stage]:
             aval = self.ex._kernels[ins.stage].in_avals[ins.position]
-            self.program(self.ex._ready[id(ins)],
+            self.program(self.ex.ready(ins),
                          jax.ShapeDtypeStruct((ins.num_micro_batches, *aval.shape), aval.dtype, sharding=ins.stacked))
 
     def accumulators(self) -> None:
@@ -129,13 +129,13 @@ class _Walk:
     def run_compute(self, ins: RunCompute) -> None:
         if not self.ex.mesh_local[ins.mesh]:
             return
-        outs = self.program(self.ex._ready[id(ins)], *[self.value(r, ins.mesh) for r in ins.inputs])
+        outs = self.program(self.ex.ready(ins), *[self.value(r, ins.mesh) for r in ins.inputs])
         if outs is not None:
             self.values.update({(ref, ins.mesh): o for ref, o in zip(ins.outputs, outs)})
 
     def run_move(self, ins: RunMove) -> None:
         via = ins.via
-        move, pack, unpack = self.ex._ready[id(ins)]
+        move, pack, unpack = self.ex.ready(ins)
         if pack is None:
             value = self.value(ins.values[0], ins.src)
             if value is not None and getattr(move, "jitted", None) is not None:
@@ -155,7 +155,7 @@ class _Walk:
         if not self.ex.mesh_local[ins.mesh] or self.run is None:
             return
         parts = [self.run.results.get(b) for b in ins.buffers]
-        combine, relay = self.ex._combiner_for(ins, len(parts))
+        combine, relay = self.ex.ready(ins)
         combined = self.program(combine, parts)
         if combined is None or is_key(ins.aval):
             return
@@ -166,7 +166,7 @@ class _Walk:
         g = grads[ins.position] if grads is not None else None
         key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
         if g is not None and ins.move is not None:
-            move = self.ex._ready[id(ins)]
+            move = self.ex.ready(ins)
             if getattr(move, "jitted", None) is not None:
                 self.program(move, g)
             g = jax.ShapeDtypeStruct(ins.move.shape, ins.move.dtype, sharding=ins.move.dst)

@@ -23,7 +23,7 @@ those arrays become ready:
 Each event ends when its arrays were ready. Its start is inferred as the
 latest of the lower bounds a device cannot start before: its launch, the end
 of the previous event on its lane, and the ends of its data dependencies
-(``passes.pipeline_tasks.task_dependencies``) recorded here. Waiters wake in
+(``passes.program.tasks.task_dependencies``) recorded here. Waiters wake in
 no particular order, so an end noted earlier than that start (a dependency's
 waiter woke later than this one's) is raised to it.
 

@@ -119,7 +119,7 @@ def test_the_program_format_is_the_lowest_floor(module):
     assert not above, f"{module} imports {above}: the program format imports only itself and {sorted(BASE)}"
 
 
-FORBIDDEN_IR = ("Stage", "StageOperand", "Placement", "OuterCompute", "OuterMove", "PipelineSchedule", "StageGraph")
+FORBIDDEN_IR = ("Stage", "StageOperand", "Placement", "OuterCompute", "OuterMove", "PipelineSchedule", "StageGraph", "StepLayout")
 
 
 def _format_types() -> list[type]:

@@ -318,7 +318,7 @@ class PipelineProgram:
       num_micro_batches: the micro-batches of a step.
       edges: per schedule edge, ``(producer, consumer)`` stages (``EdgeTransfer.edge`` indexes it).
       split_backward: whether a backward runs as an input pass and a weight pass (the tasks'
-        dependencies differ: ``pipeline_tasks.task_dependencies``).
+        dependencies differ: ``tasks.task_dependencies``).
       stages: one ``StageIO`` per stage (stage ``s`` runs on mesh ``stage_mesh[s]``).
       transfers: every boundary move, two per edge (``EdgeTransfer``).
       instructions: per mesh, its instructions in launch order.

@@ -34,7 +34,7 @@ class StepInstruction(abc.ABC):
     the stage operands it feeds, and its own wiring against the pipeline program. Inputs and constants
     (``OuterKind.IN``, ``OuterKind.CONST``) are readable anywhere; every other value it reads on
     a mesh must have been made there by an earlier instruction. A new kind is this class's
-    subclass and one handler in the runtime (``pipeline_executor``)."""
+    subclass and one handler in the runtime (``runtime.step_handlers.register_step_handler``)."""
 
     @property
     @abc.abstractmethod

@@ -3,8 +3,8 @@ alone defines a toy kind (``Scale``: a buffer times a factor, into a buffer of i
 its handler with the runtime (``program_interpreter.register_handler``), and the verifier, the
 live-byte prediction and the interpreter take it through ``Instruction``'s interface, with no
 other change. A kind nobody registered is refused, naming it. A toy step instruction (``Note``)
-is verified through ``StepInstruction``'s interface alike, and the step's executor refuses it,
-naming it, for want of a handler.
+is verified through ``StepInstruction``'s interface alike; the step's executor refuses it, naming
+it, until its handler is registered (``step_handlers.register_step_handler``), and then runs it.
 
 What emits the toy stands in for a pass of its own: here it is inserted into a compiled pipeline
 program (``dataclasses.replace``), as a pass rewriting the program would."""
@@ -30,6 +30,7 @@ from meshpar.passes.simulation.live_bytes import predict_live_bytes
 from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.program_interpreter import HANDLERS, ProgramInterpreter, register_handler
+from meshpar.runtime.step_handlers import STEP_HANDLERS, register_step_handler
 from pipeline_models import aux_sum_step, make_state, regression_batch
 from test_program_interpreter import _program
 
@@ -200,7 +201,49 @@ def test_a_new_step_kind_is_verified_through_its_interface_and_refused_by_the_ex
     with pytest.raises(PlanVerificationError, match=rf"note of loss0 on mesh {loss_mesh} reads loss0 on mesh "
                                                     rf"{loss_mesh} before it is made there"):
         verify([Note(loss, loss_mesh), *step])
-    with pytest.raises(TypeError, match=r"step: instructions of kinds \['Note'\] have no handler in the pipeline "
-                                        r"executor"):
+    with pytest.raises(TypeError, match=r"step: instructions of kinds \['Note'\] have no handler"):
         PipelineExecutable(dataclasses.replace(compiled.step, instructions=tuple(noted)), compiled.program,
                            compiled.moves, compiled.kernels, original.out_tree, original.out_avals)
+
+
+# Per note run: the value it read, and what its prepare made for it.
+NOTED: list[tuple] = []
+
+
+def prepare_note(executable, ins: Note) -> str:
+    return f"prepared for {ins}"
+
+
+def run_note(executable, ins: Note, ready: str, state) -> None:
+    """``Note``'s handler: the runtime's whole part of the new step kind."""
+    if executable.mesh_local[ins.mesh]:
+        NOTED.append((state.value(ins.value, ins.mesh), ready))
+
+
+@pytest.fixture
+def note_handled():
+    register_step_handler(Note, run_note, prepare_note)
+    NOTED.clear()
+    yield
+    del STEP_HANDLERS[Note]
+
+
+def test_a_registered_step_kind_runs_in_the_step(note_handled, mlp):
+    parallel, state, batch, compiled, original = mlp
+    step = list(compiled.step)
+    assemble = next(k for k, ins in enumerate(step) if isinstance(ins, AssembleOutputs))
+    note = Note(OuterRef(OuterKind.LOSS), compiled.schedule.stage_mesh[compiled.graph.loss.index])
+    noted = dataclasses.replace(compiled.step, instructions=(*step[:assemble], note, *step[assemble:]))
+    verify_step_program(noted, compiled.split, compiled.graph, compiled.program)
+    executable = PipelineExecutable(noted, compiled.program, compiled.moves, compiled.kernels, original.out_tree,
+                                    original.out_avals)
+    got = jax.tree.unflatten(original.out_tree, executable(jax.tree.leaves((state, batch))))
+    want = jax.jit(aux_sum_step)(state, batch)
+    # It ran once, with what its prepare made, reading the combined loss the step returns.
+    assert [ready for _, ready in NOTED] == [f"prepared for {note}"]
+    np.testing.assert_allclose(float(NOTED[0][0]), float(want[1]), rtol=1e-5)
+    np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-5)
+    with pytest.raises(ValueError, match="Note has a handler already"):
+        register_step_handler(Note, run_note)
+    with pytest.raises(TypeError, match="expected a StepInstruction subclass"):
+        register_step_handler(int, run_note)

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar.passes.program.moves import Direction, EdgeTransfer, TransferKind
-from meshpar.passes.program.pipeline_instructions import BufferKind, Free, PipelineProgram, RunForward
+from meshpar.passes.program.pipeline_instructions import BufferKind, Free, RunForward
 from meshpar.passes.pipeline.lowering.pipeline_program import lower_to_program, stage_io
 from meshpar.passes.pipeline.scheduling.pipeline_schedule import make_schedule
 from meshpar.passes.program.tasks import TaskKind

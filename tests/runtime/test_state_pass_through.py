@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import meshpar
-import meshpar.runtime.pipeline_executor as pipeline_executor
+import meshpar.runtime.placing_inputs as placing_inputs
 from examples.train_step import supervised_step
 from pipeline_models import TwoStages, make_state, mse
 
@@ -25,13 +25,13 @@ def setup():
 
 def _placed_leaves(monkeypatch):
     placed: list[str] = []
-    place = pipeline_executor.place
+    place = placing_inputs.place
 
     def counted(value, placement, what="a value"):
         placed.append(what)
         return place(value, placement, what)
 
-    monkeypatch.setattr(pipeline_executor, "place", counted)
+    monkeypatch.setattr(placing_inputs, "place", counted)
     return placed
 
 

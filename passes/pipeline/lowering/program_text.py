@@ -1,7 +1,7 @@
 """The compiled programs as text: the step program, one line per instruction in the order every
 process runs it, and the pipeline program in its middle, per mesh, one line per instruction in
 that mesh's order. Each line is the instruction's own ``__str__``, which is short by contract
-(``StepInstruction``, ``pipeline_program.Instruction``): no line prints a jaxpr, so the text
+(``StepInstruction``, ``program.pipeline_instructions.Instruction``): no line prints a jaxpr, so the text
 stays small whatever the model."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ micro-batch's loss and aux values, reduces each parameter's gradient on its
 owner's mesh, runs the update and assembles the outputs. ``lower_step`` makes
 all of that instructions, deciding every reduction and every sharding here, each
 instruction carrying what it needs (the runtime reads no layout), so the runtime
-(``meshpar.runtime.pipeline_executor``) is one handler per instruction kind:
+(``meshpar.runtime.step_handlers``) is one handler per instruction kind:
 
 - ``SplitStackedLeaves`` / ``JoinStackedLeaves`` (first and last, with stacked leaves): the
   user's stacked leaves into the per-stage pieces the step takes, and back;
@@ -35,7 +35,7 @@ The instruction types live in the program format (``program.step_instructions``)
 subclasses ``StepInstruction``, which says what the verifier asks of it (the values it reads and
 makes, on which mesh; what it combines, reduces or feeds; its own wiring check), so
 ``verify_step_program`` reads any kind through that interface, as ``verify_pipeline_program``
-reads ``pipeline_program.Instruction``s. Each kind's ``__str__`` is one short line (never a
+reads ``program.pipeline_instructions.Instruction``s. Each kind's ``__str__`` is one short line (never a
 jaxpr): ``program_text`` prints a step with them.
 """
 

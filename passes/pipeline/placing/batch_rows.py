@@ -17,9 +17,9 @@ replicated over the other axes. A micro-batch is one block's slice (``r`` a mult
 A global batch leaf the computations around the pipeline read too (a mask summed into a
 normaliser, a metric of the batch) has a ``PlaceLeaf`` on their meshes (``step_layout``). No
 process can fetch it to place it from the host, so ``global_batch_placements`` plans one
-point-to-point move of the whole leaf from its own sharding to where ``runtime.placement.place``
-would put it (one array over the union of the meshes on one platform, else one per mesh); the
-runtime runs that move and nothing else.
+point-to-point move of the whole leaf from its own sharding to each array its ``PlaceLeaf`` lays
+it out as (``PlaceLeaf.targets``: one array over the union of the meshes on one platform, else
+one per mesh); the runtime runs that move and nothing else.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ replica on its ``micro_batch / D`` examples (the mesh's other axes stay automati
 tensor parallelism inside a replica is partitioned as before). A replica's
 parameter cotangent is then its own partial sum, held by its own devices; they accumulate
 unreduced over the micro-batches in a ``(D, *param)`` accumulator, and the mesh reduces them
-once per step (``pipeline_program.ReduceGradients``), right after its last weight gradient.
+once per step (``program.pipeline_instructions.ReduceGradients``), right after its last weight gradient.
 
 Replicas are micro-batches computed side by side, so a stage runs as replicas when the step
 splits over them as it splits over micro-batches: traced at ``micro_batch / D`` examples

@@ -1,0 +1,99 @@
+"""The handlers of ``RunCompute`` and ``RunMove``: the computations around the pipeline, each on its
+mesh, and the moves of their values between meshes (several values of one dtype packed into one
+vector)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from meshpar.passes import jax_ir
+from meshpar.passes.program.step_instructions import RunCompute, RunMove
+from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals, wait_pending
+from meshpar.runtime.flat_values import flatten, unflatten
+from meshpar.runtime.remote import absent
+from meshpar.runtime.stage_executables import on_mesh
+from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
+
+__all__ = ["HANDLERS"]
+
+
+def prepare_compute(ex: StepExecutable, ins: RunCompute) -> Callable:
+    fn = jax_ir.jaxpr_as_fun(ins.jaxpr)
+    targets = ins.output_shardings
+
+    def run(*args):
+        outs = fn(*args)
+        return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
+
+    return on_mesh(jax.jit(run), ex.meshes[ins.mesh], ex.timeout_s)
+
+
+def run_compute(ex: StepExecutable, ins: RunCompute, program: Callable, state: StepState) -> None:
+    mesh = ins.mesh
+    if ex.mesh_local[mesh]:
+        wait_pending(state.remote, [(r, mesh) for r in ins.inputs], ex.timeout_s, "moves around the pipeline",
+                     lambda: f"launching the program on mesh {mesh} that computes {', '.join(map(str, ins.outputs))}")
+        outs = program(*[state.value(r, mesh) for r in ins.inputs])
+        state.values.update({(ref, mesh): o for ref, o in zip(ins.outputs, outs)})
+
+
+def prepare_move(ex: StepExecutable, ins: RunMove) -> tuple[Callable, Callable | None, Callable | None]:
+    """The move, and (several values) the programs packing them on the source mesh and unpacking
+    them on the destination (relaying values out over a mesh: collectives where it spans
+    processes)."""
+    move = ex.move(ins.via.move_key)
+    if not ins.unpacked:
+        return move, None, None
+    avals = [ex.step_program.avals[r] for r in ins.values]
+    return (move, on_mesh(_packer(ins.via.src), ins.via.src.mesh, ex.timeout_s),
+            on_mesh(_unpacker(avals, ins.unpacked), ins.unpacked[0].mesh, ex.timeout_s))
+
+
+def run_move(ex: StepExecutable, ins: RunMove, ready: tuple[Callable, Callable | None, Callable | None],
+             state: StepState) -> None:
+    # Every process joins the move, whether or not it holds either end.
+    via = ins.via
+    move, pack, unpack = ready
+    if pack is None:
+        moved = state.values[(ins.values[0], ins.dst)] = move(state.value(ins.values[0], ins.src, via.src))
+        arrival = _note_arrival(ins, moved, state.arrivals)
+        if arrival is not None:
+            state.remote[(ins.values[0], ins.dst)] = arrival
+        return
+    if ex.mesh_local[ins.src]:
+        vector = pack(*[state.value(r, ins.src) for r in ins.values])
+    else:
+        vector = absent(via.shape, via.dtype, via.src)
+    moved = move(vector)
+    arrival = _note_arrival(ins, moved, state.arrivals)
+    if ex.mesh_local[ins.dst]:
+        if arrival is not None:  # unpacking launches a program reading it
+            wait_arrivals([arrival], ex.timeout_s, "moves around the pipeline", f"unpacking {arrival.what}")
+        state.values.update({(r, ins.dst): v for r, v in zip(ins.values, unpack(moved))})
+
+
+def _note_arrival(ins: RunMove, moved: jax.Array, arrivals: list[Arrival]) -> Arrival | None:
+    """Adds ``moved`` to ``arrivals`` when other processes send it here, and returns it."""
+    sending = senders(ins.via.src)
+    if owns_a_device_of(ins.via.dst.mesh) and sending:
+        names = ", ".join(map(str, ins.values))
+        arrivals.append(Arrival(moved, f"{names} moved from mesh {ins.src} to mesh {ins.dst}", sending))
+        return arrivals[-1]
+    return None
+
+
+def _packer(sharding: NamedSharding) -> Callable:
+    """Values of one dtype, flattened into one vector with ``sharding`` (on their mesh)."""
+    return jax.jit(lambda *xs: flatten(xs), out_shardings=sharding)
+
+
+def _unpacker(avals: Sequence[Any], shardings: Sequence[NamedSharding]) -> Callable:
+    """A packed vector back into values shaped ``avals``, each with its sharding."""
+    return jax.jit(lambda v: unflatten(v, avals), out_shardings=list(shardings))
+
+
+HANDLERS = {RunCompute: StepHandler(run_compute, prepare_compute), RunMove: StepHandler(run_move, prepare_move)}

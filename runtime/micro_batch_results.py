@@ -1,0 +1,98 @@
+"""The handlers of what the pipeline leaves: ``CombineMicroBatches`` (the loss or an aux value, its
+micro-batches combined on its mesh as the compiler resolved) and ``ReduceGradient`` (one stage's
+accumulated gradient of one parameter, moved to its owner's mesh and summed there)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from meshpar.passes.program.step_instructions import CombineMicroBatches, ReduceGradient
+from meshpar.passes.program.step_values import AuxReduction, OuterKind, OuterRef
+from meshpar.passes.program.wire_format import from_wire
+from meshpar.runtime.coordination import Arrival, senders, wait_arrivals
+from meshpar.runtime.move_handlers import Move
+from meshpar.runtime.remote import absent
+from meshpar.runtime.stage_executables import on_mesh
+from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
+
+__all__ = ["HANDLERS"]
+
+
+def prepare_combine(ex: StepExecutable, ins: CombineMicroBatches) -> tuple[Callable, Callable | None]:
+    """The program combining the micro-batches' values of ``ins`` on its mesh, and the one relaying
+    the result out over it (``None``: none). Relaying is a program of its own (collectives where
+    the mesh spans processes), launched as every program on the mesh is."""
+    mesh = ex.meshes[ins.mesh]
+    relay = None if ins.sharding is None else on_mesh(jax.jit(lambda x: x, out_shardings=ins.sharding), mesh,
+                                                      ex.timeout_s)
+    return on_mesh(_combiner(ins.how, len(ins.buffers), ins.per_replica), mesh, ex.timeout_s), relay
+
+
+def combine_micro_batches(ex: StepExecutable, ins: CombineMicroBatches, ready: tuple[Callable, Callable | None],
+                          state: StepState) -> None:
+    if not ex.mesh_local[ins.mesh]:
+        return
+    combine, relay = ready
+    combined = from_wire(combine([state.run.results[b] for b in ins.buffers]), ins.aval)
+    state.values[(ins.value, ins.mesh)] = combined if relay is None else relay(combined)
+
+
+def prepare_gradient(ex: StepExecutable, ins: ReduceGradient) -> Move | None:
+    return None if ins.move is None else ex.move(ins.move.move_key)
+
+
+def reduce_gradient(ex: StepExecutable, ins: ReduceGradient, move: Move | None, state: StepState) -> None:
+    grads = state.run.grads[ins.stage]
+    g = grads[ins.position] if grads is not None else absent(ins.aval.shape, ins.aval.dtype, ins.sharding)
+    key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
+    if move is not None:
+        g = move(g)
+        sending = senders(ins.sharding)
+        if sending and ex.mesh_local[ins.mesh]:
+            arrival = Arrival(g, f"{ins}", sending)
+            state.arrivals.append(arrival)
+            if key in state.values:  # the sum launches a program reading it
+                wait_arrivals([arrival], ex.timeout_s, "gradients moved home", f"adding {ins}")
+            else:
+                state.remote[key] = arrival
+    state.values[key] = g if key not in state.values or not ex.mesh_local[ins.mesh] else state.values[key] + g
+
+
+@functools.lru_cache(maxsize=None)
+def _combiner(how: AuxReduction, count: int, per_replica: bool) -> Callable[[list[jax.Array]], jax.Array]:
+    """One program combining ``count`` micro-batches' values as ``how`` says (each first over its
+    replicas, with ``per_replica``)."""
+
+    def combine(parts: list[jax.Array]) -> jax.Array:
+        if per_replica:
+            parts = [_combine_leading(part, how) for part in parts]
+        return _combine(parts, how)
+
+    return jax.jit(combine)
+
+
+def _combine(parts: Sequence[jax.Array], how: AuxReduction) -> jax.Array:
+    """Per-micro-batch values of one result combined as ``how`` says, on their mesh."""
+    if how is AuxReduction.LAST:
+        return parts[-1]
+    if how is AuxReduction.CONCAT:
+        return jnp.concatenate(parts, axis=0)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total / len(parts) if how is AuxReduction.MEAN else total
+
+
+def _combine_leading(values: jax.Array, how: AuxReduction) -> jax.Array:
+    """One value per replica (the leading dimension) combined as ``how`` combines micro-batches'."""
+    if how is AuxReduction.LAST:
+        return values[-1]
+    return values.mean(0) if how is AuxReduction.MEAN else values.sum(0)
+
+
+HANDLERS = {CombineMicroBatches: StepHandler(combine_micro_batches, prepare_combine),
+            ReduceGradient: StepHandler(reduce_gradient, prepare_gradient)}
