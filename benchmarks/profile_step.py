@@ -15,6 +15,14 @@ kept with its operands), the µs a call costs through meshpar's launch wrapper
 (``runtime.stage_executables.on_mesh``) against JAX's own call of the same compiled function
 with the same operands, both in one loop of ``--calls`` calls waited for at its end. Programs
 whose operands a launch donates are skipped (a second call would read deleted buffers).
+
+``--handlers``: instead, no profiler: per step-instruction kind, the wall µs per step its handler
+takes (``runtime.step_handlers``: each kind's ``run`` timed as registered), the executable's whole
+call, the argument cache key (``meshpar.parallelize._signatures`` and the lookup), and the rest
+of the call outside the executable (flattening the arguments and unflattening the outputs, as
+``jax.jit`` does too). The host work the issue names (placing inputs, assembling and sharing
+outputs, combining micro-batches, the cache key) is summed on its own line; ``RunPipeline``
+holds the pipeline's programs and waits, and the feeds and moves their launches.
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ def _time_dispatch(launches: dict[str, tuple], calls: int) -> None:
         jax.block_until_ready(call())
         return 1e6 * (time.perf_counter() - start) / calls
 
-    print(f"| program | operands | meshpar's launch µs | JAX's call µs | ratio |\n|---|---|---|---|---|")
+    print("| program | operands | meshpar's launch µs | JAX's call µs | ratio |\n|---|---|---|---|---|")
     for name, (run, fn, mesh, operands) in launches.items():
         leaves = jax.tree.leaves(operands)
         if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
@@ -80,6 +88,72 @@ def _time_dispatch(launches: dict[str, tuple], calls: int) -> None:
         print(f"| {name} | {len(leaves)} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} |", flush=True)
 
 
+# The kinds whose handlers are the step's fixed host work outside the programs (issue 43).
+FIXED_HOST_WORK = ("PlaceInputs", "AssembleOutputs", "ShareOutputs", "CombineMicroBatches")
+
+
+def _time_handlers() -> tuple[dict[str, list[float]], list[float]]:
+    """Wraps every registered step handler, the argument cache key and the executable's call with
+    wall-clock timers: kind name (and ``cache key``) -> seconds per call, and the executable's
+    seconds per call."""
+    import importlib
+
+    from meshpar.runtime import pipeline_executor
+    from meshpar.runtime.step_handlers import STEP_HANDLERS
+    from meshpar.runtime.step_state import StepHandler
+
+    spent: dict[str, list[float]] = {}
+    for kind, handler in list(STEP_HANDLERS.items()):
+        def timed(ex, ins, ready, state, run=handler.run, name=kind.__name__):
+            start = time.perf_counter()
+            run(ex, ins, ready, state)
+            spent.setdefault(name, []).append(time.perf_counter() - start)
+
+        STEP_HANDLERS[kind] = StepHandler(timed, handler.prepare)
+    parallelize = importlib.import_module("meshpar.parallelize")  # the module, not the function
+    signatures = parallelize._signatures
+
+    def timed_key(*args):
+        start = time.perf_counter()
+        try:
+            return signatures(*args)
+        finally:
+            spent.setdefault("cache key", []).append(time.perf_counter() - start)
+
+    parallelize._signatures = timed_key
+    calls: list[float] = []
+    call = pipeline_executor.PipelineExecutable.__call__
+
+    def timed_call(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            calls.append(time.perf_counter() - start)
+
+    pipeline_executor.PipelineExecutable.__call__ = timed_call
+    return spent, calls
+
+
+def _report_handlers(spent: dict[str, list[float]], calls: list[float], totals: list[float], steps: int) -> None:
+    """Per kind, µs per step over the last ``steps`` steps (each kind may run several times a step)."""
+    def per_step(samples: list[float], per: int) -> float:
+        return 1e6 * sum(samples[-per * steps:]) / steps
+
+    runs = len(calls)
+    key = per_step(spent.pop("cache key"), 1)
+    print("| handler | calls per step | µs per step |\n|---|---|---|")
+    for name in sorted(spent, key=lambda n: -per_step(spent[n], len(spent[n]) // runs)):
+        per = len(spent[name]) // runs
+        print(f"| {name} | {per} | {per_step(spent[name], per):.0f} |")
+    fixed = sum(per_step(spent[n], len(spent[n]) // runs) for n in FIXED_HOST_WORK if n in spent) + key
+    outside = 1e6 * (sum(totals[-steps:]) - sum(calls[-steps:])) / steps - key
+    print(f"| the executable's call | 1 | {per_step(calls, 1):.0f} |")
+    print(f"| the argument cache key (signatures of the leaves) | 1 | {key:.0f} |")
+    print(f"| the rest outside the executable (flatten, lookup, unflatten) | 1 | {outside:.0f} |")
+    print(f"| fixed host work: {', '.join(FIXED_HOST_WORK)}, the cache key | | {fixed:.0f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
@@ -89,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--dispatch", action="store_true", help="time launches against JAX's own calls")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--handlers", action="store_true", help="time each step handler, no profiler")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps: expected a positive number of steps, got {args.steps}")
@@ -100,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 2)
+    if args.handlers and args.layout == "jit_accum":
+        parser.error("--handlers: jit_accum runs no step handler; pick a meshpar layout")
     launches = _record_launches() if args.dispatch else None
+    timers = _time_handlers() if args.handlers else None
     _, batch, state = _model(args.model)
     step = _jit_accum(args.micro_batches) if args.layout == "jit_accum" \
         else _meshpar_step(args.layout, args.micro_batches)
@@ -109,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         jax.block_until_ready((state, loss))
     if launches is not None:
         _time_dispatch(launches, args.calls)
+        return 0
+    if timers is not None:
+        totals = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            state, loss = step(state, batch)
+            totals.append(time.perf_counter() - start)
+            jax.block_until_ready((state, loss))
+        print(f"{args.model} {args.layout} M={args.micro_batches} on {jax.devices()[0].platform}: "
+              f"{1e3 * sum(totals) / args.steps:.1f} ms a call, not waiting for the outputs ({args.steps} steps)")
+        _report_handlers(*timers, totals, args.steps)
         return 0
     profile = cProfile.Profile()
     start = time.perf_counter()

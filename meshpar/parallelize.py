@@ -58,8 +58,23 @@ def _signature(x: Any, batch: bool) -> tuple[Any, ...]:
     (``runtime.placement.put``); keying on them would compile the step again for the state its
     first call returned, which spans processes where the host-made state did not."""
     if isinstance(x, jax.Array):
+        _ARRAY_TYPES.add(type(x))
         return (x.shape, x.dtype, x.sharding) if batch and not x.is_fully_addressable else (x.shape, x.dtype)
     return np.shape(x), leaf_dtype(x)
+
+
+# The concrete types ``_signature`` found to be ``jax.Array``s: a leaf of one of them is keyed by
+# its shape and dtype without ``isinstance(x, jax.Array)``, a Python-level check per leaf.
+_ARRAY_TYPES: set[type] = set()
+
+
+def _signatures(leaves: list, batch: frozenset[int]) -> tuple[tuple[Any, ...], ...]:
+    """Every leaf's ``_signature``, a batch leaf's (those of ``batch``) as one."""
+    arrays = _ARRAY_TYPES
+    sig = [(x.shape, x.dtype) if type(x) in arrays else _signature(x, False) for x in leaves]
+    for i in batch:
+        sig[i] = _signature(leaves[i], True)
+    return tuple(sig)
 
 
 class ParallelizedStep:
@@ -71,6 +86,8 @@ class ParallelizedStep:
         # What meshpar.plan_parallelism chose, once an "auto" method has been planned.
         self.plan: Any = None
         self._cache: dict[Any, CompiledStep] = {}
+        # Per input structure, its batch leaves' numbers (found once per structure).
+        self._batch_leaves: dict[Any, frozenset[int]] = {}
         self._direct: CompiledStep | None = None
         functools.update_wrapper(self, fun)
 
@@ -176,9 +193,12 @@ class ParallelizedStep:
         """``args``' leaves, and the compiled step for their structure and shapes (compiled on
         the first call with them)."""
         leaves, in_tree = jax.tree.flatten(args)
-        batch_argnums = self.method.batch_argnums
-        batch = [i in batch_argnums for i, arg in enumerate(in_tree.children()) for _ in range(arg.num_leaves)]
-        key = (in_tree, tuple(_signature(x, b) for x, b in zip(leaves, batch)))
+        batch = self._batch_leaves.get(in_tree)
+        if batch is None:
+            argnums = self.method.batch_argnums
+            flags = [i in argnums for i, arg in enumerate(in_tree.children()) for _ in range(arg.num_leaves)]
+            batch = self._batch_leaves[in_tree] = frozenset(k for k, b in enumerate(flags) if b)
+        key = (in_tree, _signatures(leaves, batch))
         if key not in self._cache:
             # Planning, tracing and the layout all read flax's logical axis rules: the method's
             # when it names them, else the caller's.

@@ -22,13 +22,10 @@ __all__ = ["HANDLERS"]
 def assemble_outputs(ex: StepExecutable, ins: AssembleOutputs, ready: None, state: StepState) -> None:
     results: list[Any] = []
     on_one_mesh: dict[int, int] = {}
+    values = state.values
     for j, source in enumerate(ins.outputs):
         ref = source.ref
-        if ref.kind is OuterKind.LITERAL:
-            results.append(jnp.asarray(source.literal, ex.out_avals[j].dtype))
-        elif ref.kind is OuterKind.CONST:
-            results.append(state.program.consts[ref.index])
-        elif ref.kind is OuterKind.IN:
+        if ref.kind is OuterKind.IN:
             arrays = state.placed[ref.index]
             if not arrays:  # a batch leaf returned as it came
                 results.append(state.leaves[ref.index])
@@ -39,12 +36,19 @@ def assemble_outputs(ex: StepExecutable, ins: AssembleOutputs, ready: None, stat
                 results.append(join([arrays[m] for m in ms], source.placed_as.union, arrays[ms[0]].shape,
                                     arrays[ms[0]].dtype))
         elif len(source.meshes) == 1:
-            results.append(state.value(ref, source.meshes[0], source.shardings[0]))
+            # A computed value on its mesh (a new parameter, an optimizer state): looked up
+            # directly, the common case; another process's, a stand-in (``StepState.value``).
+            key = (ref, source.meshes[0])
+            results.append(values[key] if key in values else state.value(ref, source.meshes[0], source.shardings[0]))
             on_one_mesh[j] = source.meshes[0]
+        elif ref.kind is OuterKind.LITERAL:
+            results.append(jnp.asarray(source.literal, ex.out_avals[j].dtype))
+        elif ref.kind is OuterKind.CONST:
+            results.append(state.program.consts[ref.index])
         else:
             aval = ex.out_avals[j]
-            results.append(join([state.values[(ref, m)] for m in source.meshes if (ref, m) in state.values],
-                                source.union, aval.shape, aval.dtype))
+            results.append(join([values[(ref, m)] for m in source.meshes if (ref, m) in values], source.union,
+                                aval.shape, aval.dtype))
     state.outputs = state.assembled = results
     state.on_one_mesh = on_one_mesh
 

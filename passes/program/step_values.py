@@ -3,8 +3,8 @@ stage input) and ``AuxReduction`` (how a value's micro-batches combine)."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
+from typing import NamedTuple
 
 __all__ = ["AuxReduction", "OuterKind", "OuterRef", "RefKind"]
 
@@ -28,11 +28,13 @@ class OuterKind(enum.Enum):
         return self.value < other.value
 
 
-@dataclasses.dataclass(frozen=True, order=True)
-class OuterRef:
+class OuterRef(NamedTuple):
     """A value of the traced step: ``IN`` (step input leaf), ``CONST``, ``LITERAL`` (an
     output that is a literal), ``LOSS``, ``AUX`` or ``GRAD`` (outputs of the gradient
-    equation, ``index``-th leaf), or ``VALUE`` (the ``index``-th other computed value)."""
+    equation, ``index``-th leaf), or ``VALUE`` (the ``index``-th other computed value).
+
+    A named tuple, not a dataclass: immutable and ordered alike, and hashed in C (a step looks
+    values up by ``(OuterRef, mesh)`` hundreds of times; a dataclass's hash is a Python call)."""
 
     kind: OuterKind
     index: int = 0
