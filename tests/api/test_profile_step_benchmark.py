@@ -1,0 +1,26 @@
+"""``benchmarks.profile_step --handlers``: every step-instruction kind the step runs gets a row,
+and the fixed host work line is the sum of the rows it names (run in its own process: the option
+wraps the runtime's handler registry for the whole process)."""
+
+import re
+import subprocess
+import sys
+
+from repo_paths import ROOT_DIR
+
+
+def test_handlers_report_a_row_per_kind_and_sum_the_fixed_host_work():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile_step", "--handlers", "--steps", "2", "--micro-batches", "2",
+         "--layout", "two_meshes_1f1b"],
+        cwd=ROOT_DIR, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = dict(re.findall(r"^\| ([^|]+?) \|[^|]*\| (\d+) \|$", result.stdout, re.M))
+    # The kinds a two-mesh step runs, each through its registered handler.
+    for kind in ("PlaceInputs", "RunCompute", "FeedValue", "SliceMicroBatches", "RunPipeline",
+                 "CombineMicroBatches", "ReduceGradient", "AwaitArrivals", "AssembleOutputs", "ShareOutputs"):
+        assert kind in rows, (kind, result.stdout)
+    named = ("PlaceInputs", "AssembleOutputs", "ShareOutputs", "CombineMicroBatches",
+             "the argument cache key (signatures of the leaves)")
+    fixed = next(int(v) for k, v in rows.items() if k.startswith("fixed host work"))
+    assert abs(fixed - sum(int(rows[k]) for k in named)) <= len(named)  # each row rounded
