@@ -13,10 +13,11 @@ from examples.mlp import MLP
 from examples.train_step import supervised_step
 from meshpar.passes.program.step_values import AuxReduction
 from meshpar.passes.program.step_instructions import (
-    AssembleOutputs, CombineMicroBatches, PlaceInputs, ReduceGradient, RunCompute, RunPipeline, ShareOutputs,
+    AssembleOutputs, CombineMicroBatches, FeedInstruction, FeedValue, PlaceInputs, ReduceGradient, RunCompute,
+    RunPipeline, ShareOutputs, SliceMicroBatches,
 )
 from meshpar.passes.pipeline.lowering.step_program import verify_step_program
-from meshpar.passes.program.step_values import OuterKind
+from meshpar.passes.program.step_values import OuterKind, RefKind
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import aux_sum_step, make_state, mse, regression_batch
 
@@ -87,3 +88,28 @@ def test_verifier_rejects_a_second_reduction_a_read_too_early_a_second_pipeline_
     combine = next(k for k, i in enumerate(ins) if isinstance(i, CombineMicroBatches))
     with pytest.raises(PlanVerificationError, match="combined"):
         _verify(compiled, ins[:combine] + ins[combine + 1:])
+
+
+def test_every_stage_operand_is_fed_once_before_the_pipeline():
+    """One feed per non-activation input of every stage, each chosen by the compiler: a lost feed,
+    a second one, one after the pipeline and one reading off its stage's mesh are refused."""
+    compiled, *_ = _compiled(aux_sum_step)
+    ins = list(compiled.step)
+    _verify(compiled, ins)
+    feeds = [k for k, i in enumerate(ins) if isinstance(i, FeedInstruction)]
+    want = sum(1 for s in compiled.graph.stages for r in s.inputs if r.kind is not RefKind.ACT)
+    assert len(feeds) == want and {type(ins[k]) for k in feeds} >= {FeedValue, SliceMicroBatches}
+    pipeline = next(k for k, i in enumerate(ins) if isinstance(i, RunPipeline))
+    assert max(feeds) < pipeline
+    with pytest.raises(PlanVerificationError, match="not fed exactly once"):
+        _verify(compiled, [i for k, i in enumerate(ins) if k != feeds[0]])
+    with pytest.raises(PlanVerificationError, match="not fed exactly once"):
+        _verify(compiled, ins[:feeds[0]] + [ins[feeds[0]]] + ins[feeds[0]:])
+    late = [i for k, i in enumerate(ins) if k != feeds[-1]]
+    late.insert(pipeline, ins[feeds[-1]])  # just after the pipeline, which moved up by one
+    with pytest.raises(PlanVerificationError, match="feeds a stage after the pipeline runs"):
+        _verify(compiled, late)
+    value = next(k for k in feeds if isinstance(ins[k], FeedValue))
+    elsewhere = dataclasses.replace(ins[value], mesh=1 - ins[value].mesh)
+    with pytest.raises(PlanVerificationError, match=f"but stage {ins[value].stage} runs on mesh"):
+        _verify(compiled, ins[:value] + [elsewhere] + ins[value + 1:])
