@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from meshpar.cluster import Cluster
 from meshpar.passes.pipeline.placing.edge_transfer import Executor
 from meshpar.passes.pipeline.placing.plan_moves import (
-    MoveKey, MoveOptions, default_cluster, move_plan, plan_move, resharding_task,
+    MoveKey, MoveOptions, default_cluster, plan_and_lower, resharding_task,
 )
 from meshpar.passes.program.moves import TransferKind, TransferOrder
 from meshpar.passes.resharding.balancers import get_balancer
@@ -49,7 +49,7 @@ def _named(sharding: Any, ndim: int, arg: str) -> NamedSharding:
 def _executable(shape, dtype, src, dst, cluster, strategy, balancer, chunks, kind, order):
     key = MoveKey.of(kind, shape, dtype, src, dst)
     options = MoveOptions(strategy, balancer, cluster, chunks, order)
-    move, plan = plan_move(key, options), move_plan(key, options)
+    move, plan = plan_and_lower(key, options)
     if kind is TransferKind.COLLECTIVE:
         return ReshardingExecutable(move.program, shape, dtype, src, dst), plan
     return P2PReshardExecutable(move.program, dtype, src, dst, order=order, gates=move.gates), plan

@@ -207,25 +207,21 @@ class PipelineExecutable:
         itself; afterwards it returns at once. Returns how many programs it compiled."""
         if self.compiled_ahead is not None:
             return self.compiled_ahead
-        inputs: list[StageInputs | None] = []
+        # The stages' operands as shapes, fed as the feeds would feed them.
+        operands: dict[tuple[int, int], Any] = {}
         grads: list[list[Any] | None] = []
         for kernel, local in zip(self._kernels, self.local):
             if not local:
-                inputs.append(None)
                 grads.append(None)
                 continue
-            avals = kernel.in_avals
-
-            def shaped(o):
-                return jax.ShapeDtypeStruct(avals[o.position].shape, avals[o.position].dtype, sharding=o.sharding)
-
-            fixed = tuple(map(shaped, kernel.fixed_operands))
-            batch = tuple(map(shaped, kernel.batch_operands))
-            inputs.append(StageInputs(fixed, tuple(batch for _ in range(self.num_micro_batches)) if batch else ()))
+            for o in kernel.operands:
+                aval = kernel.in_avals[o.position]
+                shaped = jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=o.sharding)
+                operands[(kernel.stage, o.position)] = [shaped] * self.num_micro_batches if o.per_micro_batch else shaped
             grads.append([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                           for a in kernel.accumulation.accumulators])
         compiler = AheadOfTime()
-        compile_step_ahead(self, compiler, leaves, inputs, grads)
+        compile_step_ahead(self, compiler, leaves, self.stage_inputs(operands), grads)
         count = compiler.finish()
         wait_deferred()
         if jax.process_count() > 1:
@@ -309,8 +305,6 @@ def _piece_aval(aval: Any, bounds: tuple[int, ...], p: int) -> jax.ShapeDtypeStr
     return jax.ShapeDtypeStruct((bounds[p + 1] - bounds[p], *aval.shape[1:]), aval.dtype)
 
 
-
-
 def _accumulator_maker(plans: Sequence[Sequence[Any]]) -> Callable[[], list[list[jax.Array]]]:
     """One program making the zero accumulators of several stages of one mesh (per stage, its
     ``stage_kernel.Accumulator``s), each with its sharding."""
@@ -318,6 +312,3 @@ def _accumulator_maker(plans: Sequence[Sequence[Any]]) -> Callable[[], list[list
     shardings = [[a.sharding for a in accumulators] for accumulators in plans]
     return jax.jit(lambda: [[jnp.zeros(shape, dtype) for shape, dtype in stage] for stage in shapes],
                    out_shardings=shardings)
-
-
-

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["PlaceLeaf", "device_sharding", "spans_platforms", "union_sharding"]
+__all__ = ["PlaceLeaf", "device_sharding", "joined_sharding"]
 
 
 def device_sharding(device: Any) -> NamedSharding:
@@ -21,17 +21,24 @@ def device_sharding(device: Any) -> NamedSharding:
     return NamedSharding(Mesh(np.array([device]), ("device",)), P())
 
 
-def spans_platforms(shardings: Sequence[NamedSharding]) -> bool:
+def _spans_platforms(shardings: Sequence[NamedSharding]) -> bool:
     """Whether ``shardings``' meshes are on several platforms (a GPU and the host): no one array
     spans them."""
     return len({d.platform for s in shardings for d in s.mesh.devices.flat}) > 1
 
 
-def union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
+def _union_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding:
     """Replicated over every device of ``shardings``' meshes (all on one platform): how one
     array holds a value several meshes read."""
     devices = [d for s in shardings for d in s.mesh.devices.flat]
     return NamedSharding(Mesh(np.array(devices), ("union",)), P())
+
+
+def joined_sharding(shardings: Sequence[NamedSharding]) -> NamedSharding | None:
+    """How one value held on several meshes (one sharding each) is one array: replicated over the
+    union of their devices; ``None`` for a single mesh, or for meshes of several platforms, which
+    no one array spans."""
+    return _union_sharding(shardings) if len(shardings) > 1 and not _spans_platforms(shardings) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +57,7 @@ class PlaceLeaf:
     def of(cls, meshes: Sequence[int], shardings: Sequence[NamedSharding]) -> PlaceLeaf:
         """The leaf on ``meshes`` laid out as ``shardings``: one array over them all where one
         platform holds them."""
-        whole = len(meshes) > 1 and not spans_platforms(shardings)
-        return cls(tuple(meshes), tuple(shardings), union_sharding(shardings) if whole else None)
+        return cls(tuple(meshes), tuple(shardings), joined_sharding(shardings))
 
     def on(self, mesh: int) -> NamedSharding:
         """Its sharding on ``mesh``, one of ``meshes``."""

@@ -52,7 +52,7 @@ from ... import jax_ir
 from ...compiler_pass import compiler_pass
 from ...program.batch_rows import GlobalBatchFeed, GlobalBatchPlacement
 from ...program.pipeline_instructions import BufferId, BufferKind, PipelineProgram
-from ...program.shardings import PlaceLeaf, spans_platforms, union_sharding
+from ...program.shardings import PlaceLeaf, joined_sharding
 from ...program.stacked_leaves import GatheredArray, LeafPieces, StackedArray
 from ...program.step_instructions import (
     SHARE_MAX_BYTES, AssembleOutputs, AwaitArrivals, CombineMicroBatches, FeedConstant, FeedInstruction, FeedValue,
@@ -169,9 +169,9 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
         placement = layout.out_placements[j]
         shardings = tuple(placement.on(m) if placement is not None and m in placement.meshes
                           else NamedSharding(meshes[m], P()) for m in on)
-        union = union_sharding(shardings) if len(on) > 1 and not spans_platforms(shardings) else None
         outputs.append(OutputSource(ref, tuple(on), shardings, split.literals.get(j),
-                                    layout.in_placements[ref.index] if ref.kind is OuterKind.IN else None, union))
+                                    layout.in_placements[ref.index] if ref.kind is OuterKind.IN else None,
+                                    joined_sharding(shardings)))
     ins.append(AssembleOutputs(tuple(outputs)))
     shared = share_outputs(outputs, split.avals, meshes, [p is not None for p in layout.out_placements])
     if shared is not None:

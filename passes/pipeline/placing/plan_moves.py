@@ -27,6 +27,7 @@ A new executor is one ``MoveExecutor`` here and one runtime handler.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
@@ -52,8 +53,8 @@ from ...resharding.transfer_program import lower_plan, verify_program
 from ...verification import PlanVerificationError
 from .edge_transfer import Executor, choose_transfer
 
-__all__ = ["MOVE_EXECUTORS", "P2P_ORDERS", "MoveExecutor", "MoveOptions", "default_cluster", "move_plan", "plan_move",
-           "plan_moves", "resharding_task", "verify_move_table"]
+__all__ = ["MOVE_EXECUTORS", "P2P_ORDERS", "MoveExecutor", "MoveOptions", "default_cluster", "move_plan",
+           "plan_and_lower", "plan_move", "plan_moves", "resharding_task", "verify_move_table"]
 
 
 # What the user may pass as ``order``.
@@ -79,12 +80,14 @@ class MoveExecutor:
     """One entry of ``MOVE_EXECUTORS``.
 
     Attributes:
-      lower: ``(key, options) ->`` the verified ``PlannedMove``.
+      lower: ``(key, options, plan) ->`` the verified ``PlannedMove``; ``plan()`` is
+        ``move_plan(key, options)``, planned on the first call only (once for the lowering and
+        for ``plan_and_lower``'s caller, and after the lowering's own checks of ``key``).
       bandwidth: ``(inter_host, intra_host) ->`` the bytes/s the cost model prices it at
         (``None``: free, nothing crosses a link).
     """
 
-    lower: Callable[[MoveKey, MoveOptions], PlannedMove]
+    lower: Callable[[MoveKey, MoveOptions, Callable[[], ReshardingPlan | None]], PlannedMove]
     bandwidth: Callable[[float, float], float] | None
 
 
@@ -136,19 +139,18 @@ def _ids(sharding: NamedSharding, ids: Mapping[DeviceKey, int]) -> tuple[int, ..
     return tuple(ids[device_key(d)] for d in sharding.mesh.devices.flat)
 
 
-def _lower_local(key: MoveKey, options: MoveOptions) -> PlannedMove:
+def _lower_local(key: MoveKey, options: MoveOptions, plan: Callable[[], None]) -> PlannedMove:
     return PlannedMove(key, "local: both stages on one mesh, no move")
 
 
-def _lower_device_put(key: MoveKey, options: MoveOptions) -> PlannedMove:
+def _lower_device_put(key: MoveKey, options: MoveOptions, plan: Callable[[], ReshardingPlan | None]) -> PlannedMove:
     # Nothing to lower inside one process; the plan says what the move costs on the cluster,
     # and how it runs once the meshes are on different processes.
-    plan = move_plan(key, options)
-    across = "" if plan is None else f"; across processes the plan is {plan.summary()}"
+    across = "" if plan() is None else f"; across processes the plan is {plan().summary()}"
     return PlannedMove(key, "jax.device_put, since one process owns both meshes" + across)
 
 
-def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
+def _lower_p2p(key: MoveKey, options: MoveOptions, plan: Callable[[], ReshardingPlan | None]) -> PlannedMove:
     if not isinstance(options.order, TransferOrder):
         raise TypeError(f"order: expected a TransferOrder (resolve a name with TransferOrder.of), "
                         f"got {options.order!r}")
@@ -157,8 +159,7 @@ def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
         hops = replicate_scalar(_ids(key.src, ids), _ids(key.dst, ids))
         verify_hop_program(hops)
         return PlannedMove(key, f"{key.kind.value}: a scalar, replicated to every device", hops, order=options.order)
-    plan = _plan(key, options)
-    hops = lower_to_hops(plan)
+    hops = lower_to_hops(plan())
     verify_hop_program(hops)
     gates: tuple[Gate, ...] = ()
     if options.order.gated:
@@ -167,25 +168,24 @@ def _lower_p2p(key: MoveKey, options: MoveOptions) -> PlannedMove:
         host_of = {ids[device_key(d)]: d.process_index for s in (key.src, key.dst) for d in s.mesh.devices.flat}
         gates = round_gates(hops, host_of)
         verify_round_gates(hops, gates, host_of)
-    return PlannedMove(key, f"{key.kind.value}: {plan.summary()}", hops, gates, options.order)
+    return PlannedMove(key, f"{key.kind.value}: {plan().summary()}", hops, gates, options.order)
 
 
-def _lower_collective(key: MoveKey, options: MoveOptions) -> PlannedMove:
+def _lower_collective(key: MoveKey, options: MoveOptions, plan: Callable[[], ReshardingPlan | None]) -> PlannedMove:
     if key.shape == ():
         raise ValueError("executor: a 0-d value has nothing to reshard with executor='collective'; use executor='p2p'")
     platforms = sorted({d.platform for s in (key.src, key.dst) for d in s.mesh.devices.flat})
     if len(platforms) > 1:
         raise ValueError(f"executor: 'collective' runs one program over both meshes, which cannot span the "
                          f"platforms {platforms} of these meshes; use executor='p2p'")
-    plan = _plan(key, options)
-    program = lower_plan(plan)
+    program = lower_plan(plan())
     verify_program(program)
-    if program.fingerprint != plan.fingerprint:
+    if program.fingerprint != plan().fingerprint:
         raise PlanVerificationError(f"{key.kind.value} move of {key.shape}: its program is not its plan's")
-    return PlannedMove(key, f"{key.kind.value}: {plan.summary()}", program)
+    return PlannedMove(key, f"{key.kind.value}: {plan().summary()}", program)
 
 
-def _lower_signal(key: MoveKey, options: MoveOptions) -> PlannedMove:
+def _lower_signal(key: MoveKey, options: MoveOptions, plan: Callable[[], None]) -> PlannedMove:
     # The byte leaves from one source device (no collective over the source mesh) and moves as
     # any 0-d value to every device of the destination mesh.
     one = device_sharding(key.src.mesh.devices.flat[0])
@@ -209,11 +209,19 @@ MOVE_EXECUTORS: dict[TransferKind, MoveExecutor] = {
 
 
 @compiler_pass
+def plan_and_lower(key: MoveKey, options: MoveOptions) -> tuple[PlannedMove, ReshardingPlan | None]:
+    """``key`` planned (``move_plan``), lowered by its executor and verified; and the plan, planned
+    once for both (``meshpar.reshard`` returns it)."""
+    plan = functools.cache(lambda: move_plan(key, options))
+    move = MOVE_EXECUTORS[key.kind].lower(key, options, plan)
+    verify_planned_move(move)
+    return move, plan()
+
+
+@compiler_pass
 def plan_move(key: MoveKey, options: MoveOptions) -> PlannedMove:
     """``key`` planned and lowered by its executor, and verified."""
-    move = MOVE_EXECUTORS[key.kind].lower(key, options)
-    verify_planned_move(move)
-    return move
+    return plan_and_lower(key, options)[0]
 
 
 @compiler_pass
