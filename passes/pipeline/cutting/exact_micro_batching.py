@@ -33,7 +33,7 @@ from jax.extend.core import primitives as prims
 from ... import jax_ir
 from ...compiler_pass import compiler_pass
 from ...program.step_values import AuxReduction
-from ...verification import PlanVerificationError
+from ...verification import PlanVerificationError, type_check
 from ..step_primitives import pipeline_grad_p
 from .micro_batching import LossReduction, MicroBatching, default_aux_reduction
 from .row_kinds import (
@@ -267,10 +267,7 @@ def rewrite_loss(loss: jax_ir.ClosedJaxpr, plan: ExactMicroBatching, parts: int)
 def verify_rewritten_loss(original: jax_ir.ClosedJaxpr, rewritten: jax_ir.ClosedJaxpr, plan: ExactMicroBatching) -> None:
     """Raises ``PlanVerificationError`` unless ``rewritten`` type-checks, reads ``original``'s
     operands followed by one per hoisted value, and returns what ``original`` returns."""
-    try:
-        jax_ir.check_jaxpr(rewritten.jaxpr)
-    except Exception as e:
-        raise PlanVerificationError(f"the rewritten loss does not type-check: {e}") from e
+    type_check(rewritten.jaxpr, "the rewritten loss")
     n = len(original.jaxpr.invars)
     if [v.aval for v in rewritten.jaxpr.invars[:n]] != [v.aval for v in original.jaxpr.invars]:
         raise PlanVerificationError("the rewritten loss reads other operands than the loss")

@@ -31,7 +31,7 @@ from jax.extend.core import primitives as prims
 
 from ...compiler_pass import compiler_pass
 from ... import jax_ir
-from ...verification import PlanVerificationError
+from ...verification import PlanVerificationError, type_check
 from ..step_primitives import pipeline_grad_p
 from .micro_batching import MicroBatching
 from .stage_graph import is_differentiable
@@ -105,10 +105,7 @@ def verify_forward_step(step: jax_ir.ClosedJaxpr, wrapped: jax_ir.ClosedJaxpr) -
     if not params.get("forward_only"):
         raise PlanVerificationError("the forward step's equation is not marked forward-only")
     loss = params["loss_jaxpr"]
-    try:
-        jax_ir.check_jaxpr(loss.jaxpr)
-    except Exception as e:
-        raise PlanVerificationError(f"the forward step's loss jaxpr does not type-check: {e}") from e
+    type_check(loss.jaxpr, "the forward step's loss jaxpr")
     if loss.out_avals[0].shape != () or len(loss.out_avals) != 1 + params["num_aux"] or \
             len(eqn.outvars) != 1 + params["num_aux"] + params["num_diff"]:
         raise PlanVerificationError("the forward step's equation does not return a scalar loss, its aux leaves "

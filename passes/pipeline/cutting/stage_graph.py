@@ -308,13 +308,10 @@ def verify_stage_graph(graph: StageGraph) -> None:
     Raises:
       AssertionError subclass ``PlanVerificationError`` on a broken invariant.
     """
-    from ...verification import PlanVerificationError
+    from ...verification import PlanVerificationError, type_check
 
     for stage in graph.stages:
-        try:
-            jax_ir.check_jaxpr(stage.jaxpr.jaxpr)
-        except Exception as e:
-            raise PlanVerificationError(f"stage {stage.index} does not type-check: {e}") from e
+        type_check(stage.jaxpr.jaxpr, f"stage {stage.index}")
         for r in stage.inputs:
             if r.kind is RefKind.ACT and not r.index < stage.index:
                 raise PlanVerificationError(f"stage {stage.index} reads {r} from a later stage")

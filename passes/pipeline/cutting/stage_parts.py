@@ -31,7 +31,7 @@ from ... import jax_ir
 from ...compiler_pass import compiler_pass
 from ...program.stage_kernel import StageParts
 from ...program.step_values import RefKind
-from ...verification import PlanVerificationError
+from ...verification import PlanVerificationError, type_check
 from .stage_graph import Stage, is_differentiable
 
 __all__ = ["stage_parts", "verify_stage_parts"]
@@ -165,10 +165,7 @@ def verify_stage_parts(stage: Stage, parts: StageParts) -> None:
             fail(f"{what} are {list(got)}, expected {list(want)}")
 
     for name in ("forward", "backward", "backward_input", "backward_weight"):
-        try:
-            jax_ir.check_jaxpr(getattr(parts, name).jaxpr)
-        except Exception as e:
-            fail(f"{name} does not type-check: {e}")
+        type_check(getattr(parts, name).jaxpr, f"stage {stage.index} parts: {name}")
     if (parts.stage, parts.diff_inputs, parts.other_inputs, parts.act_inputs, parts.param_inputs) != (
             stage.index, *_positions(stage)):
         fail("input positions do not match the stage's refs")

@@ -421,17 +421,14 @@ def verify_step_split(split: StepSplit, num_meshes: int) -> None:
     Raises:
       PlanVerificationError: naming the step and the value.
     """
-    from ...verification import PlanVerificationError
+    from ...verification import PlanVerificationError, type_check
 
     have: set[tuple[OuterRef, int]] = set()
 
     def walk(steps: Sequence[OuterStep], phase: str) -> None:
         for step in steps:
             if isinstance(step, OuterCompute):
-                try:
-                    jax_ir.check_jaxpr(step.jaxpr.jaxpr)
-                except Exception as e:
-                    raise PlanVerificationError(f"{phase}: computation on mesh {step.mesh} does not type-check: {e}") from e
+                type_check(step.jaxpr.jaxpr, f"{phase}: computation on mesh {step.mesh}")
                 if not 0 <= step.mesh < num_meshes:
                     raise PlanVerificationError(f"{phase}: computation on mesh {step.mesh} of {num_meshes}")
                 for ref in step.inputs:
