@@ -45,6 +45,8 @@ print-after-all. In order:
 - ``lower_step``: the whole step around it (inputs placed, the work before and after the
   pipeline, micro-batches combined, gradients reduced on their owners' meshes, outputs
   assembled) -> ``StepProgram``;
+- ``fuse_packing``: a packed move's packing and unpacking into the programs making and
+  reading its values -> ``StepProgram``;
 - ``launch_sequences``: per process, the programs it launches on each mesh and the
   cross-process transfers it numbers -> ``LaunchSequences``, whose verifier refuses a step
   whose processes would launch a mesh's programs, or number a transfer, differently (a
@@ -79,6 +81,7 @@ from .pipeline.cutting.stage_parts import stage_parts, verify_stage_parts
 from .pipeline.cutting.step_split import StepSplit, split_step, verify_step_split
 from .pipeline.lowering.fused_runs import fuse_compute_runs
 from .pipeline.lowering.launch_sequences import LaunchSequences, launch_sequences, verify_launch_sequences
+from .pipeline.lowering.packed_moves import fuse_packing, verify_fused_packing
 from .pipeline.lowering.pipeline_program import lower_to_program, stage_io, verify_pipeline_program
 from .pipeline.lowering.program_text import program_text
 from .pipeline.lowering.stage_kernels import stage_kernels, verify_stage_kernels
@@ -498,6 +501,9 @@ PIPELINE_PASSES: tuple[Pass, ...] = (
     Pass("fuse_compute_runs", _fuse_compute_runs, lambda st: verify_pipeline_program(st.program, st.reduced),
          ("program",), when=lambda st: st.options.schedule.fuse_compute != 1),
     Pass("lower_step", _lower_step, lambda st: verify_step_program(st.step, st.split, st.graph, st.program),
+         ("step",)),
+    Pass("fuse_packing", lambda st: dataclasses.replace(st, step=fuse_packing(st.step)),
+         lambda st: (verify_step_program(st.step, st.split, st.graph, st.program), verify_fused_packing(st.step)),
          ("step",)),
     Pass("launch_sequences", _launch_sequences, lambda st: verify_launch_sequences(st.launches), ("launches",)),
     Pass("stage_kernels", _stage_kernels, lambda st: verify_stage_kernels(st.kernels, st.program), ("kernels",)),

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from meshpar.passes import jax_ir
 from meshpar.passes.program.step_instructions import RunCompute, RunMove
 from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals, wait_pending
-from meshpar.runtime.flat_values import flatten, unflatten
+from meshpar.passes.program.flat_values import flatten, unflatten
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import on_mesh
 from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState

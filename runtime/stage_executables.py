@@ -44,7 +44,7 @@ from meshpar.passes import jax_ir
 from meshpar.passes.program.stage_kernel import StageKernel, StageReplicas
 from meshpar.passes.program.wire_format import from_wire, to_wire
 from meshpar.runtime.coordination import LaunchRendezvous, raise_lost_collective_peer, wait_ready
-from meshpar.runtime.flat_values import flatten, unflatten
+from meshpar.passes.program.flat_values import flatten, unflatten
 
 __all__ = ["StageExecutables", "compile_stage", "on_mesh", "runs_alone"]
 

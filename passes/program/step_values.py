@@ -19,6 +19,7 @@ class OuterKind(enum.Enum):
     AUX = "aux"
     GRAD = "grad"
     VALUE = "value"
+    PACKED = "packed"
 
     # Members are singletons: hashing by identity is exact and costs the runtime no Python call
     # (a step looks values up by ``OuterRef`` hundreds of times).
@@ -31,7 +32,9 @@ class OuterKind(enum.Enum):
 class OuterRef(NamedTuple):
     """A value of the traced step: ``IN`` (step input leaf), ``CONST``, ``LITERAL`` (an
     output that is a literal), ``LOSS``, ``AUX`` or ``GRAD`` (outputs of the gradient
-    equation, ``index``-th leaf), or ``VALUE`` (the ``index``-th other computed value).
+    equation, ``index``-th leaf), ``VALUE`` (the ``index``-th other computed value), or
+    ``PACKED`` (the ``index``-th vector of several values packed to cross meshes as one move,
+    made and read inside the programs around it: ``lowering.packed_moves``).
 
     A named tuple, not a dataclass: immutable and ordered alike, and hashed in C (a step looks
     values up by ``(OuterRef, mesh)`` hundreds of times; a dataclass's hash is a Python call)."""

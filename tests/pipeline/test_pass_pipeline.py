@@ -4,6 +4,7 @@ each a name, a function over the typed ``CompileState`` and its verifier, run in
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -118,3 +119,20 @@ def test_the_module_doc_lists_every_pass():
 
     missing = [p.name for p in PIPELINE_PASSES if f"``{p.name}``" not in pipeline_driver.__doc__]
     assert not missing, f"the driver's module doc does not list {missing}"
+
+
+def test_deep_verification_type_checks_whole_jaxprs_only_when_asked(monkeypatch):
+    from meshpar.passes import jax_ir
+    from meshpar.passes.verification import deep_verification, type_check
+
+    good = jax.make_jaxpr(lambda x: jax.numpy.sin(x) * 2.0)(1.0).jaxpr
+    # Its equations read an input the jaxpr no longer binds.
+    broken = jax_ir.Jaxpr(good.constvars, [], good.outvars, good.eqns)
+    monkeypatch.setenv("MESHPAR_VERIFY", "full")
+    assert deep_verification()
+    type_check(good, "the good one")
+    with pytest.raises(PlanVerificationError, match="the broken one does not type-check"):
+        type_check(broken, "the broken one")
+    monkeypatch.delenv("MESHPAR_VERIFY")
+    assert not deep_verification()
+    type_check(broken, "the broken one")
