@@ -17,8 +17,10 @@ with the same operands, both in one loop of ``--calls`` calls waited for at its 
 whose operands a launch donates are skipped (a second call would read deleted buffers).
 
 ``--handlers``: instead, no profiler: per step-instruction kind, the wall µs per step its handler
-takes (``runtime.step_handlers``: each kind's ``run`` timed as registered), the executable's whole
-call, the argument cache key (``meshpar.parallelize._signatures`` and the lookup), and the rest
+takes and the CPU µs the Python thread spends in it (``time.thread_time``: on a CPU backend the
+programs the step launched run on the same cores meanwhile, and the wall time also counts the
+time the thread waits for a core; ``runtime.step_handlers``: each kind's ``run`` timed as
+registered), the executable's whole call, the argument cache key (``meshpar.parallelize._signatures`` and the lookup), and the rest
 of the call outside the executable (flattening the arguments and unflattening the outputs, as
 ``jax.jit`` does too). The host work the issue names (placing inputs, assembling and sharing
 outputs, combining micro-batches, the cache key) is summed on its own line; ``RunPipeline``
@@ -92,33 +94,33 @@ def _time_dispatch(launches: dict[str, tuple], calls: int) -> None:
 FIXED_HOST_WORK = ("PlaceInputs", "AssembleOutputs", "ShareOutputs", "CombineMicroBatches")
 
 
-def _time_handlers() -> tuple[dict[str, list[float]], list[float]]:
+def _time_handlers() -> tuple[dict[str, list[tuple[float, float]]], list[float]]:
     """Wraps every registered step handler, the argument cache key and the executable's call with
-    wall-clock timers: kind name (and ``cache key``) -> seconds per call, and the executable's
-    seconds per call."""
+    timers: kind name (and ``cache key``) -> per call, its wall seconds and the calling thread's
+    CPU seconds (``time.thread_time``); and the executable's wall seconds per call."""
     import importlib
 
     from meshpar.runtime import pipeline_executor
     from meshpar.runtime.step_handlers import STEP_HANDLERS
     from meshpar.runtime.step_state import StepHandler
 
-    spent: dict[str, list[float]] = {}
+    spent: dict[str, list[tuple[float, float]]] = {}
     for kind, handler in list(STEP_HANDLERS.items()):
         def timed(ex, ins, ready, state, run=handler.run, name=kind.__name__):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             run(ex, ins, ready, state)
-            spent.setdefault(name, []).append(time.perf_counter() - start)
+            spent.setdefault(name, []).append((time.perf_counter() - start, time.thread_time() - cpu))
 
         STEP_HANDLERS[kind] = StepHandler(timed, handler.prepare)
     parallelize = importlib.import_module("meshpar.parallelize")  # the module, not the function
     signatures = parallelize._signatures
 
     def timed_key(*args):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return signatures(*args)
         finally:
-            spent.setdefault("cache key", []).append(time.perf_counter() - start)
+            spent.setdefault("cache key", []).append((time.perf_counter() - start, time.thread_time() - cpu))
 
     parallelize._signatures = timed_key
     calls: list[float] = []
@@ -135,23 +137,27 @@ def _time_handlers() -> tuple[dict[str, list[float]], list[float]]:
     return spent, calls
 
 
-def _report_handlers(spent: dict[str, list[float]], calls: list[float], totals: list[float], steps: int) -> None:
-    """Per kind, µs per step over the last ``steps`` steps (each kind may run several times a step)."""
-    def per_step(samples: list[float], per: int) -> float:
-        return 1e6 * sum(samples[-per * steps:]) / steps
+def _report_handlers(spent: dict[str, list[tuple[float, float]]], calls: list[float], totals: list[float],
+                     steps: int) -> None:
+    """Per kind, wall and CPU µs per step over the last ``steps`` steps (each kind may run several
+    times a step)."""
+    def per_step(samples: list[tuple[float, float]], per: int, which: int) -> float:
+        return 1e6 * sum(s[which] for s in samples[-per * steps:]) / steps
 
     runs = len(calls)
-    key = per_step(spent.pop("cache key"), 1)
-    print("| handler | calls per step | µs per step |\n|---|---|---|")
-    for name in sorted(spent, key=lambda n: -per_step(spent[n], len(spent[n]) // runs)):
+    key_samples = spent.pop("cache key")
+    key = [per_step(key_samples, 1, w) for w in (0, 1)]
+    print("| handler | calls per step | wall µs per step | CPU µs per step |\n|---|---|---|---|")
+    for name in sorted(spent, key=lambda n: -per_step(spent[n], len(spent[n]) // runs, 0)):
         per = len(spent[name]) // runs
-        print(f"| {name} | {per} | {per_step(spent[name], per):.0f} |")
-    fixed = sum(per_step(spent[n], len(spent[n]) // runs) for n in FIXED_HOST_WORK if n in spent) + key
-    outside = 1e6 * (sum(totals[-steps:]) - sum(calls[-steps:])) / steps - key
-    print(f"| the executable's call | 1 | {per_step(calls, 1):.0f} |")
-    print(f"| the argument cache key (signatures of the leaves) | 1 | {key:.0f} |")
-    print(f"| the rest outside the executable (flatten, lookup, unflatten) | 1 | {outside:.0f} |")
-    print(f"| fixed host work: {', '.join(FIXED_HOST_WORK)}, the cache key | | {fixed:.0f} |")
+        print(f"| {name} | {per} | {per_step(spent[name], per, 0):.0f} | {per_step(spent[name], per, 1):.0f} |")
+    fixed = [sum(per_step(spent[n], len(spent[n]) // runs, w) for n in FIXED_HOST_WORK if n in spent) + key[w]
+             for w in (0, 1)]
+    outside = 1e6 * (sum(totals[-steps:]) - sum(calls[-steps:])) / steps - key[0]
+    print(f"| the executable's call | 1 | {1e6 * sum(calls[-steps:]) / steps:.0f} | |")
+    print(f"| the argument cache key (signatures of the leaves) | 1 | {key[0]:.0f} | {key[1]:.0f} |")
+    print(f"| the rest outside the executable (flatten, lookup, unflatten) | 1 | {outside:.0f} | |")
+    print(f"| fixed host work: {', '.join(FIXED_HOST_WORK)}, the cache key | | {fixed[0]:.0f} | {fixed[1]:.0f} |")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,8 +43,13 @@ class OutputSharer:
         self._targets = [[(d, device_sharding(d), d.process_index == me) for d in o.devices] for o in ins.outputs]
         self._sources = [device_sharding(o.source) for o in ins.outputs]
         self._owner = [o.source.process_index == me for o in ins.outputs]
+        # Every copy between this process's own devices: no transfer to number alike on other
+        # processes, so all of them go in one batched ``jax.device_put``.
+        self._local = all(self._owner) and all(here for targets in self._targets for _, _, here in targets)
 
     def __call__(self, outputs: Sequence[Any]) -> tuple[list[Any], list[Arrival]]:
+        if self._local:
+            return self._share_locally(outputs), []
         result, arriving = list(outputs), []
         for k, shared in enumerate(self._outputs):
             value = outputs[shared.output]
@@ -78,6 +83,16 @@ class OutputSharer:
             result[shared.output] = jax.make_array_from_single_device_arrays(
                 shared.shape, self._replicated[k], mine, dtype=shared.dtype)
         return result, arriving
+
+    def _share_locally(self, outputs: Sequence[Any]) -> list[Any]:
+        result = list(outputs)
+        shared = [(o.output, sharding) for o, sharding in zip(self._outputs, self._replicated)
+                  if outputs[o.output].sharding.is_fully_replicated]
+        if shared:
+            moved = jax.device_put([outputs[j] for j, _ in shared], [sharding for _, sharding in shared])
+            for (j, _), value in zip(shared, moved):
+                result[j] = value
+        return result
 
 
 def _copy_on(value: jax.Array, device: Any) -> jax.Array:
