@@ -47,6 +47,8 @@ print-after-all. In order:
   assembled) -> ``StepProgram``;
 - ``fuse_packing``: a packed move's packing and unpacking into the programs making and
   reading its values -> ``StepProgram``;
+- ``free_step_values``: each value of the step dropped right after its last use (a
+  ``FreeValues``) -> ``StepProgram``;
 - ``launch_sequences``: per process, the programs it launches on each mesh and the
   cross-process transfers it numbers -> ``LaunchSequences``, whose verifier refuses a step
   whose processes would launch a mesh's programs, or number a transfer, differently (a
@@ -85,6 +87,7 @@ from .pipeline.lowering.packed_moves import fuse_packing, verify_fused_packing
 from .pipeline.lowering.pipeline_program import lower_to_program, stage_io, verify_pipeline_program
 from .pipeline.lowering.program_text import program_text
 from .pipeline.lowering.stage_kernels import stage_kernels, verify_stage_kernels
+from .pipeline.lowering.step_frees import free_step_values, verify_step_frees
 from .pipeline.lowering.step_program import lower_step, verify_step_program
 from .pipeline.pipeline_options import PipelineOptions
 from .pipeline.placing.batch_rows import (
@@ -504,6 +507,9 @@ PIPELINE_PASSES: tuple[Pass, ...] = (
          ("step",)),
     Pass("fuse_packing", lambda st: dataclasses.replace(st, step=fuse_packing(st.step)),
          lambda st: (verify_step_program(st.step, st.split, st.graph, st.program), verify_fused_packing(st.step)),
+         ("step",)),
+    Pass("free_step_values", lambda st: dataclasses.replace(st, step=free_step_values(st.step)),
+         lambda st: (verify_step_program(st.step, st.split, st.graph, st.program), verify_step_frees(st.step)),
          ("step",)),
     Pass("launch_sequences", _launch_sequences, lambda st: verify_launch_sequences(st.launches), ("launches",)),
     Pass("stage_kernels", _stage_kernels, lambda st: verify_stage_kernels(st.kernels, st.program), ("kernels",)),

@@ -1,6 +1,6 @@
-"""The handlers of ``RunCompute`` and ``RunMove``: the computations around the pipeline, each on its
-mesh, and the moves of their values between meshes (several values of one dtype packed into one
-vector)."""
+"""The handlers of ``RunCompute``, ``RunMove`` and ``FreeValues``: the computations around the
+pipeline, each on its mesh, the moves of their values between meshes (several values of one dtype
+packed into one vector), and the dropping of each value after its last use."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import jax
 from jax.sharding import NamedSharding
 
 from meshpar.passes import jax_ir
-from meshpar.passes.program.step_instructions import RunCompute, RunMove
-from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals, wait_pending
 from meshpar.passes.program.flat_values import flatten, unflatten
+from meshpar.passes.program.step_instructions import FreeValues, RunCompute, RunMove
+from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals, wait_pending
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import on_mesh
 from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
@@ -96,4 +96,11 @@ def _unpacker(avals: Sequence[Any], shardings: Sequence[NamedSharding]) -> Calla
     return jax.jit(lambda v: unflatten(v, avals), out_shardings=list(shardings))
 
 
-HANDLERS = {RunCompute: StepHandler(run_compute, prepare_compute), RunMove: StepHandler(run_move, prepare_move)}
+def free_values(ex: StepExecutable, ins: FreeValues, ready: None, state: StepState) -> None:
+    for located in ins.values:
+        state.values.pop(located, None)
+        state.remote.pop(located, None)
+
+
+HANDLERS = {RunCompute: StepHandler(run_compute, prepare_compute), RunMove: StepHandler(run_move, prepare_move),
+            FreeValues: StepHandler(free_values)}

@@ -47,7 +47,10 @@ def prepare_gradient(ex: StepExecutable, ins: ReduceGradient) -> Move | None:
 
 def reduce_gradient(ex: StepExecutable, ins: ReduceGradient, move: Move | None, state: StepState) -> None:
     grads = state.run.grads[ins.stage]
-    g = grads[ins.position] if grads is not None else absent(ins.aval.shape, ins.aval.dtype, ins.sharding)
+    if grads is not None:
+        g, grads[ins.position] = grads[ins.position], None  # consumed: each accumulator is reduced once
+    else:
+        g = absent(ins.aval.shape, ins.aval.dtype, ins.sharding)
     key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
     if move is not None:
         g = move(g)

@@ -18,8 +18,8 @@ from .stacked_leaves import GatheredArray, LeafPieces, StackedArray
 from .step_values import AuxReduction, OuterKind, OuterRef
 
 __all__ = ["AssembleOutputs", "AwaitArrivals", "CombineMicroBatches", "FeedConstant", "FeedInstruction", "FeedValue",
-           "FetchParameter", "FoldKey", "JoinStackedLeaves", "Located", "MoveMicroBatches", "OutputSource", "PlaceInputs",
-           "ReduceGradient", "RunCompute", "RunMove", "RunPipeline", "SHARE_MAX_BYTES", "SharedOutput", "ShareOutputs",
+           "FetchParameter", "FoldKey", "FreeValues", "JoinStackedLeaves", "Located", "MoveMicroBatches", "OutputSource",
+           "PlaceInputs", "ReduceGradient", "RunCompute", "RunMove", "RunPipeline", "SHARE_MAX_BYTES", "SharedOutput", "ShareOutputs",
            "SliceMicroBatches", "SplitStackedLeaves", "StepInstruction", "StepProgram"]
 
 
@@ -31,7 +31,7 @@ class StepInstruction(abc.ABC):
     """What an instruction of the step program says about itself, so that the verifier (and
     ``program_text``) reads every kind without a list of kinds: the values it reads and makes,
     each on its mesh, the loss or aux values it combines, the parameter gradients it reduces,
-    the stage operands it feeds, and its own wiring against the pipeline program. Inputs and constants
+    the stage operands it feeds, the values it frees, and its own wiring against the pipeline program. Inputs and constants
     (``OuterKind.IN``, ``OuterKind.CONST``) are readable anywhere; every other value it reads on
     a mesh must have been made there by an earlier instruction. A new kind is this class's
     subclass and one handler in the runtime (``runtime.step_handlers.register_step_handler``)."""
@@ -45,6 +45,12 @@ class StepInstruction(abc.ABC):
     @abc.abstractmethod
     def writes(self) -> tuple[Located, ...]:
         """``(value, mesh)`` of every value it makes (a move: on its destination mesh)."""
+
+    @property
+    def frees(self) -> tuple[Located, ...]:
+        """``(value, mesh)`` of every value it drops once it has run: nothing reads or makes it
+        later in the step (``lowering.step_frees``)."""
+        return ()
 
     @property
     def combines(self) -> tuple[OuterRef, ...]:
@@ -346,7 +352,9 @@ class CombineMicroBatches(StepInstruction):
 class ReduceGradient(StepInstruction):
     """Stage ``stage``'s accumulated gradient of parameter ``param`` (its ``position``-th), moved
     by ``move`` (``None``: already on the owner's mesh) and added into ``GRAD param`` on ``mesh``;
-    ``sharding`` is the stage's accumulator's (what another process names in its place)."""
+    ``sharding`` is the stage's accumulator's (what another process names in its place). It
+    consumes the accumulator: each is reduced once (``verify_step_program``), so the step holds
+    none past its reduction."""
 
     param: int
     stage: int
@@ -368,6 +376,23 @@ class ReduceGradient(StepInstruction):
 
     def __str__(self) -> str:
         return f"gradient of parameter {self.param} from stage {self.stage} into mesh {self.mesh}"
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeValues(StepInstruction):
+    """Drops ``values``, each on its mesh, right after the last instruction reading or making it:
+    the step holds no array longer than it needs (a gradient past the update that reads it)."""
+
+    values: tuple[Located, ...]
+
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+    frees = property(lambda self: self.values)
+
+    def __str__(self) -> str:
+        meshes = sorted({m for _, m in self.values})
+        return f"free {_names(r for r, _ in self.values)} on mesh{'es' if len(meshes) > 1 else ''} " \
+               f"{', '.join(map(str, meshes))}"
 
 
 @dataclasses.dataclass(frozen=True)

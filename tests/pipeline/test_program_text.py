@@ -16,7 +16,7 @@ STEP_WORDS = {"SplitStackedLeaves": "split ", "PlaceInputs": "place ", "RunCompu
               "RunPipeline": "run the pipeline",
               "CombineMicroBatches": " micro-batches on mesh ", "ReduceGradient": "gradient of parameter ",
               "AwaitArrivals": "wait for values", "AssembleOutputs": "assemble ", "ShareOutputs": "share ",
-              "JoinStackedLeaves": "join "}
+              "JoinStackedLeaves": "join ", "FreeValues": "free "}
 PIPELINE_WORDS = {"RunForward": "forward of stage", "RunBackward": "backward of stage", "Send": "send of ",
                   "Recv": "receive into ", "Free": "free of ", "RunFused": "fused ",
                   "ReduceGradients": "gradient reduction of stages", "RunBackwardInput": "input pass of stage",
@@ -43,7 +43,8 @@ def test_the_compiled_programs_print_one_short_line_per_instruction():
         assert STEP_WORDS[type(ins).__name__] in line, (type(ins).__name__, line)
     assert {type(i).__name__ for i in step} >= {"PlaceInputs", "RunCompute", "FeedValue", "SliceMicroBatches",
                                                "RunPipeline",
-                                               "CombineMicroBatches", "ReduceGradient", "AssembleOutputs"}
+                                               "CombineMicroBatches", "ReduceGradient", "FreeValues",
+                                               "AssembleOutputs"}
 
     # The pipeline: per mesh a header naming it, then its instructions in its own order.
     at = 1 + len(step.instructions)

@@ -221,8 +221,9 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
     placement) and every stage operand fed once; every value an instruction reads on a mesh was made there
     earlier (or is an input or constant); the loss and every aux value are combined once,
     on the mesh computing them; every stage's gradient of every parameter it reads is reduced
-    once, on the parameter owner's mesh; the outputs come last. Every instruction is read
-    through ``StepInstruction`` (what it reads, makes, combines and reduces, its own check),
+    once, on the parameter owner's mesh; nothing uses a value after it is freed, and each is
+    freed once, after it was made; the outputs come last. Every instruction is read
+    through ``StepInstruction`` (what it reads, makes, frees, combines and reduces, its own check),
     whatever its kind; only the order of the step's phases names kinds.
 
     Raises:
@@ -265,11 +266,20 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
         raise PlanVerificationError("a stage's parameter gradient is not reduced exactly once")
     param_owner = [graph.param_owner(k) for k in range(graph.num_params)]
     made: set[Located] = set()
+    freed: set[Located] = set()
     for ins in step:
         wiring = ins.check(program, param_owner)
         if wiring:
             raise PlanVerificationError(f"{ins}: {wiring}")
+        for ref, mesh in (*ins.reads, *ins.writes):
+            if (ref, mesh) in freed:
+                raise PlanVerificationError(f"{ins} uses {ref} on mesh {mesh} after it was freed")
         for ref, mesh in ins.reads:
             if ref.kind not in (OuterKind.IN, OuterKind.CONST) and (ref, mesh) not in made:
                 raise PlanVerificationError(f"{ins} reads {ref} on mesh {mesh} before it is made there")
         made.update(ins.writes)
+        for ref, mesh in ins.frees:
+            if (ref, mesh) not in made or (ref, mesh) in freed:
+                raise PlanVerificationError(f"{ins} frees {ref} on mesh {mesh}, which is "
+                                            f"{'already freed' if (ref, mesh) in freed else 'not made before it'}")
+            freed.add((ref, mesh))
