@@ -58,11 +58,11 @@ def reduce_gradient(ex: StepExecutable, ins: ReduceGradient, move: Move | None, 
         if sending and ex.mesh_local[ins.mesh]:
             arrival = Arrival(g, f"{ins}", sending)
             state.arrivals.append(arrival)
-            if key in state.values:  # the sum launches a program reading it
+            if ins.adds:  # the sum launches a program reading it
                 wait_arrivals([arrival], ex.timeout_s, "gradients moved home", f"adding {ins}")
             else:
                 state.remote[key] = arrival
-    state.values[key] = g if key not in state.values or not ex.mesh_local[ins.mesh] else state.values[key] + g
+    state.values[key] = state.values[key] + g if ins.adds and ex.mesh_local[ins.mesh] else g
 
 
 @functools.lru_cache(maxsize=None)

@@ -171,7 +171,7 @@ class _Walk:
                 self.program(move, g)
             g = jax.ShapeDtypeStruct(ins.move.shape, ins.move.dtype, sharding=ins.move.dst)
         # A second stage's gradient adds into the first's (laid out alike).
-        if key not in self.values:
+        if not ins.adds:
             self.values[key] = g
         elif g is None:
             self.values[key] = None

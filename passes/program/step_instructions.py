@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 
 from .. import jax_ir
 from .batch_rows import GlobalBatchFeed, GlobalBatchPlacement
+from .launches import DeviceCopy, Launch, MoveLaunch, PipelineLaunches, ProgramLaunch
 from .moves import ValueMove
 from .pipeline_instructions import BufferId, PipelineProgram
 from .shardings import PlaceLeaf
@@ -50,6 +51,14 @@ class StepInstruction(abc.ABC):
     def frees(self) -> tuple[Located, ...]:
         """``(value, mesh)`` of every value it drops once it has run: nothing reads or makes it
         later in the step (``lowering.step_frees``)."""
+        return ()
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        """What it launches that processes must launch alike, in order (``program.launches``): its
+        programs on meshes that may span processes, its planned moves, its copies between
+        devices. Helper programs that keep each device's data where it is (slices, folded keys)
+        are left out (``lowering.launch_sequences``)."""
         return ()
 
     @property
@@ -95,6 +104,11 @@ class SplitStackedLeaves(StepInstruction):
     reads = property(lambda self: ())
     writes = property(lambda self: ())
 
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return tuple(MoveLaunch(mv.move_key, f"{self}: piece {p} of leaf {i}")
+                     for i, gathered in self.gathered for p, mv in enumerate(gathered.into) if mv is not None)
+
     def __str__(self) -> str:
         return f"split {len(self.held) + len(self.gathered)} stacked leaves into their pieces"
 
@@ -117,6 +131,12 @@ class PlaceInputs(StepInstruction):
             return "moves a global batch leaf elsewhere than its placement"
         return None
 
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return tuple(MoveLaunch(key, f"{self}: batch leaf {placed.leaf}, move {n}")
+                     for placed in sorted(self.global_batches, key=lambda b: b.leaf)
+                     for n, key in enumerate(placed.moves))
+
     def __str__(self) -> str:
         moved = f", {len(self.global_batches)} global batch leaves by their moves" if self.global_batches else ""
         return f"place {len(self.placements)} input leaves{moved}"
@@ -136,6 +156,8 @@ class RunCompute(StepInstruction):
     reads = property(lambda self: tuple((r, self.mesh) for r in self.inputs))
     writes = property(lambda self: tuple((r, self.mesh) for r in self.outputs))
 
+    launches = property(lambda self: (ProgramLaunch(self.mesh, str(self)),))
+
     def __str__(self) -> str:
         # Never the jaxpr: a line stays short.
         return f"compute of {_names(self.outputs)} on mesh {self.mesh}"
@@ -154,6 +176,14 @@ class RunMove(StepInstruction):
 
     reads = property(lambda self: tuple((r, self.src) for r in self.values))
     writes = property(lambda self: tuple((r, self.dst) for r in self.values))
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        move = MoveLaunch(self.via.move_key, str(self))
+        if not self.unpacked:
+            return (move,)
+        return (ProgramLaunch(self.src, f"packing for the {self}"), move,
+                ProgramLaunch(self.dst, f"unpacking of the {self}"))
 
     def __str__(self) -> str:
         return f"move of {_names(self.values)} from mesh {self.src} to mesh {self.dst}"
@@ -191,6 +221,7 @@ class FetchParameter(FeedInstruction):
     via: ValueMove
 
     reads = property(lambda self: ((OuterRef(OuterKind.IN, self.leaf), self.owner),))
+    launches = property(lambda self: (MoveLaunch(self.via.move_key, str(self)),))
 
     def __str__(self) -> str:
         return f"fetch in{self.leaf} from mesh {self.owner} for stage {self.stage}'s operand {self.position}"
@@ -302,6 +333,11 @@ class MoveMicroBatches(FeedInstruction):
             return f"moves {len(self.batch.rows)} micro-batches for {program.num_micro_batches}"
         return None
 
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return tuple(MoveLaunch(key, f"micro-batch {m} of batch leaf {self.batch.leaf} to stage {self.stage}")
+                     for m, key in enumerate(self.batch.moves))
+
     def __str__(self) -> str:
         return (f"move {len(self.batch.rows)} micro-batches of in{self.batch.leaf} to stage {self.stage}'s "
                 f"operand {self.position}")
@@ -312,6 +348,7 @@ class RunPipeline(StepInstruction):
     # The pipeline program's buffers are its own (``verify_pipeline_program``).
     reads = property(lambda self: ())
     writes = property(lambda self: ())
+    launches = property(lambda self: (PipelineLaunches(),))
 
     def __str__(self) -> str:
         return "run the pipeline program"
@@ -344,6 +381,13 @@ class CombineMicroBatches(StepInstruction):
             return f"does not combine the results of stage {stage} on its mesh"
         return None
 
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        combine = ProgramLaunch(self.mesh, str(self))
+        if self.sharding is None:
+            return (combine,)
+        return (combine, ProgramLaunch(self.mesh, f"relayout of the {self}"))
+
     def __str__(self) -> str:
         return f"{self.how.value} of {self.value} over {len(self.buffers)} micro-batches on mesh {self.mesh}"
 
@@ -351,10 +395,11 @@ class CombineMicroBatches(StepInstruction):
 @dataclasses.dataclass(frozen=True)
 class ReduceGradient(StepInstruction):
     """Stage ``stage``'s accumulated gradient of parameter ``param`` (its ``position``-th), moved
-    by ``move`` (``None``: already on the owner's mesh) and added into ``GRAD param`` on ``mesh``;
-    ``sharding`` is the stage's accumulator's (what another process names in its place). It
-    consumes the accumulator: each is reduced once (``verify_step_program``), so the step holds
-    none past its reduction."""
+    by ``move`` (``None``: already on the owner's mesh) into ``GRAD param`` on ``mesh``: with
+    ``adds``, added to what earlier stages' reductions made there (a program reading it),
+    else the gradient as it arrives. ``sharding`` is the stage's accumulator's (what another
+    process names in its place). It consumes the accumulator: each is reduced once
+    (``verify_step_program``), so the step holds none past its reduction."""
 
     param: int
     stage: int
@@ -363,11 +408,18 @@ class ReduceGradient(StepInstruction):
     move: ValueMove | None
     sharding: NamedSharding
     aval: jax_ir.AbstractValue
+    adds: bool = False
 
-    # It reads the stage's accumulator, which the pipeline program leaves, no value of the step.
-    reads = property(lambda self: ())
+    # Besides the stage's accumulator, which the pipeline program leaves, it reads the gradient
+    # it adds to.
+    reads = property(lambda self: ((OuterRef(OuterKind.GRAD, self.param), self.mesh),) if self.adds else ())
     writes = property(lambda self: ((OuterRef(OuterKind.GRAD, self.param), self.mesh),))
     reduces = property(lambda self: ((self.stage, self.param),))
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        moved = (MoveLaunch(self.move.move_key, str(self)),) if self.move is not None else ()
+        return (*moved, ProgramLaunch(self.mesh, f"sum with the {self}")) if self.adds else moved
 
     def check(self, program: PipelineProgram, param_owner: Sequence[int]) -> str | None:
         if self.mesh != program.stage_mesh[param_owner[self.param]]:
@@ -451,6 +503,8 @@ class SharedOutput:
     devices: tuple[Any, ...]
     shape: tuple[int, ...]
     dtype: Any
+    # The devices already holding a copy (the output's own): no copy onto them.
+    held: frozenset[Any] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,6 +520,11 @@ class ShareOutputs(StepInstruction):
     # It copies the assembled outputs, no value of the step.
     reads = property(lambda self: ())
     writes = property(lambda self: ())
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return tuple(DeviceCopy(f"{self}: output {shared.output} onto {d}", shared.source, d)
+                     for shared in self.outputs for d in shared.devices if d not in shared.held)
 
     def __str__(self) -> str:
         return f"share {len(self.outputs)} small outputs on the step's output devices"
@@ -483,6 +542,11 @@ class JoinStackedLeaves(StepInstruction):
 
     reads = property(lambda self: ())
     writes = property(lambda self: ())
+
+    @property
+    def launches(self) -> tuple[Launch, ...]:
+        return tuple(MoveLaunch(mv.move_key, f"{self}: piece {p} of leaf {i}")
+                     for i, gathered in self.gathered for p, mv in enumerate(gathered.out_of) if mv is not None)
 
     def __str__(self) -> str:
         return f"join {len(self.held) + len(self.gathered)} stacked leaves from their pieces"

@@ -13,6 +13,8 @@ import meshpar
 from examples.mlp import MLP
 from examples.train_step import supervised_step
 from meshpar.passes.pipeline.lowering.launch_sequences import launch_sequences, verify_launch_sequences
+from meshpar.passes.program.launches import ProgramLaunch
+from meshpar.passes.program.step_instructions import RunPipeline, StepInstruction
 from meshpar.passes.verification import PlanVerificationError
 from pipeline_models import make_state, mse
 
@@ -138,3 +140,34 @@ def test_a_transfer_its_receiver_never_numbers_is_refused():
             f"transfer #{len(hops) - 1} is '{last}' on process {last.src} (sender) but nothing (its list has ended) "
             f"on process {last.dst} (receiver)")):
         verify_launch_sequences(dataclasses.replace(seqs, processes=tuple(processes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probe(StepInstruction):
+    """A toy step instruction from this file alone: one program on a mesh, listed by its own launches."""
+
+    mesh: int
+    reads = property(lambda self: ())
+    writes = property(lambda self: ())
+    launches = property(lambda self: (ProgramLaunch(self.mesh, str(self)),))
+
+    def __str__(self) -> str:
+        return f"probe on mesh {self.mesh}"
+
+
+def test_an_instruction_from_a_test_file_is_listed_by_its_own_launches():
+    compiled = _compiled(**CONFIGS["data replicas, p2p"])
+    instructions = list(compiled.step.instructions)
+    at = next(k for k, ins in enumerate(instructions) if isinstance(ins, RunPipeline))
+    probed = dataclasses.replace(compiled.step, instructions=tuple(instructions[:at] + [_Probe(1)] + instructions[at:]))
+    seqs = launch_sequences(probed, compiled.program, compiled.moves, compiled.meshes, _two_per_process)
+    verify_launch_sequences(seqs)
+    before = _sequences(compiled, _two_per_process)
+    for p in seqs.mesh_processes[1]:
+        got, was = seqs.processes[p].collectives[1], before.processes[p].collectives[1]
+        # Before every pipeline launch on its mesh, after what precedes the pipeline there.
+        k = got.index("probe on mesh 1")
+        assert got[:k] + got[k + 1:] == was and "probe on mesh 1" not in seqs.processes[p].collectives[0]
+        first_pipeline = next(str(ins) for mesh, ins in compiled.program.launch_sequence()
+                              if mesh == 1 and not ins.sends and (ins.tasks or ins.reduces))
+        assert k < got.index(first_pipeline)

@@ -36,3 +36,7 @@ def test_tied_embeddings_train_as_under_jit(schedule, num_stages, stages_per_mes
     back = [i for i in executable.step_program if isinstance(i, ReduceGradient) and i.stage == last
             and i.move is not None]
     assert len(back) == 1 and back[0].mesh == 0
+    # The compiler says which contribution adds to an earlier one (the runtime does not look):
+    # stage 0's makes the gradient, the last stage's adds to it, reading it.
+    mine = [i for i in executable.step_program if isinstance(i, ReduceGradient) and i.param == back[0].param]
+    assert [i.adds for i in mine] == [False, True] and mine[1].reads == mine[0].writes

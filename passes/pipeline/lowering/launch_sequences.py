@@ -17,6 +17,8 @@ devices it owns, and two kinds of launch must pair up across processes or the st
   process issues every cross-process hop of a p2p move (``p2p_executor``), every round gate's
   token sent across processes, and every cross-process copy of ``ShareOutputs``.
 
+Each step instruction lists its own launches (``StepInstruction.launches``, records of
+``program.launches``), so a new kind is listed here without a change to this pass.
 ``launch_sequences`` lists both per process; ``verify_launch_sequences`` checks that the
 processes of each mesh spanning processes list that mesh's launches alike, and that every
 transfer has one number on its sender and its receiver. Both read only compiled IR, so every
@@ -35,10 +37,7 @@ from ...compiler_pass import compiler_pass
 from ...program.devices import device_key
 from ...program.moves import MoveKey, MoveTable, TransferKind, move_device_ids
 from ...program.pipeline_instructions import PipelineProgram
-from ...program.step_instructions import (
-    AssembleOutputs, CombineMicroBatches, FetchParameter, JoinStackedLeaves, MoveMicroBatches, PlaceInputs,
-    ReduceGradient, RunCompute, RunMove, RunPipeline, ShareOutputs, SplitStackedLeaves, StepProgram,
-)
+from ...program.step_instructions import StepProgram
 from ...verification import PlanVerificationError
 
 __all__ = ["Transfer", "ProcessLaunches", "LaunchSequences", "launch_sequences", "verify_launch_sequences"]
@@ -83,10 +82,11 @@ class LaunchSequences:
 
 
 class _Walk:
-    """Appends each launch to the lists of the processes issuing it."""
+    """Appends each launch to the lists of the processes issuing it (a ``program.launches.LaunchSink``)."""
 
-    def __init__(self, moves: MoveTable, meshes: Sequence[Mesh], process_of: Callable[[Any], int]) -> None:
-        self.moves, self.process_of = moves, process_of
+    def __init__(self, program: PipelineProgram, moves: MoveTable, meshes: Sequence[Mesh],
+                 process_of: Callable[[Any], int]) -> None:
+        self.program, self.moves, self.process_of = program, moves, process_of
         self.mesh_devices = [frozenset(device_key(d) for d in m.devices.flat) for m in meshes]
         self.mesh_processes = tuple(tuple(sorted({process_of(d) for d in m.devices.flat})) for m in meshes)
         self.num_processes = 1 + max(p for ps in self.mesh_processes for p in ps)
@@ -137,60 +137,19 @@ class _Walk:
             self.on_mesh(self.mesh_devices.index(keys), what)
         # DEVICE_PUT stays within one process (``choose_transfer``): nothing to pair.
 
-    def pipeline(self, program: PipelineProgram) -> None:
+    def pipeline(self) -> None:
+        program = self.program
         for mesh, ins in program.launch_sequence():
             if ins.sends:
                 self.move(program.transfers[ins.transfer].move_key, str(ins))
             elif ins.tasks or ins.reduces:
                 self.on_mesh(mesh, str(ins))
 
-    def step(self, step: StepProgram, program: PipelineProgram) -> None:
-        assembled: AssembleOutputs | None = None
-        summed: set[tuple[int, int]] = set()
+    def step(self, step: StepProgram) -> None:
+        # Each instruction lists its own launches (``StepInstruction.launches``), whatever its kind.
         for ins in step:
-            if isinstance(ins, (SplitStackedLeaves, JoinStackedLeaves)):
-                into = isinstance(ins, SplitStackedLeaves)
-                for i, gathered in ins.gathered:
-                    for p, mv in enumerate(gathered.into if into else gathered.out_of):
-                        if mv is not None:
-                            self.move(mv.move_key, f"{ins}: piece {p} of leaf {i}")
-            elif isinstance(ins, PlaceInputs):
-                for placed in sorted(ins.global_batches, key=lambda b: b.leaf):
-                    for n, key in enumerate(placed.moves):
-                        self.move(key, f"{ins}: batch leaf {placed.leaf}, move {n}")
-            elif isinstance(ins, RunCompute):
-                self.on_mesh(ins.mesh, str(ins))
-            elif isinstance(ins, RunMove):
-                if ins.unpacked:
-                    self.on_mesh(ins.src, f"packing for the {ins}")
-                self.move(ins.via.move_key, str(ins))
-                if ins.unpacked:
-                    self.on_mesh(ins.dst, f"unpacking of the {ins}")
-            elif isinstance(ins, FetchParameter):
-                self.move(ins.via.move_key, str(ins))
-            elif isinstance(ins, MoveMicroBatches):
-                for m, key in enumerate(ins.batch.moves):
-                    self.move(key, f"micro-batch {m} of batch leaf {ins.batch.leaf} to stage {ins.stage}")
-            elif isinstance(ins, RunPipeline):
-                self.pipeline(program)
-            elif isinstance(ins, CombineMicroBatches):
-                self.on_mesh(ins.mesh, str(ins))
-                if ins.sharding is not None:
-                    self.on_mesh(ins.mesh, f"relayout of the {ins}")
-            elif isinstance(ins, ReduceGradient):
-                if ins.move is not None:
-                    self.move(ins.move.move_key, str(ins))
-                if (ins.param, ins.mesh) in summed:
-                    self.on_mesh(ins.mesh, f"sum with the {ins}")
-                summed.add((ins.param, ins.mesh))
-            elif isinstance(ins, AssembleOutputs):
-                assembled = ins
-            elif isinstance(ins, ShareOutputs):
-                for shared in ins.outputs:
-                    held = set(assembled.outputs[shared.output].shardings[0].device_set)
-                    for d in shared.devices:
-                        if d not in held:
-                            self.transfer(f"{ins}: output {shared.output} onto {d}", shared.source, d)
+            for launch in ins.launches:
+                launch.issue(self)
 
 
 @compiler_pass
@@ -200,8 +159,8 @@ def launch_sequences(step: StepProgram, program: PipelineProgram, moves: MoveTab
     it numbers, in one step of ``step`` (``program`` in its middle), each move as ``moves``
     planned it. ``process_of`` gives a device's process (a test may pretend one process's devices
     are several processes')."""
-    walk = _Walk(moves, meshes, process_of)
-    walk.step(step, program)
+    walk = _Walk(program, moves, meshes, process_of)
+    walk.step(step)
     return LaunchSequences(walk.mesh_processes, tuple(
         ProcessLaunches(p, tuple(map(tuple, walk.collectives[p])), tuple(walk.transfers[p]))
         for p in range(walk.num_processes)))

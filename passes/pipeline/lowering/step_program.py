@@ -159,10 +159,14 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
         ins.append(CombineMicroBatches(
             aux, tuple(BufferId(BufferKind.RESULT, ref.index, m, ref.slot) for m in range(M)), home[ref.index], how,
             split.avals[aux], layout.value_shardings.get((aux, home[ref.index])), per_replica(ref.index, ref.slot)))
+    reduced: set[tuple[int, int]] = set()
     for stage, moves, shardings in zip(graph.stages, layout.gradient_moves, layout.grad_shardings):
         avals = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
         for n, k in enumerate(stage.param_inputs):
-            ins.append(ReduceGradient(k, stage.index, n, home[graph.param_owner(k)], moves[n], shardings[n], avals[n]))
+            owner = home[graph.param_owner(k)]
+            ins.append(ReduceGradient(k, stage.index, n, owner, moves[n], shardings[n], avals[n],
+                                      adds=(k, owner) in reduced))
+            reduced.add((k, owner))
     ins += [*(_outer(st, layout, split) for st in split.after), AwaitArrivals()]
     outputs = []
     for j, (ref, on) in enumerate(split.outputs):
@@ -212,7 +216,7 @@ def share_outputs(outputs: Sequence[OutputSource], avals: Mapping[OuterRef, jax_
         mesh_devices = list(sharding.mesh.devices.flat)
         # The copy to send: the output's own copy on a target where it has one (no move there).
         src = next((d for d in targets if d in mesh_devices), mesh_devices[0])
-        shared.append(SharedOutput(j, src, targets, tuple(aval.shape), aval.dtype))
+        shared.append(SharedOutput(j, src, targets, tuple(aval.shape), aval.dtype, frozenset(sharding.device_set)))
     return ShareOutputs(tuple(shared)) if shared else None
 
 
@@ -221,8 +225,9 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
     placement) and every stage operand fed once; every value an instruction reads on a mesh was made there
     earlier (or is an input or constant); the loss and every aux value are combined once,
     on the mesh computing them; every stage's gradient of every parameter it reads is reduced
-    once, on the parameter owner's mesh; nothing uses a value after it is freed, and each is
-    freed once, after it was made; the outputs come last. Every instruction is read
+    once, on the parameter owner's mesh; a value made again on a mesh is read by what remakes it
+    (a gradient's second contribution adds to the first); nothing uses a value after it is
+    freed, and each is freed once, after it was made; the outputs come last. Every instruction is read
     through ``StepInstruction`` (what it reads, makes, frees, combines and reduces, its own check),
     whatever its kind; only the order of the step's phases names kinds.
 
@@ -277,6 +282,10 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
         for ref, mesh in ins.reads:
             if ref.kind not in (OuterKind.IN, OuterKind.CONST) and (ref, mesh) not in made:
                 raise PlanVerificationError(f"{ins} reads {ref} on mesh {mesh} before it is made there")
+        again = [w for w in ins.writes if w in made and w not in ins.reads]
+        if again:
+            raise PlanVerificationError(f"{ins} makes {again[0][0]} on mesh {again[0][1]} again without reading "
+                                        f"it (a second contribution adds to the first)")
         made.update(ins.writes)
         for ref, mesh in ins.frees:
             if (ref, mesh) not in made or (ref, mesh) in freed:
