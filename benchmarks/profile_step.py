@@ -30,6 +30,7 @@ holds the pipeline's programs and waits, and the feeds and moves their launches.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import cProfile
 import io
 import pstats
@@ -102,8 +103,6 @@ def _time_handlers() -> tuple[dict[str, list[tuple[float, float]]], list[float]]
 
     from meshpar.runtime import pipeline_executor
     from meshpar.runtime.step_handlers import STEP_HANDLERS
-    from meshpar.runtime.step_state import StepHandler
-
     spent: dict[str, list[tuple[float, float]]] = {}
     for kind, handler in list(STEP_HANDLERS.items()):
         def timed(ex, ins, ready, state, run=handler.run, name=kind.__name__):
@@ -111,7 +110,7 @@ def _time_handlers() -> tuple[dict[str, list[tuple[float, float]]], list[float]]
             run(ex, ins, ready, state)
             spent.setdefault(name, []).append((time.perf_counter() - start, time.thread_time() - cpu))
 
-        STEP_HANDLERS[kind] = StepHandler(timed, handler.prepare)
+        STEP_HANDLERS[kind] = dataclasses.replace(handler, run=timed)
     parallelize = importlib.import_module("meshpar.parallelize")  # the module, not the function
     signatures = parallelize._signatures
 

@@ -5,7 +5,7 @@ packed into one vector), and the dropping of each value after its last use."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -17,6 +17,9 @@ from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wai
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import on_mesh
 from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
+
+if TYPE_CHECKING:
+    from meshpar.runtime.step_ahead import AheadWalk
 
 __all__ = ["HANDLERS"]
 
@@ -96,11 +99,39 @@ def _unpacker(avals: Sequence[Any], shardings: Sequence[NamedSharding]) -> Calla
     return jax.jit(lambda v: unflatten(v, avals), out_shardings=list(shardings))
 
 
+def compute_ahead(walk: AheadWalk, ins: RunCompute, program: Callable) -> None:
+    if not walk.ex.mesh_local[ins.mesh]:
+        return
+    outs = walk.program(program, *[walk.value(r, ins.mesh) for r in ins.inputs])
+    if outs is not None:
+        walk.values.update({(ref, ins.mesh): o for ref, o in zip(ins.outputs, outs)})
+
+
+def move_ahead(walk: AheadWalk, ins: RunMove, ready: tuple[Callable, Callable | None, Callable | None]) -> None:
+    via = ins.via
+    move, pack, unpack = ready
+    if pack is None:
+        value = walk.value(ins.values[0], ins.src)
+        if value is not None and getattr(move, "jitted", None) is not None:
+            walk.program(move, value)
+        weak = bool(getattr(value, "weak_type", False))
+        walk.values[(ins.values[0], ins.dst)] = jax.ShapeDtypeStruct(via.shape, via.dtype, sharding=via.dst,
+                                                                     weak_type=weak)
+        return
+    if walk.ex.mesh_local[ins.src]:
+        walk.program(pack, *[walk.value(r, ins.src) for r in ins.values])
+    if walk.ex.mesh_local[ins.dst]:
+        outs = walk.program(unpack, jax.ShapeDtypeStruct(via.shape, via.dtype, sharding=via.dst))
+        if outs is not None:
+            walk.values.update({(r, ins.dst): v for r, v in zip(ins.values, outs)})
+
+
 def free_values(ex: StepExecutable, ins: FreeValues, ready: None, state: StepState) -> None:
     for located in ins.values:
         state.values.pop(located, None)
         state.remote.pop(located, None)
 
 
-HANDLERS = {RunCompute: StepHandler(run_compute, prepare_compute), RunMove: StepHandler(run_move, prepare_move),
+HANDLERS = {RunCompute: StepHandler(run_compute, prepare_compute, compute_ahead),
+            RunMove: StepHandler(run_move, prepare_move, move_ahead),
             FreeValues: StepHandler(free_values)}

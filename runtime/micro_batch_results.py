@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from meshpar.passes.program.step_instructions import CombineMicroBatches, ReduceGradient
 from meshpar.passes.program.step_values import AuxReduction, OuterKind, OuterRef
-from meshpar.passes.program.wire_format import from_wire
+from meshpar.passes.program.wire_format import from_wire, is_key
 from meshpar.runtime.coordination import Arrival, senders, wait_arrivals
 from meshpar.runtime.move_handlers import Move
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import on_mesh
 from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
+
+if TYPE_CHECKING:
+    from meshpar.runtime.step_ahead import AheadWalk
 
 __all__ = ["HANDLERS"]
 
@@ -97,5 +101,30 @@ def _combine_leading(values: jax.Array, how: AuxReduction) -> jax.Array:
     return values.mean(0) if how is AuxReduction.MEAN else values.sum(0)
 
 
-HANDLERS = {CombineMicroBatches: StepHandler(combine_micro_batches, prepare_combine),
-            ReduceGradient: StepHandler(reduce_gradient, prepare_gradient)}
+def combine_ahead(walk: AheadWalk, ins: CombineMicroBatches, ready: tuple[Callable, Callable | None]) -> None:
+    if not walk.ex.mesh_local[ins.mesh] or walk.run is None:
+        return
+    combine, relay = ready
+    combined = walk.program(combine, [walk.run.results.get(b) for b in ins.buffers])
+    if combined is None or is_key(ins.aval):
+        return
+    walk.values[(ins.value, ins.mesh)] = combined if relay is None else walk.program(relay, combined)
+
+
+def gradient_ahead(walk: AheadWalk, ins: ReduceGradient, move: Move | None) -> None:
+    grads = walk.run.grads[ins.stage] if walk.run is not None else None
+    g = grads[ins.position] if grads is not None else None
+    key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
+    if g is not None and move is not None:
+        if getattr(move, "jitted", None) is not None:
+            walk.program(move, g)
+        g = jax.ShapeDtypeStruct(ins.move.shape, ins.move.dtype, sharding=ins.move.dst)
+    # A second stage's gradient adds into the first's (laid out alike).
+    if not ins.adds:
+        walk.values[key] = g
+    elif g is None:
+        walk.values[key] = None
+
+
+HANDLERS = {CombineMicroBatches: StepHandler(combine_micro_batches, prepare_combine, combine_ahead),
+            ReduceGradient: StepHandler(reduce_gradient, prepare_gradient, gradient_ahead)}

@@ -290,6 +290,14 @@ class PipelineExecutable:
             out.append(StageInputs(fixed, batch))
         return out
 
+    def operand_aval(self, stage: int, position: int) -> Any:
+        """The type stage ``stage``'s program takes operand ``position`` as (one micro-batch's)."""
+        return self._kernels[stage].in_avals[position]
+
+    def accumulator_programs(self) -> list[Callable[[], list[list[jax.Array]]]]:
+        """Per mesh here, the program making its stages' zero accumulators (``zero_grads``)."""
+        return [make for _, make in self._accumulators]
+
     def zero_grads(self) -> list[list[jax.Array] | None]:
         """Per stage here, its gradient accumulators (``stage_kernel.Accumulator``), zero: made
         by one program per mesh (the step donates them, so each step makes its own)."""

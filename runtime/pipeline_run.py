@@ -4,9 +4,14 @@ at the end of a step, for the pipeline's transfers into this process)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from meshpar.passes.program.step_instructions import AwaitArrivals, RunPipeline
 from meshpar.runtime.coordination import wait_arrivals
 from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
+
+if TYPE_CHECKING:
+    from meshpar.runtime.step_ahead import AheadWalk
 
 __all__ = ["HANDLERS"]
 
@@ -28,4 +33,12 @@ def await_arrivals(ex: StepExecutable, ins: AwaitArrivals, ready: None, state: S
         wait_arrivals(state.run.arriving, ex.timeout_s, "pipeline transfers", "waiting for them at the end of a step")
 
 
-HANDLERS = {RunPipeline: StepHandler(run_pipeline), AwaitArrivals: StepHandler(await_arrivals)}
+def pipeline_ahead(walk: AheadWalk, ins: RunPipeline, ready: Any) -> None:
+    """The pipeline's programs (each stage's passes, fused runs, gradient reductions) and the
+    zero accumulators it starts from."""
+    walk.run = walk.ex.interpreter.compile_ahead(walk.inputs, walk.grads, walk.compiler)
+    for make in walk.ex.accumulator_programs():
+        walk.program(make)
+
+
+HANDLERS = {RunPipeline: StepHandler(run_pipeline, ahead=pipeline_ahead), AwaitArrivals: StepHandler(await_arrivals)}

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from meshpar.passes.program.batch_rows import GlobalBatchPlacement
 from meshpar.passes.program.step_instructions import PlaceInputs
@@ -17,6 +18,9 @@ from meshpar.runtime.coordination import Arrival, senders
 from meshpar.runtime.move_handlers import Move
 from meshpar.runtime.placement import on_meshes, place
 from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
+
+if TYPE_CHECKING:
+    from meshpar.runtime.step_ahead import AheadWalk
 
 __all__ = ["HANDLERS", "Placing"]
 
@@ -92,4 +96,22 @@ def _place_global_batch(ex: StepExecutable, i: int, leaf: Any, batch: GlobalBatc
     return placed
 
 
-HANDLERS = {PlaceInputs: StepHandler(place_inputs, prepare_placing)}
+def place_ahead(walk: AheadWalk, ins: PlaceInputs, placing: Placing) -> None:
+    if walk.leaves is None:
+        return
+    for i, (leaf, placement) in enumerate(zip(walk.leaves, ins.placements)):
+        # ``put`` keeps a jax.Array's weak type (one array per mesh); a view of one array
+        # over several meshes, or host data, is not weak.
+        weak = bool(getattr(leaf, "weak_type", False)) and placement.union is None and i not in placing.moved
+        walk.placed.append({m: jax.ShapeDtypeStruct(np.shape(leaf), _dtype(leaf), sharding=placement.on(m),
+                                                    weak_type=weak) for m in placement.meshes})
+
+
+def _dtype(x: Any) -> Any:
+    """``x``'s dtype as JAX canonicalizes it (a key's own)."""
+    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        return x.dtype
+    return jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
+
+
+HANDLERS = {PlaceInputs: StepHandler(place_inputs, prepare_placing, place_ahead)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,9 @@ from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wai
 from meshpar.runtime.placement import put, view
 from meshpar.runtime.remote import absent
 from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
+
+if TYPE_CHECKING:
+    from meshpar.runtime.step_ahead import AheadWalk
 
 __all__ = ["HANDLERS", "StackedLeaves"]
 
@@ -178,5 +181,9 @@ def join_stacked(ex: StepExecutable, ins: JoinStackedLeaves, ready: None, state:
     state.outputs = ex.stacked_leaves.join(state.outputs, ex.timeout_s)
 
 
-HANDLERS = {SplitStackedLeaves: StepHandler(split_stacked, prepare_split),
+def split_ahead(walk: AheadWalk, ins: SplitStackedLeaves, ready: Any) -> None:
+    walk.leaves = None  # the leaves' pieces: not followed
+
+
+HANDLERS = {SplitStackedLeaves: StepHandler(split_stacked, prepare_split, split_ahead),
             JoinStackedLeaves: StepHandler(join_stacked)}

@@ -7,6 +7,7 @@ has arrived."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -19,6 +20,9 @@ from meshpar.runtime.coordination import Arrival, senders, wait_pending
 from meshpar.runtime.move_handlers import Move
 from meshpar.runtime.placement import micro_batch_view, put
 from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
+
+if TYPE_CHECKING:
+    from meshpar.runtime.step_ahead import AheadWalk
 
 __all__ = ["HANDLERS"]
 
@@ -111,11 +115,19 @@ def _fold_all(key: jax.Array, num_micro_batches: int) -> list[jax.Array]:
 _FOLD_ALL = jax.jit(_fold_all, static_argnums=1)
 
 
+def slice_ahead(walk: AheadWalk, ins: SliceMicroBatches, slicing: Any) -> None:
+    # The slicing program: the whole value placed ``[M, micro-batch, ...]``.
+    if walk.ex.local[ins.stage]:
+        aval = walk.ex.operand_aval(ins.stage, ins.position)
+        walk.program(slicing, jax.ShapeDtypeStruct((ins.num_micro_batches, *aval.shape), aval.dtype,
+                                                   sharding=ins.stacked))
+
+
 HANDLERS = {
     FetchParameter: StepHandler(fetch_parameter, lambda ex, ins: ex.move(ins.via.move_key)),
     FeedValue: StepHandler(feed_value),
     FeedConstant: StepHandler(feed_constant, prepare_constant),
     FoldKey: StepHandler(fold_key),
-    SliceMicroBatches: StepHandler(slice_micro_batches, prepare_slicing),
+    SliceMicroBatches: StepHandler(slice_micro_batches, prepare_slicing, slice_ahead),
     MoveMicroBatches: StepHandler(move_micro_batches, prepare_micro_batch_moves),
 }

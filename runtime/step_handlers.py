@@ -25,9 +25,11 @@ STEP_HANDLERS: dict[type, StepHandler] = {
 
 
 def register_step_handler(kind: type, run: Callable[[Any, Any, Any, StepState], None],
-                          prepare: Callable[[Any, Any], Any] | None = None) -> None:
+                          prepare: Callable[[Any, Any], Any] | None = None,
+                          ahead: Callable[[Any, Any, Any], None] | None = None) -> None:
     """Runs every step instruction of ``kind`` with ``run(executable, ins, ready, state)``, where
-    ``ready = prepare(executable, ins)`` once, when an executable is built (``StepHandler``).
+    ``ready = prepare(executable, ins)`` once, when an executable is built, and compiles its
+    programs before the first step with ``ahead(walk, ins, ready)`` (``StepHandler``).
 
     Raises:
       TypeError: ``kind`` is not a ``StepInstruction`` subclass.
@@ -37,4 +39,4 @@ def register_step_handler(kind: type, run: Callable[[Any, Any, Any, StepState], 
         raise TypeError(f"kind: expected a StepInstruction subclass, got {kind!r}")
     if kind in STEP_HANDLERS:
         raise ValueError(f"kind: {kind.__name__} has a handler already")
-    STEP_HANDLERS[kind] = StepHandler(run, prepare)
+    STEP_HANDLERS[kind] = StepHandler(run, prepare, ahead)

@@ -63,6 +63,15 @@ class StepExecutable(Protocol):
     def zero_grads(self) -> list[list[jax.Array] | None]:
         """Per stage here, its zero gradient accumulators, for one step."""
 
+    def operand_aval(self, stage: int, position: int) -> Any:
+        """The type stage ``stage``'s program takes operand ``position`` as (one micro-batch's)."""
+
+    def accumulator_programs(self) -> list[Callable[[], list[list[jax.Array]]]]:
+        """Per mesh here, the program making its stages' zero accumulators."""
+
+    def ready(self, ins: Any) -> Any:
+        """What step instruction ``ins``'s handler prepared for it (``StepHandler.prepare``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class StepHandler:
@@ -73,10 +82,14 @@ class StepHandler:
         ``prepare`` made of it (``None`` without one), ``state`` the step so far.
       prepare: ``(executable, ins) -> ready``, once, when the executable is built: the programs
         and moves ``run`` launches, so the step's hot path builds nothing.
+      ahead: ``(walk, ins, ready) -> None``: ``ins`` in the walk that compiles the step's
+        programs before its first step (``runtime.step_ahead.AheadWalk``: values as shapes),
+        queuing the programs ``run`` would launch; ``None``: they compile in the first step.
     """
 
     run: Callable[[Any, Any, Any, StepState], None]
     prepare: Callable[[Any, Any], Any] | None = None
+    ahead: Callable[[Any, Any, Any], None] | None = None
 
 
 @dataclasses.dataclass

@@ -18,7 +18,6 @@ from meshpar.passes.program.step_instructions import AssembleOutputs, FreeValues
 from meshpar.passes.program.step_values import OuterKind
 from meshpar.passes.verification import PlanVerificationError
 from meshpar.runtime.step_handlers import STEP_HANDLERS
-from meshpar.runtime.step_state import StepHandler
 from pipeline_models import assert_trees_close, aux_sum_step, make_state, regression_batch
 
 METHOD = meshpar.PipeshardParallel(num_micro_batches=4, num_stages=2)
@@ -64,7 +63,7 @@ def test_no_gradient_or_accumulator_is_held_when_the_outputs_are_assembled_and_t
         seen["accumulators"] = [g for grads in st.run.grads if grads is not None for g in grads]
         assemble.run(ex, ins, ready, st)
 
-    monkeypatch.setitem(STEP_HANDLERS, AssembleOutputs, StepHandler(looking, assemble.prepare))
+    monkeypatch.setitem(STEP_HANDLERS, AssembleOutputs, dataclasses.replace(assemble, run=looking))
     parallel = meshpar.parallelize(aux_sum_step, method=METHOD)
     ref, par = state, state
     for _ in range(2):

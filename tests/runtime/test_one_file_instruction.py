@@ -206,8 +206,10 @@ def test_a_new_step_kind_is_verified_through_its_interface_and_refused_by_the_ex
                            compiled.moves, compiled.kernels, original.out_tree, original.out_avals)
 
 
-# Per note run: the value it read, and what its prepare made for it.
+# Per note run: the value it read, and what its prepare made for it; per walk compiling the
+# step's programs ahead, what it knew of that value then, and what its prepare made.
 NOTED: list[tuple] = []
+AHEAD: list[tuple] = []
 
 
 def prepare_note(executable, ins: Note) -> str:
@@ -220,10 +222,16 @@ def run_note(executable, ins: Note, ready: str, state) -> None:
         NOTED.append((state.value(ins.value, ins.mesh), ready))
 
 
+def note_ahead(walk, ins: Note, ready: str) -> None:
+    """``Note``'s part of compiling the step's programs before its first step (it launches none)."""
+    AHEAD.append((walk.value(ins.value, ins.mesh), ready))
+
+
 @pytest.fixture
 def note_handled():
-    register_step_handler(Note, run_note, prepare_note)
+    register_step_handler(Note, run_note, prepare_note, note_ahead)
     NOTED.clear()
+    AHEAD.clear()
     yield
     del STEP_HANDLERS[Note]
 
@@ -239,8 +247,11 @@ def test_a_registered_step_kind_runs_in_the_step(note_handled, mlp):
                                     original.out_avals)
     got = jax.tree.unflatten(original.out_tree, executable(jax.tree.leaves((state, batch))))
     want = jax.jit(aux_sum_step)(state, batch)
-    # It ran once, with what its prepare made, reading the combined loss the step returns.
+    # It ran once, with what its prepare made, reading the combined loss the step returns; before
+    # the step, the walk compiling ahead met it once, the loss known there as a scalar.
     assert [ready for _, ready in NOTED] == [f"prepared for {note}"]
+    assert [ready for _, ready in AHEAD] == [f"prepared for {note}"] and AHEAD[0][0] is not None
+    assert AHEAD[0][0].shape == ()
     np.testing.assert_allclose(float(NOTED[0][0]), float(want[1]), rtol=1e-5)
     np.testing.assert_allclose(float(got[1]), float(want[1]), rtol=1e-5)
     with pytest.raises(ValueError, match="Note has a handler already"):
