@@ -15,12 +15,17 @@ def test_handlers_report_a_row_per_kind_and_sum_the_fixed_host_work():
          "--layout", "two_meshes_1f1b"],
         cwd=ROOT_DIR, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = dict(re.findall(r"^\| ([^|]+?) \|[^|]*\| (\d+) \|$", result.stdout, re.M))
+    # Per row, the wall and the CPU µs per step.
+    rows = {name: (int(wall), int(cpu)) for name, wall, cpu in
+            re.findall(r"^\| ([^|]+?) \|[^|]*\| (\d+) \| (\d+) \|$", result.stdout, re.M)}
     # The kinds a two-mesh step runs, each through its registered handler.
     for kind in ("PlaceInputs", "RunCompute", "FeedValue", "SliceMicroBatches", "RunPipeline",
                  "CombineMicroBatches", "ReduceGradient", "AwaitArrivals", "AssembleOutputs", "ShareOutputs"):
         assert kind in rows, (kind, result.stdout)
     named = ("PlaceInputs", "AssembleOutputs", "ShareOutputs", "CombineMicroBatches",
              "the argument cache key (signatures of the leaves)")
-    fixed = next(int(v) for k, v in rows.items() if k.startswith("fixed host work"))
-    assert abs(fixed - sum(int(rows[k]) for k in named)) <= len(named)  # each row rounded
+    fixed = next(v for k, v in rows.items() if k.startswith("fixed host work"))
+    for column in (0, 1):
+        assert abs(fixed[column] - sum(rows[k][column] for k in named)) <= len(named)  # each row rounded
+    # A thread's CPU time cannot exceed the wall time it ran for (the clocks' rounding aside).
+    assert all(cpu <= 1.1 * wall + 50 for wall, cpu in rows.values()), result.stdout
