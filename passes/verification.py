@@ -14,16 +14,30 @@ from typing import Any
 
 import jax
 
-__all__ = ["PlanVerificationError", "deep_verification", "type_check"]
+from .policies import Policy
+
+__all__ = ["PlanVerificationError", "VerificationDepth", "deep_verification", "type_check"]
 
 
 class PlanVerificationError(AssertionError):
     """A pass produced IR that breaks an invariant; a bug, never bad input."""
 
 
+class VerificationDepth(Policy):
+    """How deep verifiers go (``MESHPAR_VERIFY``)."""
+
+    INVARIANTS = "invariants"  # each pass's invariants (the default)
+    FULL = "full"  # and JAX's type check of each whole jaxpr a pass made
+
+
 def deep_verification() -> bool:
-    """Whether verifiers also type-check whole jaxprs (module doc)."""
-    return os.environ.get("MESHPAR_VERIFY", "") == "full" or bool(jax.config.jax_enable_checks)
+    """Whether verifiers also type-check whole jaxprs (module doc).
+
+    Raises:
+      ValueError: ``MESHPAR_VERIFY`` is set to something else than ``invariants`` or ``full``.
+    """
+    depth = VerificationDepth.of(os.environ.get("MESHPAR_VERIFY", "invariants"), "MESHPAR_VERIFY")
+    return depth is VerificationDepth.FULL or bool(jax.config.jax_enable_checks)
 
 
 def type_check(jaxpr: Any, what: str) -> None:

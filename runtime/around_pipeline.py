@@ -5,7 +5,7 @@ packed into one vector), and the dropping of each value after its last use."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
@@ -16,10 +16,7 @@ from meshpar.passes.program.step_instructions import FreeValues, RunCompute, Run
 from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals, wait_pending
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import on_mesh
-from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
-
-if TYPE_CHECKING:
-    from meshpar.runtime.step_ahead import AheadWalk
+from meshpar.runtime.step_state import AheadWalk, StepExecutable, StepHandler, StepState
 
 __all__ = ["HANDLERS"]
 

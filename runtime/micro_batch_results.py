@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +17,7 @@ from meshpar.runtime.coordination import Arrival, senders, wait_arrivals
 from meshpar.runtime.move_handlers import Move
 from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import on_mesh
-from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
-
-if TYPE_CHECKING:
-    from meshpar.runtime.step_ahead import AheadWalk
+from meshpar.runtime.step_state import AheadWalk, StepExecutable, StepHandler, StepState
 
 __all__ = ["HANDLERS"]
 

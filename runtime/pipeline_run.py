@@ -4,14 +4,11 @@ at the end of a step, for the pipeline's transfers into this process)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshpar.passes.program.step_instructions import AwaitArrivals, RunPipeline
 from meshpar.runtime.coordination import wait_arrivals
-from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
-
-if TYPE_CHECKING:
-    from meshpar.runtime.step_ahead import AheadWalk
+from meshpar.runtime.step_state import AheadWalk, StepExecutable, StepHandler, StepState
 
 __all__ = ["HANDLERS"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,10 +17,7 @@ from meshpar.passes.program.step_values import OuterKind, OuterRef
 from meshpar.runtime.coordination import Arrival, senders
 from meshpar.runtime.move_handlers import Move
 from meshpar.runtime.placement import on_meshes, place
-from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
-
-if TYPE_CHECKING:
-    from meshpar.runtime.step_ahead import AheadWalk
+from meshpar.runtime.step_state import AheadWalk, StepExecutable, StepHandler, StepState
 
 __all__ = ["HANDLERS", "Placing"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +27,7 @@ from meshpar.passes.program.step_instructions import JoinStackedLeaves, SplitSta
 from meshpar.runtime.coordination import Arrival, owns_a_device_of, senders, wait_arrivals
 from meshpar.runtime.placement import put, view
 from meshpar.runtime.remote import absent
-from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
-
-if TYPE_CHECKING:
-    from meshpar.runtime.step_ahead import AheadWalk
+from meshpar.runtime.step_state import AheadWalk, StepExecutable, StepHandler, StepState
 
 __all__ = ["HANDLERS", "StackedLeaves"]
 

@@ -7,7 +7,7 @@ has arrived."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,10 +19,7 @@ from meshpar.passes.program.step_instructions import (
 from meshpar.runtime.coordination import Arrival, senders, wait_pending
 from meshpar.runtime.move_handlers import Move
 from meshpar.runtime.placement import micro_batch_view, put
-from meshpar.runtime.step_state import StepExecutable, StepHandler, StepState
-
-if TYPE_CHECKING:
-    from meshpar.runtime.step_ahead import AheadWalk
+from meshpar.runtime.step_state import AheadWalk, StepExecutable, StepHandler, StepState
 
 __all__ = ["HANDLERS"]
 

@@ -6,7 +6,7 @@ batch operand, the zero gradient accumulators, the combining of the micro-batche
 packing of values moved together. Unless compiled ahead, each compiles when the first step
 reaches it, one after another. ``compile_step_ahead`` walks the step program as the executor's
 handlers run it, with shapes for values (``compile_ahead.AheadOfTime``): each kind's handler
-says how (``StepHandler.ahead``, beside its ``run``, in its own module), on an ``AheadWalk``.
+says how (``StepHandler.ahead``, beside its ``run``, in its own module), on ``StepShapes``.
 Each instruction's operands' types follow from where the step places its inputs (the step's own leaves give
 their shapes, dtypes and weak types), from the compiled programs' results and from the moves'
 destinations; each program whose operands are all known is queued, and compiles side by side
@@ -28,7 +28,7 @@ from meshpar.runtime.compile_ahead import AheadOfTime, NotCompiledAhead
 from meshpar.runtime.program_interpreter import ProgramRun, StageInputs
 from meshpar.runtime.step_handlers import STEP_HANDLERS
 
-__all__ = ["AheadWalk", "compile_step_ahead"]
+__all__ = ["StepShapes", "compile_step_ahead"]
 
 
 def compile_step_ahead(executable: Any, compiler: AheadOfTime, leaves: Sequence[Any] | None,
@@ -39,7 +39,7 @@ def compile_step_ahead(executable: Any, compiler: AheadOfTime, leaves: Sequence[
     instruction by its handler's ``ahead``. Returns the pipeline's run as shapes."""
     if leaves is None:
         return executable.interpreter.compile_ahead(inputs, grads, compiler)
-    walk = AheadWalk(executable, compiler, leaves, inputs, grads)
+    walk = StepShapes(executable, compiler, leaves, inputs, grads)
     for ins in executable.step_program:
         ahead = STEP_HANDLERS[type(ins)].ahead
         if ahead is not None:
@@ -47,8 +47,9 @@ def compile_step_ahead(executable: Any, compiler: AheadOfTime, leaves: Sequence[
     return walk.run
 
 
-class AheadWalk:
-    """The step program's values as shapes, as the handlers' ``ahead`` walk them:
+class StepShapes:
+    """The step program's values as shapes, as the handlers' ``ahead`` walk them (a
+    ``step_state.AheadWalk``):
     ``values[(ref, mesh)]`` and ``placed[leaf][mesh]`` (``jax.ShapeDtypeStruct`` or
     ``compile_ahead.Pending``; absent or ``None``: unknown); ``leaves`` the step's flattened
     arguments (``None`` once they are no longer followed); ``run`` the pipeline's run as shapes

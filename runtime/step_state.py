@@ -24,7 +24,7 @@ from meshpar.runtime.program_interpreter import ProgramInterpreter, ProgramRun, 
 from meshpar.runtime.remote import absent
 from meshpar.runtime.step_trace import StepRecorder
 
-__all__ = ["StepExecutable", "StepHandler", "StepState"]
+__all__ = ["AheadWalk", "StepExecutable", "StepHandler", "StepState"]
 
 
 class StepExecutable(Protocol):
@@ -73,6 +73,37 @@ class StepExecutable(Protocol):
         """What step instruction ``ins``'s handler prepared for it (``StepHandler.prepare``)."""
 
 
+class AheadWalk(Protocol):
+    """What a handler's ``ahead`` reads and writes of the walk compiling the step's programs
+    before its first step (``runtime.step_ahead``): the step's values as shapes.
+
+    Attributes:
+      ex: the executable being compiled.
+      compiler: where programs are queued (``compile_ahead.AheadOfTime``).
+      leaves: the step's flattened arguments; ``None`` once they are no longer followed.
+      inputs, grads: the stages' operands and accumulators as shapes (for the pipeline).
+      values: ``(ref, mesh)`` -> its shape (``jax.ShapeDtypeStruct`` or a pending result;
+        absent or ``None``: unknown).
+      placed: per input leaf, per mesh, its shape once placed.
+      run: the pipeline's run as shapes, once walked.
+    """
+
+    ex: StepExecutable
+    compiler: Any
+    leaves: Sequence[Any] | None
+    inputs: list[StageInputs | None]
+    grads: list[list[Any] | None]
+    values: dict[tuple[OuterRef, int], Any]
+    placed: list[dict[int, Any]]
+    run: ProgramRun | None
+
+    def program(self, fn: Any, *args: Any) -> Any:
+        """Queues ``fn`` for ``args`` (shapes); its results as shapes (``None``: unknown)."""
+
+    def value(self, ref: OuterRef, mesh: int) -> Any:
+        """``ref`` on ``mesh`` as ``StepState.value`` reads it; ``None``: unknown."""
+
+
 @dataclasses.dataclass(frozen=True)
 class StepHandler:
     """How the executor runs one kind of step instruction.
@@ -83,7 +114,7 @@ class StepHandler:
       prepare: ``(executable, ins) -> ready``, once, when the executable is built: the programs
         and moves ``run`` launches, so the step's hot path builds nothing.
       ahead: ``(walk, ins, ready) -> None``: ``ins`` in the walk that compiles the step's
-        programs before its first step (``runtime.step_ahead.AheadWalk``: values as shapes),
+        programs before its first step (an ``AheadWalk``: values as shapes),
         queuing the programs ``run`` would launch; ``None``: they compile in the first step.
     """
 

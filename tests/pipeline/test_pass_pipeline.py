@@ -136,3 +136,6 @@ def test_deep_verification_type_checks_whole_jaxprs_only_when_asked(monkeypatch)
     monkeypatch.delenv("MESHPAR_VERIFY")
     assert not deep_verification()
     type_check(broken, "the broken one")
+    monkeypatch.setenv("MESHPAR_VERIFY", "everything")
+    with pytest.raises(ValueError, match=r"MESHPAR_VERIFY: expected one of \('invariants', 'full'\), got 'everything'"):
+        deep_verification()
