@@ -24,7 +24,8 @@ from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.spmd_step import SpmdStep
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.step_trace import StepRecorder, StepTrace
-from meshpar.step_compiler import CompiledStep, compile_step, leaf_dtype
+from meshpar.passes.program.wire_format import leaf_dtype
+from meshpar.step_compiler import CompiledStep, compile_step
 
 __all__ = ["AUTO", "PipeshardParallel", "parallelize", "ParallelizedStep"]
 

@@ -34,21 +34,13 @@ from meshpar.passes.pipeline.describe_pipeline import describe_pipeline
 from meshpar.passes.pipeline.lowering.spmd_program import lower_spmd_step, verify_spmd_step
 from meshpar.passes.pipeline_driver import CompiledPipeline, compile_pipeline, state_counterparts
 from meshpar.passes.program.step_values import OuterKind
+from meshpar.passes.program.wire_format import leaf_dtype
 from meshpar.pipeshard_parallel import PipeshardParallel
 from meshpar.runtime.coordination import agree
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.spmd_step import SpmdStep
 
-__all__ = ["CompiledStep", "compile_step", "leaf_dtype"]
-
-
-def leaf_dtype(x: Any) -> Any:
-    """The dtype JAX gives ``x`` (Python scalars and int64 numpy data canonicalised; typed PRNG
-    keys keep their key dtype)."""
-    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return dtype
-    return jax.dtypes.canonicalize_dtype(dtype)
+__all__ = ["CompiledStep", "compile_step"]
 
 
 class CompiledStep(NamedTuple):

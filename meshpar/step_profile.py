@@ -24,7 +24,8 @@ from meshpar.passes.planning.hlo_collectives import sized_by_program
 from meshpar.passes.planning.layer_profile import ModelProfile
 from meshpar.passes.planning.profile_layers import AUTO_LAYERS, profile_loss
 from meshpar.pipeshard_parallel import PipeshardParallel
-from meshpar.step_compiler import compile_step, leaf_dtype
+from meshpar.passes.program.wire_format import leaf_dtype
+from meshpar.step_compiler import compile_step
 
 __all__ = ["compiled_tensor_parallel", "profile_step"]
 

@@ -14,6 +14,7 @@ import numpy as np
 from meshpar.passes.program.batch_rows import GlobalBatchPlacement
 from meshpar.passes.program.step_instructions import PlaceInputs
 from meshpar.passes.program.step_values import OuterKind, OuterRef
+from meshpar.passes.program.wire_format import leaf_dtype
 from meshpar.runtime.coordination import Arrival, senders
 from meshpar.runtime.move_handlers import Move
 from meshpar.runtime.placement import on_meshes, place
@@ -100,15 +101,8 @@ def place_ahead(walk: AheadWalk, ins: PlaceInputs, placing: Placing) -> None:
         # ``put`` keeps a jax.Array's weak type (one array per mesh); a view of one array
         # over several meshes, or host data, is not weak.
         weak = bool(getattr(leaf, "weak_type", False)) and placement.union is None and i not in placing.moved
-        walk.placed.append({m: jax.ShapeDtypeStruct(np.shape(leaf), _dtype(leaf), sharding=placement.on(m),
+        walk.placed.append({m: jax.ShapeDtypeStruct(np.shape(leaf), leaf_dtype(leaf), sharding=placement.on(m),
                                                     weak_type=weak) for m in placement.meshes})
-
-
-def _dtype(x: Any) -> Any:
-    """``x``'s dtype as JAX canonicalizes it (a key's own)."""
-    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-        return x.dtype
-    return jax.dtypes.canonicalize_dtype(x.dtype if hasattr(x, "dtype") else np.result_type(x))
 
 
 HANDLERS = {PlaceInputs: StepHandler(place_inputs, prepare_placing, place_ahead)}

@@ -14,7 +14,16 @@ import numpy as np
 
 from .. import jax_ir
 
-__all__ = ["from_wire", "is_key", "to_wire", "wire_aval"]
+__all__ = ["from_wire", "is_key", "leaf_dtype", "to_wire", "wire_aval"]
+
+
+def leaf_dtype(x: Any) -> Any:
+    """The dtype JAX gives ``x`` (Python scalars and int64 numpy data canonicalised; typed PRNG
+    keys keep their key dtype)."""
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 def wire_aval(aval: jax_ir.AbstractValue) -> jax_ir.ShapedArray:

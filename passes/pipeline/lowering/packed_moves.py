@@ -73,7 +73,8 @@ def _with_packed_output(producer: RunCompute, values: Sequence[OuterRef], kept: 
     """``producer`` also returning ``values`` packed as ``packed`` (laid out as ``move`` sends it),
     and of ``values`` only those in ``kept``."""
     at = {ref: j for j, ref in enumerate(producer.outputs)}
-    keep = [j for j, ref in enumerate(producer.outputs) if ref not in set(values) or ref in kept]
+    packed_values = set(values)
+    keep = [j for j, ref in enumerate(producer.outputs) if ref not in packed_values or ref in kept]
     fn = jax_ir.jaxpr_as_fun(producer.jaxpr)
 
     def body(*args):
