@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The measurements a lent GPU machine makes in one call (issue 33's GPU targets, issue 43's
-# first step on more cores), each part bounded so that the whole fits one 10-minute call:
+# The measurements a lent GPU machine makes in one call (issue 43's fixed host work, launch cost
+# and host_overhead rows on a GPU; the first step on the machine's 16 CPU cores), each part
+# bounded so that the whole fits one 9-minute call:
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR
 #
@@ -25,12 +26,14 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND under a time limit, its o
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
-part host_large 250 python3 -m benchmarks.host_overhead --models large --steps 12 \
-    --layouts one_mesh_interleaved one_mesh_zb_v --micro-batches 4 8 --json "$out/host_large.json"
-part allocator 110 python3 -m benchmarks.allocator_peak --models large \
-    --layouts one_mesh_interleaved one_mesh_zb_v --micro-batches 4 8 --json "$out/allocator.json"
+# Fixed host work per step, per handler (issue 43: at most 1 ms outside the programs).
+part handlers_tiny 60 python3 -m benchmarks.profile_step --handlers --model tiny \
+    --layout one_mesh_interleaved --micro-batches 8 --steps 50
+part dispatch 60 python3 -m benchmarks.profile_step --dispatch --model tiny --calls 200
 part host_tiny 110 python3 -m benchmarks.host_overhead --models tiny --steps 12 \
     --layouts one_mesh_interleaved one_mesh_zb_v --micro-batches 2 8 32 --json "$out/host_tiny.json"
-# The first step on the machine's 16 CPU cores: does compiling ahead pay where cores are many?
-JAX_COMPILATION_CACHE_DIR= JAX_PLATFORMS=cpu part first_step_cpu16 75 python3 -m benchmarks.first_step \
-    --jobs main --caches cold --rounds 2 --json "$out/first_step_cpu16.json"
+part host_large 150 python3 -m benchmarks.host_overhead --models large --steps 12 \
+    --layouts one_mesh_interleaved --micro-batches 4 8 --json "$out/host_large.json"
+# The first step on the machine's 16 CPU cores: does compiling side by side pay where cores are many?
+JAX_COMPILATION_CACHE_DIR= JAX_PLATFORMS=cpu part first_step_cpu16 100 python3 -m benchmarks.first_step \
+    --jobs main --caches cold,warm --rounds 2 --json "$out/first_step_cpu16.json"
