@@ -29,7 +29,8 @@ def prepare_compute(ex: StepExecutable, ins: RunCompute) -> Callable:
         outs = fn(*args)
         return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
-    return on_mesh(jax.jit(run), ex.meshes[ins.mesh], ex.timeout_s)
+    # Declared (``None``: as XLA lays it out) so that what reads them compiles ahead at once.
+    return on_mesh(jax.jit(run, out_shardings=list(targets)), ex.meshes[ins.mesh], ex.timeout_s)
 
 
 def run_compute(ex: StepExecutable, ins: RunCompute, program: Callable, state: StepState) -> None:

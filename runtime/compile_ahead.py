@@ -5,11 +5,14 @@ XLA releases the GIL while it compiles, so programs compiled from threads compil
 ``ProgramInterpreter.compile_ahead``, ``PipelineExecutable.compile_ahead``): each call returns
 its results' shapes at once (``Pending``: traced, not yet compiled) and queues its program;
 the program is traced and lowered on the calling thread once the shardings of its operands are
-known (those of a result are the compiled program's, known once it compiled), then compiled
-on a thread of a pool shared by the process (``compile_threads``). So the stages' chains of
-passes (forward, then the backward reading its residuals) compile side by side, each as soon
-as what it reads has compiled, and a program called again with the same operand types is
-compiled once. Every compiled program lands in JAX's caches (in memory, and the persistent
+known, then compiled on a thread of a pool shared by the process (``compile_threads``). A
+result's sharding is known once its program is lowered where the program declares it
+(``out_shardings``: what the compiler fixed, such as accumulated gradients and the values
+that leave a stage), else once its program has compiled (as XLA laid it out: a stage's
+residuals). So the stages' chains of passes (forward, then the backward reading its residuals)
+compile side by side, each as soon as what it reads is known; what reads only declared
+results (the programs around the pipeline) compiles without waiting for its producers; and a
+program called again with the same operand types is compiled once. Every compiled program lands in JAX's caches (in memory, and the persistent
 compilation cache when ``jax_compilation_cache_dir`` is set): the real run finds it there.
 
 ``deferred_compile`` compiles one lowered program on the pool for a caller that needs it only
@@ -138,7 +141,7 @@ class _Task:
     ``Pending`` results of other tasks), inside ``mesh``."""
 
     __slots__ = ("jitted", "mesh", "args", "deps", "name", "future", "outputs", "error", "optional", "same_as",
-                 "out_tree", "out_avals")
+                 "out_tree", "out_avals", "declared")
 
     def __init__(self, jitted: Any, mesh: Any, args: tuple, deps: list[_Task], optional: bool) -> None:
         self.jitted, self.mesh, self.args, self.deps, self.optional = jitted, mesh, args, deps, optional
@@ -152,10 +155,18 @@ class _Task:
         # Its results' structure and types, as traced.
         self.out_tree: Any = None
         self.out_avals: list[Any] = []
+        # Per result, the sharding the lowered program declares (``None``: XLA's to choose).
+        self.declared: list[Any] = []
 
     @property
     def submitted(self) -> bool:
         return self.future is not None or self.same_as is not None or self.error is not None
+
+
+def _declared_shardings(out_info: Any) -> list[Any]:
+    """Per result of a traced or lowered program, the sharding it declares (``out_shardings``),
+    or ``None`` where XLA chooses."""
+    return [o.sharding if isinstance(o.sharding, jax.sharding.Sharding) else None for o in jax.tree.leaves(out_info)]
 
 
 def _leaf_key(x: Any) -> Any:
@@ -215,10 +226,13 @@ class AheadOfTime:
         try:
             with self._in(mesh):
                 if deps:
-                    # Its results' types from tracing, with the operands' shardings unknown yet.
+                    # Its results' types from tracing, with the operands' shardings unknown yet;
+                    # the shardings it declares are known already.
                     shaped = jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
                                                        if isinstance(x, Pending) else x for x in leaves])
-                    out = jax.eval_shape(jitted, *shaped)
+                    traced = jitted.trace(*shaped)
+                    task.declared = _declared_shardings(traced.out_info)
+                    out = traced.out_avals
                 else:
                     out = self._start(task, args)
         except Exception:
@@ -247,6 +261,7 @@ class AheadOfTime:
         traced = task.jitted.trace(*args)
         lowered = traced.lower()
         task.out_tree, task.out_avals = traced.out_tree, jax.tree.leaves(traced.out_avals)
+        task.declared = _declared_shardings(lowered.out_info)
         self._by_operands[key] = task
         task.future = _submit_compile(lowered)
         return traced.out_avals
@@ -255,12 +270,28 @@ class AheadOfTime:
     def _in(mesh: Any) -> Any:
         return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
+    @staticmethod
+    def _declared(x: Pending) -> Any:
+        """The sharding ``x``'s program declares for it, once lowered (``None``: not known yet)."""
+        task = x.task.same_as or x.task
+        return task.declared[x.index] if task.declared else None
+
+    def _known(self, x: Any) -> bool:
+        """Whether ``x``'s sharding is known without waiting (a declared one, or compiled)."""
+        if not isinstance(x, Pending):
+            return True
+        task = x.task.same_as or x.task
+        return self._declared(x) is not None or task.outputs is not None
+
     def resolve(self, tree: Any) -> Any:
-        """``tree`` with every ``Pending`` as the ``ShapeDtypeStruct`` its compiled program gives
-        it (waiting for the compile)."""
+        """``tree`` with every ``Pending`` as the ``ShapeDtypeStruct`` its program gives it: the
+        sharding it declares, else its compiled one (waiting for the compile)."""
         def one(x: Any) -> Any:
             if not isinstance(x, Pending):
                 return x
+            declared = self._declared(x)
+            if declared is not None:
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=declared, weak_type=x.weak_type)
             task = self._wait(x.task)
             out = task.outputs[x.index]
             return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding, weak_type=x.weak_type)
@@ -280,7 +311,12 @@ class AheadOfTime:
             elif task.outputs is not None:
                 return task
             elif task.future is not None:
-                self._collect(task, block=True)
+                # Any compile finishing may let a queued program start: start those at once
+                # rather than only once this one is done.
+                if not task.future.done():
+                    self._wait_any()
+                    self._pump()
+                self._collect(task, block=False)
             else:
                 self._pump()
                 if not task.submitted:
@@ -320,7 +356,7 @@ class AheadOfTime:
             if failed:
                 task.error = NotCompiledAhead() if failed[0].optional else failed[0].error
                 continue
-            if not all(d.outputs is not None for d in deps):
+            if not all(self._known(x) for x in jax.tree.leaves(task.args)):
                 continue
             try:
                 with self._in(task.mesh):

@@ -120,6 +120,44 @@ def test_programs_compile_side_by_side_once_each():
     assert not [n for n in late if n != "jit(_multi_slice)"], late
 
 
+def test_a_program_reading_declared_results_compiles_before_its_producer_has(monkeypatch):
+    """A result whose sharding its program declares (``out_shardings``: what the compiler fixed)
+    is known once that program is traced, so a program reading only such results starts
+    compiling while its producer still compiles; one reading a result XLA lays out waits for
+    the producer's compile. Compiles are held on futures this test completes by hand."""
+    import concurrent.futures
+
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from meshpar.runtime import compile_ahead
+
+    held: list[tuple[concurrent.futures.Future, object]] = []
+
+    def hold(lowered):
+        future = concurrent.futures.Future()
+        held.append((future, lowered))
+        return future
+
+    submit = compile_ahead._submit_compile
+    monkeypatch.setattr(compile_ahead, "_submit_compile", hold)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    sharded, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    producer = jax.jit(lambda x: (x * 2, x.sum()), out_shardings=(sharded, None))
+    reader = jax.jit(lambda y: y + 1)
+    x = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=replicated)
+    compiler = compile_ahead.AheadOfTime()
+    doubled, total = compiler.program(producer, x, mesh=mesh)
+    compiler.program(reader, doubled, mesh=mesh)
+    compiler.program(reader, total, mesh=mesh)
+    assert len(held) == 2, "the reader of the declared result waited for its producer's compile"
+    assert compiler.resolve(doubled).sharding == sharded
+    monkeypatch.setattr(compile_ahead, "_submit_compile", submit)  # what starts from here compiles
+    for future, lowered in held:
+        future.set_result(lowered.compile())
+    assert compiler.finish() == 3  # the reader of the undeclared sum compiled once the producer had
+    assert compiler.resolve(total).sharding.is_fully_replicated
+
+
 def test_a_call_typed_alike_but_spelled_otherwise_finds_the_program_compiled_ahead():
     """The pool compiles a program under the JAX context it was lowered in (the mesh
     ``jax.set_mesh`` entered): a later call whose operands' shardings are equal but spelled
