@@ -39,19 +39,22 @@ micro-batches; the rules are ``meshpar.passes.pipeline.cutting.exact_micro_batch
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from meshpar.grad_call import GradCall
 from meshpar.nnx_state import has_variables
 from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.cutting.micro_batching import REDUCTIONS, LossReduction
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 from meshpar.passes.program.step_values import AuxReduction
 
-__all__ = ["AuxReduction", "grad", "is_tracing_pipeline", "value_and_grad", "tracing_pipeline"]
+__all__ = ["AuxReduction", "LossTraced", "grad", "is_tracing_pipeline", "stop_at_loss", "value_and_grad",
+           "tracing_pipeline"]
 
 # Part of JAX's tracing caches' keys: a function (or a jit inside it) traced by plain jax.jit
 # would otherwise be served to meshpar from the cache without its markers and meshpar's
@@ -66,6 +69,31 @@ def tracing_pipeline() -> Iterator[None]:
     ``mark_stage_boundary`` binds its marker."""
     with _TRACING_PIPELINE(True):
         yield
+
+
+# Set while a trace needs only the gradient call (``stop_at_loss``).
+_STOP_AT_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_stop_at_loss", default=False)
+
+
+class LossTraced(Exception):
+    """Raised by ``value_and_grad`` under ``stop_at_loss`` once its call is traced: ``call`` is
+    what the trace was for; the rest of the step (the update, its metrics) is not traced."""
+
+    def __init__(self, call: GradCall) -> None:
+        super().__init__("the step's gradient call is traced")
+        self.call = call
+
+
+@contextlib.contextmanager
+def stop_at_loss() -> Iterator[None]:
+    """While active (inside ``tracing_pipeline``), ``value_and_grad`` raises ``LossTraced``
+    instead of returning: the traces at other batch sizes read only the gradient call, and
+    tracing the update after it again cost a fifth of compiling the main job's step."""
+    token = _STOP_AT_LOSS.set(True)
+    try:
+        yield
+    finally:
+        _STOP_AT_LOSS.reset(token)
 
 
 def is_tracing_pipeline() -> bool:
@@ -255,10 +283,12 @@ def _pipeline_value_and_grad(fun: Callable[..., Any], positions: tuple[int, ...]
             ("loss", *(f"aux{k}" for k in range(aux_tree.num_leaves))),
         ),
     )
-    outs = pipeline_grad_p.bind(
-        *leaves, *closed.consts, *consts, loss_jaxpr=jax_ir.ClosedJaxpr(reordered, ()), num_diff=n,
-        num_aux=aux_tree.num_leaves, aux_reductions=reductions, reduction=reduction, fold_rng=fold_rng, exact=exact,
-    )
+    operands = [*leaves, *closed.consts, *consts]
+    params = dict(loss_jaxpr=jax_ir.ClosedJaxpr(reordered, ()), num_diff=n, num_aux=aux_tree.num_leaves,
+                  aux_reductions=reductions, reduction=reduction, fold_rng=fold_rng, exact=exact)
+    if _STOP_AT_LOSS.get():
+        raise LossTraced(GradCall(params, tuple(jax.typeof(x) for x in operands)))
+    outs = pipeline_grad_p.bind(*operands, **params)
     value, aux, grads = outs[0], outs[1:1 + aux_tree.num_leaves], outs[1 + aux_tree.num_leaves:]
     grads = jax.tree.unflatten(treedef, grads)
     grads = grads if several else grads[0]

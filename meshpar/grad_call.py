@@ -4,15 +4,31 @@ differentiates nothing (an evaluation step) is pipelined forward-only (``pipelin
 
 from __future__ import annotations
 
+import dataclasses
 import os
-
+from collections.abc import Mapping
+from typing import Any
 
 from meshpar.passes import jax_ir
 from meshpar.passes.pipeline.cutting.forward_step import forward_step
 from meshpar.passes.pipeline.cutting.stage_graph import first_user_frame, user_location
 from meshpar.passes.pipeline.step_primitives import pipeline_grad_p
 
-__all__ = ["find_grad_call", "pipeline_call"]
+__all__ = ["GradCall", "find_grad_call", "pipeline_call"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradCall:
+    """What a trace at another batch size tells of the step's gradient call: its equation's
+    parameters (the loss jaxpr, ``num_diff``, ``num_aux``, the reductions) and its operands' types,
+    the differentiated leaves first."""
+
+    params: Mapping[str, Any]
+    in_avals: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, eqn: jax_ir.JaxprEqn) -> GradCall:
+        return cls(eqn.params, tuple(v.aval for v in eqn.invars))
 
 # (file path suffix, function name prefix) of the frames JAX's and flax's own differentiation
 # leave on every equation they trace, and the API a user called to get there.

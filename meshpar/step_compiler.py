@@ -19,10 +19,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshpar.autodiff import tracing_pipeline
+from meshpar.autodiff import LossTraced, stop_at_loss, tracing_pipeline
 from meshpar.batch_arguments import batch_size as check_batch
 from meshpar.batch_arguments import check_same_host_batch, describe_arguments
-from meshpar.grad_call import pipeline_call
+from meshpar.grad_call import GradCall, pipeline_call
 from meshpar.nnx_state import (
     NnxStateError, StateUpdates, check_distinct_variables, has_variables, partition_specs, returning_updates,
 )
@@ -80,7 +80,7 @@ def _trace(fun: Callable, method: PipeshardParallel, traced: Callable[..., Any],
     try:
         with tracing_pipeline(), _trace_mesh(method):
             return jax.make_jaxpr(traced, return_shape=True)(*abstract)
-    except (StageMarkerError, GradCallError, NnxStateError):
+    except (StageMarkerError, GradCallError, NnxStateError, LossTraced):
         raise
     except Exception as e:
         # A step that fails on micro-batch shapes often has its batch elsewhere: say which
@@ -130,29 +130,39 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
             jax.ShapeDtypeStruct((examples, *np.shape(x)[1:]) if i in batch_leaves else np.shape(x), leaf_dtype(x))
             for i, x in enumerate(leaves)], args)
 
-    micro, _ = trace_at(micro_batch_size)
+    def grad_call_at(examples: int) -> GradCall:
+        """The step's gradient call traced with its batch leaves cut to ``examples``: the trace
+        stops there (``stop_at_loss``), except for a step over NNX objects, whose updates every
+        trace records, and a step without a gradient (an evaluation step: one forward-only
+        equation)."""
+        if not nnx_arguments:
+            try:
+                with stop_at_loss():
+                    jaxpr, _ = trace_at(examples)
+            except LossTraced as traced_loss:
+                return traced_loss.call
+        else:
+            jaxpr, _ = trace_at(examples)
+        return GradCall.of(pipeline_call(name, jaxpr, nnx_arguments, batch_leaves)[1])
+
+    grad_micro = grad_call_at(micro_batch_size)
     outer, out_shapes = trace_at(batch_size)
     # 2. Everything else is the pass pipeline's: stages, meshes, layout,
     # stage parts, transfers, schedule and program, each verified.
     # A step without a gradient (an evaluation step) becomes one forward-only equation.
-    (_, grad_micro), (outer, grad_whole) = (pipeline_call(name, jaxpr, nnx_arguments, batch_leaves)
-                                                  for jaxpr in (micro, outer))
+    outer, grad_whole = pipeline_call(name, outer, nnx_arguments, batch_leaves)
     params = grad_micro.params
     num_diff, num_aux = params["num_diff"], params["num_aux"]
-    if len(grad_micro.invars) != len(grad_whole.invars) or num_aux != grad_whole.params["num_aux"]:
+    if len(grad_micro.in_avals) != len(grad_whole.invars) or num_aux != grad_whole.params["num_aux"]:
         raise ValueError(f"{name}: traced per micro-batch and for the whole batch, the loss function reads "
                          f"different values; its structure must not depend on the batch size")
     # Which loss operands follow the batch shows in how their shapes change with it. One
     # micro-batch changes nothing, so a third trace at a smaller batch tells (without it a
     # batch would be read whole, replicated over the data axis: every device computing it).
     probe = M if M > 1 or batch_size == 1 else _smallest_factor(batch_size)
-    if probe != M:
-        probed, _ = trace_at(batch_size // probe)
-        _, grad_probe = pipeline_call(name, probed, nnx_arguments, batch_leaves)
-    else:
-        grad_probe = grad_micro
+    grad_probe = grad_call_at(batch_size // probe) if probe != M else grad_micro
     micro_batching = resolve_micro_batching(
-        grad_probe.params, [v.aval for v in grad_probe.invars[num_diff:]],
+        grad_probe.params, list(grad_probe.in_avals[num_diff:]),
         [v.aval for v in grad_whole.invars[num_diff:]], [v.aval for v in grad_whole.outvars[1:1 + num_aux]],
         probe, user_location(grad_whole))
     micro_batching = dataclasses.replace(micro_batching, num_micro_batches=M)
@@ -178,9 +188,7 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
         # A stage run as ``count`` data-parallel replicas computes each on its share of a micro-batch.
         if micro_batch_size % count:
             raise ValueError(f"micro-batches of {micro_batch_size} examples do not split into {count} replicas")
-        replica, _ = trace_at(micro_batch_size // count)
-        _, grad_replica = pipeline_call(name, replica, nnx_arguments, batch_leaves)
-        return stepped.share_loss(grad_replica.params["loss_jaxpr"], M * count)
+        return stepped.share_loss(grad_call_at(micro_batch_size // count).params["loss_jaxpr"], M * count)
 
     compiled = compile_pipeline(
         outer, params, micro_batching, leaves, partition_specs(args), frozenset(batch_leaves), replaced,
