@@ -331,3 +331,32 @@ def test_a_guarded_normaliser_is_affine_and_constants_hidden_from_rewrites_are_n
     hidden = _kinds(lambda w, x: batch_mean(jnp.sum(x * w, axis=1)), w, x, per_micro_batch=[True])
     assert hidden.outputs == (RowKind.MIXED,)
     assert "constant that depends on the batch size inside a custom derivative" in str(hidden.inexact[0])
+
+
+def test_traces_at_other_batch_sizes_stop_at_the_gradient_call():
+    """The step is traced whole once, at the batch's size; the traces at the micro-batch's (and a
+    replica's) size read only its gradient call, so the update after it is traced once, and
+    the step still equals jax.jit."""
+    from pipeline_models import TwoStages
+
+    updates_traced = []
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            return jnp.mean((state.apply_fn(params, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = meshpar.value_and_grad(loss_fn)(state.params)
+        updates_traced.append(batch["x"].shape[0])
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((16, 6)).astype(np.float32),
+             "y": rng.standard_normal((16, 4)).astype(np.float32)}
+    state = make_state(TwoStages(), batch["x"][:1])
+    method = meshpar.PipeshardParallel(num_micro_batches=M, num_stages=2, stage_mesh_shape=(2, 1),
+                                       devices=jax.devices()[:4])
+    got_state, got_loss = meshpar.parallelize(train_step, method=method)(state, batch)
+    assert updates_traced == [16], updates_traced  # once, whole: none at 4 rows (a micro-batch) or 2 (a replica)
+    want_state, want_loss = jax.jit(train_step)(state, batch)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    assert_trees_close(got_state.params, want_state.params)
