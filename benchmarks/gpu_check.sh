@@ -29,7 +29,9 @@ python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.
 # Fixed host work per step, per handler (issue 43: at most 1 ms outside the programs).
 part handlers_tiny 60 python3 -m benchmarks.profile_step --handlers --model tiny \
     --layout one_mesh_interleaved --micro-batches 8 --steps 50
-part dispatch 60 python3 -m benchmarks.profile_step --dispatch --model tiny --calls 200
+part dispatch 60 python3 -m benchmarks.profile_step --dispatch --model tiny --calls 1000
+# A launch's cost inside real steps, operands as launched and made ready first.
+part launches 60 python3 -m benchmarks.profile_step --launches --model tiny --micro-batches 8 --steps 20
 part host_tiny 110 python3 -m benchmarks.host_overhead --models tiny --steps 12 \
     --layouts one_mesh_interleaved one_mesh_zb_v --micro-batches 2 8 32 --json "$out/host_tiny.json"
 part host_large 150 python3 -m benchmarks.host_overhead --models large --steps 12 \

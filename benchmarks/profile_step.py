@@ -2,7 +2,7 @@
 configuration.
 
     python -m benchmarks.profile_step [--model tiny] [--layout one_mesh_interleaved]
-        [--micro-batches 8] [--steps 20] [--top 30]
+        [--micro-batches 8] [--steps 20] [--top 30] [--dispatch | --handlers | --launches]
 
 Builds the step as ``benchmarks.host_overhead`` does, runs two untimed steps (compiles), then
 profiles ``--steps`` steps, each to its outputs being ready. Prints the wall ms per step, then
@@ -25,6 +25,12 @@ of the call outside the executable (flattening the arguments and unflattening th
 ``jax.jit`` does too). The host work the issue names (placing inputs, assembling and sharing
 outputs, combining micro-batches, the cache key) is summed on its own line; ``RunPipeline``
 holds the pipeline's programs and waits, and the feeds and moves their launches.
+
+``--launches``: instead, per stage program (by its jitted function's name), the wall and CPU
+µs one launch takes inside real steps (``--steps`` of them, after two untimed), in alternating
+rounds: as the step launches it, its operands possibly still being computed, and with every
+operand made ready first (the wait not counted). Tells JAX's dispatch in a step (one program
+after another) from waiting on the device: ``--dispatch`` times one program in a tight loop.
 """
 
 from __future__ import annotations
@@ -89,6 +95,53 @@ def _time_dispatch(launches: dict[str, tuple], calls: int) -> None:
             print(f"| {name} | {len(leaves)} | skipped: {str(e).splitlines()[0][:80]} | | |")
             continue
         print(f"| {name} | {len(leaves)} | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f} |", flush=True)
+
+
+def _time_launches() -> tuple[dict, list[tuple[bool, str, float, float]]]:
+    """Wraps ``on_mesh`` so that each launch of a stage program is timed (wall and the thread's
+    CPU seconds): returns the switch (``["ready"]``: make the operands ready first) and the
+    samples ``(ready, program name, wall s, CPU s)``."""
+    import jax
+
+    from meshpar.runtime import stage_executables
+
+    mode = {"ready": False}
+    samples: list[tuple[bool, str, float, float]] = []
+    wrap = stage_executables.on_mesh
+
+    def timing(fn, mesh, timeout_s):
+        run = wrap(fn, mesh, timeout_s)
+        name = getattr(fn, "__name__", "program")
+
+        def launch(*operands):
+            if mode["ready"]:
+                jax.block_until_ready(operands)
+            start, cpu = time.perf_counter(), time.thread_time()
+            out = run(*operands)
+            samples.append((mode["ready"], name, time.perf_counter() - start, time.thread_time() - cpu))
+            return out
+
+        launch.jitted, launch.mesh, launch.temp_bytes = run.jitted, run.mesh, run.temp_bytes
+        return launch
+
+    stage_executables.on_mesh = timing
+    return mode, samples
+
+
+def _report_launches(samples: list[tuple[bool, str, float, float]]) -> None:
+    import statistics
+
+    print("| program | operands | launches | wall µs p50 / p90 | CPU µs p50 / p90 |\n|---|---|---|---|---|")
+    for name in dict.fromkeys(n for _, n, _, _ in samples):
+        for ready in (False, True):
+            walls = sorted(w for r, n, w, _ in samples if n == name and r == ready)
+            cpus = sorted(c for r, n, _, c in samples if n == name and r == ready)
+            if not walls:
+                continue
+            p90 = max(0, int(0.9 * len(walls)) - 1)
+            print(f"| {name} | {'ready' if ready else 'as launched'} | {len(walls)} | "
+                  f"{1e6 * statistics.median(walls):.0f} / {1e6 * walls[p90]:.0f} | "
+                  f"{1e6 * statistics.median(cpus):.0f} / {1e6 * cpus[p90]:.0f} |")
 
 
 # The kinds whose handlers are the step's fixed host work outside the programs (issue 43).
@@ -169,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dispatch", action="store_true", help="time launches against JAX's own calls")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--handlers", action="store_true", help="time each step handler, no profiler")
+    parser.add_argument("--launches", action="store_true",
+                        help="time each stage program's launches in real steps, operands as launched and ready")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps: expected a positive number of steps, got {args.steps}")
@@ -182,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     jax.config.update("jax_num_cpu_devices", 2)
     if args.handlers and args.layout == "jit_accum":
         parser.error("--handlers: jit_accum runs no step handler; pick a meshpar layout")
+    if args.launches and args.layout == "jit_accum":
+        parser.error("--launches: jit_accum launches one program of its own; pick a meshpar layout")
     launches = _record_launches() if args.dispatch else None
+    launch_timer = _time_launches() if args.launches else None
     timers = _time_handlers() if args.handlers else None
     _, batch, state = _model(args.model)
     step = _jit_accum(args.micro_batches) if args.layout == "jit_accum" \
@@ -192,6 +250,18 @@ def main(argv: list[str] | None = None) -> int:
         jax.block_until_ready((state, loss))
     if launches is not None:
         _time_dispatch(launches, args.calls)
+        return 0
+    if launch_timer is not None:
+        mode, samples = launch_timer
+        samples.clear()
+        for round_ in range(4):  # alternating, so that both see the same machine
+            mode["ready"] = bool(round_ % 2)
+            for _ in range(max(1, args.steps // 2)):
+                state, loss = step(state, batch)
+                jax.block_until_ready((state, loss))
+        print(f"{args.model} {args.layout} M={args.micro_batches} on {jax.devices()[0].platform}: "
+              f"per launch, {2 * max(1, args.steps // 2)} steps each way")
+        _report_launches(samples)
         return 0
     if timers is not None:
         totals = []
