@@ -44,30 +44,41 @@ import sys
 import time
 
 from benchmarks.host_overhead import LAYOUTS, MODELS, _jit_accum, _meshpar_step, _model
+from benchmarks.step_timing import spread_ms
 
 
-def _record_launches() -> dict[str, tuple]:
-    """Wraps ``on_mesh`` so that each stage program's first launch is kept: name -> (meshpar's
-    launch, the jitted function, its mesh, the operands)."""
+def _wrap_launches(launch_with) -> None:
+    """Wraps ``on_mesh`` so that every stage program's launch runs as ``launch_with(run, fn,
+    operands)``: ``run`` is meshpar's launch of the jitted ``fn``."""
     from meshpar.runtime import stage_executables
 
-    launches: dict[str, tuple] = {}
-    seen: set[int] = set()
     wrap = stage_executables.on_mesh
 
-    def recording(fn, mesh, timeout_s):
+    def wrapping(fn, mesh, timeout_s):
         run = wrap(fn, mesh, timeout_s)
 
         def launch(*operands):
-            if id(fn) not in seen:
-                seen.add(id(fn))
-                launches[f"{getattr(fn, '__name__', fn)} #{len(launches)}"] = (run, fn, mesh, operands)
-            return run(*operands)
+            return launch_with(run, fn, operands)
 
         launch.jitted, launch.mesh, launch.temp_bytes = run.jitted, run.mesh, run.temp_bytes
         return launch
 
-    stage_executables.on_mesh = recording
+    stage_executables.on_mesh = wrapping
+
+
+def _record_launches() -> dict[str, tuple]:
+    """Keeps each stage program's first launch: name -> (meshpar's launch, the jitted function,
+    its mesh, the operands)."""
+    launches: dict[str, tuple] = {}
+    seen: set[int] = set()
+
+    def recording(run, fn, operands):
+        if id(fn) not in seen:
+            seen.add(id(fn))
+            launches[f"{getattr(fn, '__name__', fn)} #{len(launches)}"] = (run, fn, run.mesh, operands)
+        return run(*operands)
+
+    _wrap_launches(recording)
     return launches
 
 
@@ -98,50 +109,38 @@ def _time_dispatch(launches: dict[str, tuple], calls: int) -> None:
 
 
 def _time_launches() -> tuple[dict, list[tuple[bool, str, float, float]]]:
-    """Wraps ``on_mesh`` so that each launch of a stage program is timed (wall and the thread's
-    CPU seconds): returns the switch (``["ready"]``: make the operands ready first) and the
-    samples ``(ready, program name, wall s, CPU s)``."""
+    """Times each launch of a stage program (wall and the thread's CPU seconds): returns the
+    switch (``["ready"]``: make the operands ready first) and the samples ``(ready, program name,
+    wall s, CPU s)``."""
     import jax
-
-    from meshpar.runtime import stage_executables
 
     mode = {"ready": False}
     samples: list[tuple[bool, str, float, float]] = []
-    wrap = stage_executables.on_mesh
 
-    def timing(fn, mesh, timeout_s):
-        run = wrap(fn, mesh, timeout_s)
-        name = getattr(fn, "__name__", "program")
+    def timing(run, fn, operands):
+        if mode["ready"]:
+            jax.block_until_ready(operands)
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = run(*operands)
+        samples.append((mode["ready"], getattr(fn, "__name__", "program"), time.perf_counter() - start,
+                        time.thread_time() - cpu))
+        return out
 
-        def launch(*operands):
-            if mode["ready"]:
-                jax.block_until_ready(operands)
-            start, cpu = time.perf_counter(), time.thread_time()
-            out = run(*operands)
-            samples.append((mode["ready"], name, time.perf_counter() - start, time.thread_time() - cpu))
-            return out
-
-        launch.jitted, launch.mesh, launch.temp_bytes = run.jitted, run.mesh, run.temp_bytes
-        return launch
-
-    stage_executables.on_mesh = timing
+    _wrap_launches(timing)
     return mode, samples
 
 
 def _report_launches(samples: list[tuple[bool, str, float, float]]) -> None:
-    import statistics
-
     print("| program | operands | launches | wall µs p50 / p90 | CPU µs p50 / p90 |\n|---|---|---|---|---|")
     for name in dict.fromkeys(n for _, n, _, _ in samples):
         for ready in (False, True):
-            walls = sorted(w for r, n, w, _ in samples if n == name and r == ready)
-            cpus = sorted(c for r, n, _, c in samples if n == name and r == ready)
-            if not walls:
+            mine = [(w, c) for r, n, w, c in samples if n == name and r == ready]
+            if not mine:
                 continue
-            p90 = max(0, int(0.9 * len(walls)) - 1)
-            print(f"| {name} | {'ready' if ready else 'as launched'} | {len(walls)} | "
-                  f"{1e6 * statistics.median(walls):.0f} / {1e6 * walls[p90]:.0f} | "
-                  f"{1e6 * statistics.median(cpus):.0f} / {1e6 * cpus[p90]:.0f} |")
+            wall, cpu = (spread_ms([m[k] for m in mine]) for k in (0, 1))
+            print(f"| {name} | {'ready' if ready else 'as launched'} | {len(mine)} | "
+                  f"{1e3 * wall['p50_ms']:.0f} / {1e3 * wall['p90_ms']:.0f} | "
+                  f"{1e3 * cpu['p50_ms']:.0f} / {1e3 * cpu['p90_ms']:.0f} |")
 
 
 # The kinds whose handlers are the step's fixed host work outside the programs (issue 43).

@@ -88,7 +88,7 @@ class LossTraced(Exception):
 def stop_at_loss() -> Iterator[None]:
     """While active (inside ``tracing_pipeline``), ``value_and_grad`` raises ``LossTraced``
     instead of returning: the traces at other batch sizes read only the gradient call, and
-    tracing the update after it again cost a fifth of compiling the main job's step."""
+    tracing the update after it in each took the main job's trace phase from 1.68 to 2.03 s."""
     token = _STOP_AT_LOSS.set(True)
     try:
         yield

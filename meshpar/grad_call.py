@@ -30,6 +30,7 @@ class GradCall:
     def of(cls, eqn: jax_ir.JaxprEqn) -> GradCall:
         return cls(eqn.params, tuple(v.aval for v in eqn.invars))
 
+
 # (file path suffix, function name prefix) of the frames JAX's and flax's own differentiation
 # leave on every equation they trace, and the API a user called to get there.
 _DIFFERENTIATORS = (

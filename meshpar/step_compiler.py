@@ -135,14 +135,11 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
         stops there (``stop_at_loss``), except for a step over NNX objects, whose updates every
         trace records, and a step without a gradient (an evaluation step: one forward-only
         equation)."""
-        if not nnx_arguments:
-            try:
-                with stop_at_loss():
-                    jaxpr, _ = trace_at(examples)
-            except LossTraced as traced_loss:
-                return traced_loss.call
-        else:
-            jaxpr, _ = trace_at(examples)
+        try:
+            with contextlib.nullcontext() if nnx_arguments else stop_at_loss():
+                jaxpr, _ = trace_at(examples)
+        except LossTraced as traced_loss:
+            return traced_loss.call
         return GradCall.of(pipeline_call(name, jaxpr, nnx_arguments, batch_leaves)[1])
 
     grad_micro = grad_call_at(micro_batch_size)

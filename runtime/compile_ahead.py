@@ -6,14 +6,15 @@ XLA releases the GIL while it compiles, so programs compiled from threads compil
 its results' shapes at once (``Pending``: traced, not yet compiled) and queues its program;
 the program is traced and lowered on the calling thread once the shardings of its operands are
 known, then compiled on a thread of a pool shared by the process (``compile_threads``). A
-result's sharding is known once its program is lowered where the program declares it
+result's sharding is known once its program is traced where the program declares it
 (``out_shardings``: what the compiler fixed, such as accumulated gradients and the values
 that leave a stage), else once its program has compiled (as XLA laid it out: a stage's
 residuals). So the stages' chains of passes (forward, then the backward reading its residuals)
 compile side by side, each as soon as what it reads is known; what reads only declared
 results (the programs around the pipeline) compiles without waiting for its producers; and a
-program called again with the same operand types is compiled once. Every compiled program lands in JAX's caches (in memory, and the persistent
-compilation cache when ``jax_compilation_cache_dir`` is set): the real run finds it there.
+program called again with the same operand types is compiled once. Every compiled program
+lands in JAX's caches (in memory, and the persistent compilation cache when
+``jax_compilation_cache_dir`` is set): the real run finds it there.
 
 ``deferred_compile`` compiles one lowered program on the pool for a caller that needs it only
 later (the transfer programs a move prepares); ``wait_deferred`` waits for every such compile.
@@ -155,7 +156,7 @@ class _Task:
         # Its results' structure and types, as traced.
         self.out_tree: Any = None
         self.out_avals: list[Any] = []
-        # Per result, the sharding the lowered program declares (``None``: XLA's to choose).
+        # Per result, the sharding the traced program declares (``None``: XLA's to choose).
         self.declared: list[Any] = []
 
     @property
@@ -261,7 +262,7 @@ class AheadOfTime:
         traced = task.jitted.trace(*args)
         lowered = traced.lower()
         task.out_tree, task.out_avals = traced.out_tree, jax.tree.leaves(traced.out_avals)
-        task.declared = _declared_shardings(lowered.out_info)
+        task.declared = _declared_shardings(traced.out_info)
         self._by_operands[key] = task
         task.future = _submit_compile(lowered)
         return traced.out_avals
@@ -272,7 +273,7 @@ class AheadOfTime:
 
     @staticmethod
     def _declared(x: Pending) -> Any:
-        """The sharding ``x``'s program declares for it, once lowered (``None``: not known yet)."""
+        """The sharding ``x``'s program declares for it, once traced (``None``: not known yet)."""
         task = x.task.same_as or x.task
         return task.declared[x.index] if task.declared else None
 
@@ -280,8 +281,7 @@ class AheadOfTime:
         """Whether ``x``'s sharding is known without waiting (a declared one, or compiled)."""
         if not isinstance(x, Pending):
             return True
-        task = x.task.same_as or x.task
-        return self._declared(x) is not None or task.outputs is not None
+        return self._declared(x) is not None or (x.task.same_as or x.task).outputs is not None
 
     def resolve(self, tree: Any) -> Any:
         """``tree`` with every ``Pending`` as the ``ShapeDtypeStruct`` its program gives it: the

@@ -258,13 +258,14 @@ def compile_stage(kernel: StageKernel, timeout_s: float) -> StageExecutables:
     # The shardings the compiler fixed are declared as the programs' own (``None``: as XLA lays
     # it out), so a program reading them compiles ahead without waiting for its producer's
     # compile (``compile_ahead.AheadOfTime``); the constraints above stay for the replicas' map.
-    outputs = [None if split.stacked(k) else s for k, s in enumerate(output_shardings)]
-    cotangents, grads = list(input_cotangent_shardings), accumulators
+    declared_outputs = [None if split.stacked(k) else s for k, s in enumerate(output_shardings)]
+    declared_cotangents = list(input_cotangent_shardings)
     return StageExecutables(
-        on_mesh(jax.jit(forward, out_shardings=(outputs, None)), mesh, timeout_s),
-        on_mesh(jax.jit(backward, donate_argnums=(2,), out_shardings=(cotangents, grads)), mesh, timeout_s),
-        on_mesh(jax.jit(backward_input, out_shardings=(cotangents, None)), mesh, timeout_s),
-        on_mesh(jax.jit(backward_weight, donate_argnums=(1,), out_shardings=grads), mesh, timeout_s),
+        on_mesh(jax.jit(forward, out_shardings=(declared_outputs, None)), mesh, timeout_s),
+        on_mesh(jax.jit(backward, donate_argnums=(2,), out_shardings=(declared_cotangents, accumulators)), mesh,
+                timeout_s),
+        on_mesh(jax.jit(backward_input, out_shardings=(declared_cotangents, None)), mesh, timeout_s),
+        on_mesh(jax.jit(backward_weight, donate_argnums=(1,), out_shardings=accumulators), mesh, timeout_s),
         state_from_residual,
     )
 
