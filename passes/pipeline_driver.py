@@ -25,9 +25,10 @@ print-after-all. In order:
 - ``layout_step``: where every value lives -> ``StepLayout``;
 - ``stacked_arrays`` (with pieces): how the user sees each split leaf, held in pieces or
   gathered -> ``StackedArray``s, ``GatheredArray``s;
-- ``stage_parts``: each stage's forward, backward and split backward jaxprs -> ``StageParts``;
 - ``plan_data_replicas``: how each stage's parameter gradients accumulate and reduce (once per
-  step: the stage run as data-parallel replicas) -> ``DataReplicas``;
+  step: the stage run as data-parallel replicas, each replica's parts traced) -> ``DataReplicas``;
+- ``stage_parts``: each stage's forward, backward and split backward jaxprs, as it runs them
+  (a stage run as replicas: its replicas') -> ``StageParts``;
 - ``plan_edge_transfers``: how each boundary value moves, both ways -> ``EdgeTransfer``s
   (``LOCAL`` between stages on one mesh);
 - ``global_batch_feeds`` and ``global_batch_placements``: how a batch laid out over processes
@@ -331,12 +332,20 @@ def _verify_stacked_arrays(st: CompileState) -> None:
 
 
 def _stage_parts(st: CompileState) -> CompileState:
-    return dataclasses.replace(st, parts=tuple(stage_parts(s, st.graph.differentiated_slots(s.index))
-                                               for s in st.graph.stages))
+    # A stage run as replicas runs only its replicas' parts, traced by plan_data_replicas: its
+    # parts at the micro-batch's size would be traced (a linearization of the stage) for nothing.
+    return dataclasses.replace(st, parts=tuple(
+        g.replicas.parts if g.replicas is not None else stage_parts(s, st.graph.differentiated_slots(s.index))
+        for s, g in zip(st.graph.stages, st.gradients.stages, strict=True)))
 
 
 def _verify_stage_parts(st: CompileState) -> None:
-    for stage, parts in zip(st.graph.stages, st.parts, strict=True):
+    for stage, parts, g in zip(st.graph.stages, st.parts, st.gradients.stages, strict=True):
+        if g.replicas is not None:
+            # Checked against the stage traced per replica when plan_data_replicas traced them.
+            if parts is not g.replicas.parts:
+                raise PlanVerificationError(f"stage {stage.index}: runs as replicas, but its parts are not theirs")
+            continue
         try:
             verify_stage_parts(stage, parts)
         except PlanVerificationError as e:
@@ -355,7 +364,7 @@ def _plan_data_replicas(st: CompileState) -> CompileState:
         return _cut(st, replica)
 
     return dataclasses.replace(st, gradients=plan_data_replicas(
-        st.graph, st.parts, st.layout, st.placed.meshes, st.home, st.micro_batching, st.options.gradients,
+        st.graph, st.layout, st.placed.meshes, st.home, st.micro_batching, st.options.gradients,
         st.options.placement.data_axis, replica_graph))
 
 
@@ -396,8 +405,9 @@ def _estimate_durations(st: CompileState) -> CompileState:
     inter, intra = st.options.transfers.inter_host_bandwidth, st.options.transfers.intra_host_bandwidth
     meshes = st.placed.meshes
     reductions = stage_gradients(st.gradients.stages, meshes, st.home, st.options.placement.data_axis, inter, intra)
+    copies = [g.replicas.count if g.replicas is not None else 1 for g in st.gradients.stages]
     durations = estimate_durations(st.parts, st.placed.stage_meshes, st.transfers, len(st.edges), inter, intra,
-                                   gradients=reductions)
+                                   gradients=reductions, copies=copies)
     # A collective program holds both meshes; any other move runs beside their compute.
     overlap = not all(t.kind is TransferKind.COLLECTIVE for t in st.transfers)
     schedule = st.options.schedule
@@ -485,9 +495,9 @@ PIPELINE_PASSES: tuple[Pass, ...] = (
          ("layout",)),
     Pass("stacked_arrays", _stacked_arrays, _verify_stacked_arrays, ("held", "gathered"),
          when=lambda st: st.pieces is not None),
-    Pass("stage_parts", _stage_parts, _verify_stage_parts, ("parts",)),
     Pass("plan_data_replicas", _plan_data_replicas,
          lambda st: verify_data_replicas(st.gradients, st.graph, st.placed.meshes, st.home), ("gradients",)),
+    Pass("stage_parts", _stage_parts, _verify_stage_parts, ("parts",)),
     Pass("plan_edge_transfers", _plan_edge_transfers,
          lambda st: verify_edge_transfers(st.transfers, _edge_triples(st), st.placed.stage_meshes), ("transfers",)),
     Pass("global_batch_feeds", _global_batch_feeds,
@@ -522,8 +532,10 @@ class CompiledPipeline:
     """Every IR the passes made, for the runtime and for ``describe()``; ``meshes`` are the
     pipeline's meshes (``schedule.stage_mesh`` places each stage on one); ``durations`` are the
     cost model's task estimates the weight delays were chosen with (``simulate`` the schedule
-    with them, or with measured ones, to predict a step). ``passes`` are the passes that ran,
-    each with the state it returned (``ir_after``)."""
+    with them, or with measured ones, to predict a step). ``parts`` are each stage's parts as
+    it runs them: traced at the micro-batch's size, or per replica for a stage run as replicas
+    (``gradients.stages[s].replicas``). ``passes`` are the passes that ran, each with the state
+    it returned (``ir_after``)."""
 
     graph: StageGraph
     split: StepSplit

@@ -158,15 +158,15 @@ def compile_stage(kernel: StageKernel, timeout_s: float) -> StageExecutables:
     """Jits a stage's kernel (its parts, on its mesh; ``on_mesh`` with ``timeout_s``); outputs and input cotangents are
     constrained to the shardings their transfers expect, accumulated gradients to their
     accumulators' (so every micro-batch's pass reads them as the first did, and compiles
-    once). With ``accumulation.replicas``, runs its per-replica parts side by side instead
-    (module doc); the loss seed is then the replicas'."""
+    once). With ``accumulation.replicas``, its parts are a replica's, run side by side (module
+    doc), and the loss seed is the replicas'."""
     parts, io = kernel.parts, kernel.io
     output_shardings, input_cotangent_shardings = kernel.output_shardings, kernel.input_cotangent_shardings
     mesh, loss_seed, accumulation = kernel.mesh, kernel.loss_seed, kernel.accumulation
     replicas = accumulation.replicas if accumulation is not None else None
     accumulators = [a.sharding for a in accumulation.accumulators] if accumulation is not None else None
     if replicas is not None:
-        parts, loss_seed = replicas.parts, replicas.loss_seed
+        loss_seed = replicas.loss_seed
     split = _Replication(replicas, mesh)
     fixed_pos = [o.position for o in kernel.fixed_operands]
     batch_pos = [o.position for o in kernel.batch_operands]

@@ -154,7 +154,8 @@ class StageKernel:
       in_avals, out_avals: the forward's input and output types (activations in their own type:
         a key, not its wire form).
       act_inputs: positions of the inputs received from other stages, in input order.
-      parts: its forward, backward, input and weight passes.
+      parts: its forward, backward, input and weight passes; a replica's
+        (``accumulation.replicas.parts``) for a stage run as replicas.
       io: how its passes meet the program's buffers.
       operands: its non-activation inputs, in input order; with ``act_inputs`` they cover every
         input position once.

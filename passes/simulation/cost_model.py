@@ -118,11 +118,11 @@ def stage_gradients(accumulation: Sequence[StageAccumulation], meshes: Sequence[
     return tuple(out)
 
 
-def _stage_seconds(parts: StageParts, mesh: Mesh) -> StageSeconds:
+def _stage_seconds(parts: StageParts, mesh: Mesh, copies: int) -> StageSeconds:
     platform = mesh.devices.flat[0].platform
 
     def seconds(jaxpr: jax_ir.ClosedJaxpr) -> float:
-        return compute_seconds(jaxpr_flops(jaxpr), mesh.size, platform)
+        return compute_seconds(copies * jaxpr_flops(jaxpr), mesh.size, platform)
 
     return StageSeconds(seconds(parts.forward), seconds(parts.backward), seconds(parts.backward_input),
                         seconds(parts.backward_weight))
@@ -138,12 +138,16 @@ def estimate_durations(
     intra_host_bandwidth: float,
     *,
     gradients: Sequence[StageGradients] | None = None,
+    copies: Sequence[int] | None = None,
 ) -> TaskDurations:
     """One micro-batch's task durations, estimated.
 
     Args:
       parts: per stage, its compute jaxprs; each runs at its platform's
         ``DEVICE_FLOPS`` on every device of ``meshes[stage]``.
+      copies: per stage, how many copies of its parts make one micro-batch's work: a stage run
+        as ``D`` data-parallel replicas has its parts traced per replica, ``D`` side by side on
+        its mesh. ``None``: one each.
       transfers: every edge's moves; an edge's activation (cotangent) time is
         the bytes of its activation (cotangent) moves over the bandwidth:
         ``intra_host_bandwidth`` for ``DEVICE_PUT`` (one process, one host),
@@ -157,8 +161,10 @@ def estimate_durations(
         is ``per_step``). ``None``: no reduction priced.
 
     Raises:
-      ValueError: ``gradients`` not one per stage.
+      ValueError: ``gradients`` or ``copies`` not one per stage.
     """
+    if copies is not None and len(copies) != len(parts):
+        raise ValueError(f"copies: expected one per stage ({len(parts)}), got {len(copies)}")
     seconds = {Direction.ACTIVATION: [0.0] * num_edges, Direction.COTANGENT: [0.0] * num_edges}
     for t in transfers:
         bandwidth_of = MOVE_EXECUTORS[t.kind].bandwidth
@@ -166,7 +172,7 @@ def estimate_durations(
             continue
         bandwidth = bandwidth_of(inter_host_bandwidth, intra_host_bandwidth)
         seconds[t.direction][t.edge] += transfer_seconds(t.dtype.itemsize * math.prod(t.shape), bandwidth)
-    stages = tuple(_stage_seconds(p, meshes[p.stage]) for p in parts)
+    stages = tuple(_stage_seconds(p, meshes[p.stage], 1 if copies is None else copies[k]) for k, p in enumerate(parts))
     reduction: tuple[float, ...] = ()
     if gradients is not None:
         stages, reduction = _with_reductions(stages, gradients)

@@ -290,6 +290,36 @@ def test_a_stage_that_does_not_split_keeps_the_per_micro_batch_reduction_and_say
     assert f"gradients of stage 1: reduced in every micro-batch's backward ({why})" in executable.describe()
 
 
+def test_each_stage_is_linearized_once_at_the_size_it_runs(monkeypatch):
+    """A stage run as replicas has its parts traced per replica only; one that does not split,
+    at the micro-batch's size only. Both run as their parts say: results equal jax.jit's."""
+    from meshpar.passes import pipeline_driver
+    from meshpar.passes.pipeline.cutting import stage_parts as stage_parts_module
+    from meshpar.passes.pipeline.placing import data_replicas
+
+    traced = []
+
+    def counted(stage, *args, **kwargs):
+        traced.append((stage.index, stage.jaxpr.in_avals[0].shape[0]))
+        return stage_parts_module.stage_parts(stage, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline_driver, "stage_parts", counted)
+    monkeypatch.setattr(data_replicas, "stage_parts", counted)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((16, 6)).astype(np.float32),
+             "y": rng.standard_normal((16, 4)).astype(np.float32)}
+    state = make_state(_BatchSizeBranch(), batch["x"][:8])
+    method = meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 1), devices=jax.devices()[:4])
+    ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, method, steps=2)
+    assert_trees_close(par_state, ref_state)
+    compiled = parallel.get_compiled(par_state, batch)
+    assert _replica_counts(compiled) == [2, 1]
+    # Stage 0 per replica (4 of a micro-batch's 8 examples), stage 1 per micro-batch; once each.
+    assert sorted(traced) == [(0, 4), (1, 8)]
+    assert compiled.parts[0] is compiled.gradients.stages[0].replicas.parts
+    assert compiled.parts[1].forward.in_avals[0].shape[0] == 8
+
+
 def test_the_verifier_names_the_stage_whose_plan_is_broken():
     batch = {"x": np.ones((16, 6), np.float32), "y": np.ones((16, 4), np.float32)}
     state = make_state(MLP(features=(8, 4), num_stages=2), batch["x"][:1])

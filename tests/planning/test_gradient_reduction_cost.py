@@ -128,6 +128,25 @@ def test_estimate_durations_without_gradients_prices_no_reduction(three_stages):
     assert estimate_durations(*args, gradients=None) == plain
 
 
+def test_a_stage_traced_per_replica_is_priced_as_its_copies_side_by_side(three_stages):
+    """Parts traced per replica (2 of the micro-batch's 4 rows), 2 copies each: the forward and
+    the input pass, whose every operation follows the rows, cost what the parts traced at the
+    micro-batch's size cost; the weight pass more, as each replica repeats its work shaped like
+    the parameter."""
+    args, plain = three_stages
+    x, w = jnp.ones((2, 8)), jnp.ones((8, 8))
+    stage = Stage(1, jax.make_jaxpr(lambda x, w: (jnp.tanh(x @ w),))(x, w),
+                  (Ref(RefKind.ACT, 0, 0), Ref(RefKind.PARAM, 0)), (Ref(RefKind.ACT, 1, 0),))
+    halves = [dataclasses.replace(stage_parts(stage), stage=s) for s in range(3)]
+    copied = estimate_durations(halves, *args[1:], copies=[2, 2, 2])
+    for got, whole in zip(copied.stages, plain.stages):
+        assert (got.forward, got.backward_input) == (whole.forward, whole.backward_input)
+        assert whole.backward_weight < got.backward_weight < 2 * whole.backward_weight
+    assert estimate_durations(halves, *args[1:]).stages[0].forward == pytest.approx(plain.stages[0].forward / 2)
+    with pytest.raises(ValueError, match=r"^copies: expected one per stage \(3\), got 2$"):
+        estimate_durations(halves, *args[1:], copies=[2, 2])
+
+
 def test_per_micro_batch_lengthens_the_backward_and_the_weight_pass_by_the_ring(three_stages):
     """Each backward all-reduces its parameter cotangents: the whole backward and the weight
     pass that makes them take one ring longer; the forward and the input pass do not."""

@@ -34,11 +34,12 @@ from ...program.step_values import RefKind
 from ...verification import PlanVerificationError, type_check
 from .stage_graph import Stage, is_differentiable
 
-__all__ = ["stage_parts", "verify_stage_parts"]
+__all__ = ["stage_parts", "stage_positions", "verify_stage_parts"]
 
 
-def _positions(stage: Stage) -> tuple[tuple[int, ...], ...]:
-    """(diff_inputs, other_inputs, act_inputs, param_inputs) of ``stage``."""
+def stage_positions(stage: Stage) -> tuple[tuple[int, ...], ...]:
+    """``(diff_inputs, other_inputs, act_inputs, param_inputs)`` of ``stage``: its parts' input
+    positions (``StageParts``), found without tracing them."""
     # An activation without a cotangent (an integer, a key) is read, not differentiated.
     diff = tuple(i for i, (r, a) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals))
                  if r.kind is RefKind.PARAM or (r.kind is RefKind.ACT and is_differentiable(a)))
@@ -85,7 +86,7 @@ def stage_parts(stage: Stage, diff_outputs: Sequence[int] | None = None) -> Stag
       ValueError: the stage's backward has side effects (dead-code elimination
         would drop or duplicate them).
     """
-    diff, other, acts, params = _positions(stage)
+    diff, other, acts, params = stage_positions(stage)
     if diff_outputs is None:
         diff_outputs = tuple(k for k, a in enumerate(stage.jaxpr.out_avals) if is_differentiable(a))
     fun = jax_ir.jaxpr_as_fun(stage.jaxpr)
@@ -167,7 +168,7 @@ def verify_stage_parts(stage: Stage, parts: StageParts) -> None:
     for name in ("forward", "backward", "backward_input", "backward_weight"):
         type_check(getattr(parts, name).jaxpr, f"stage {stage.index} parts: {name}")
     if (parts.stage, parts.diff_inputs, parts.other_inputs, parts.act_inputs, parts.param_inputs) != (
-            stage.index, *_positions(stage)):
+            stage.index, *stage_positions(stage)):
         fail("input positions do not match the stage's refs")
     in_avals = stage.jaxpr.in_avals
     same(parts.forward.in_avals, [in_avals[i] for i in (*parts.diff_inputs, *parts.other_inputs)], "forward inputs")

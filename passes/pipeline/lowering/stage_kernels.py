@@ -68,6 +68,9 @@ def verify_stage_kernels(kernels: Sequence[StageKernel], program: PipelineProgra
                                         f"as an activation or an operand")
         if k.io != program.stages[s]:
             raise PlanVerificationError(f"stage {s}'s kernel is wired otherwise than its program")
+        replicas = k.accumulation.replicas if k.accumulation is not None else None
+        if replicas is not None and k.parts is not replicas.parts:
+            raise PlanVerificationError(f"stage {s} runs as replicas, but its kernel's parts are not a replica's")
         if len(k.output_shardings) != len(k.out_avals) or len(k.input_cotangent_shardings) != len(
                 k.io.cotangent_in_edges):
             raise PlanVerificationError(f"stage {s}'s kernel has not one sharding per output and input cotangent")

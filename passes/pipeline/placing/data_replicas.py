@@ -43,12 +43,12 @@ from jax.sharding import PartitionSpec as P
 
 from ... import jax_ir
 from ...compiler_pass import compiler_pass
-from ...program.stage_kernel import Accumulator, StageAccumulation, StageParts, StageReplicas
+from ...program.stage_kernel import Accumulator, StageAccumulation, StageReplicas
 from ...program.step_values import AuxReduction, RefKind
 from ...verification import PlanVerificationError
 from ..cutting.micro_batching import MicroBatching
 from ..cutting.stage_graph import StageGraph
-from ..cutting.stage_parts import stage_parts, verify_stage_parts
+from ..cutting.stage_parts import stage_parts, stage_positions, verify_stage_parts
 from ..pipeline_options import GradientOptions
 from .drop_mesh_axis import manual_mesh_axis, spec_without
 from .step_layout import StepLayout
@@ -129,19 +129,14 @@ def accumulation_dtype(param: np.dtype, options: GradientOptions) -> np.dtype:
     return np.dtype(options.accumulation_dtype) if wider else np.dtype(param)
 
 
-def _stage_replicas(s: int, graph: StageGraph, replica: StageGraph, parts: StageParts, layout: StepLayout,
+def _stage_replicas(s: int, graph: StageGraph, replica: StageGraph, layout: StepLayout,
                     micro_batching: MicroBatching, count: int, axis: str) -> StageReplicas:
     stage, other = graph.stages[s], replica.stages[s]
     if other.inputs != stage.inputs or len(other.outputs) != len(stage.outputs):
         raise _NoSplit("traced per replica, its inputs or outputs differ from the micro-batch's")
-    replica_parts = stage_parts(other, graph.differentiated_slots(s))
-    verify_stage_parts(other, replica_parts)
-    replica_parts = dataclasses.replace(replica_parts, **{
-        f: manual_mesh_axis(getattr(replica_parts, f), axis)
-        for f in ("forward", "backward", "backward_input", "backward_weight")})
-    same = ("diff_inputs", "other_inputs", "act_inputs", "param_inputs", "diff_outputs", "num_outputs")
-    if any(getattr(parts, f) != getattr(replica_parts, f) for f in same):
-        raise _NoSplit("traced per replica, its differentiated inputs or outputs differ from the micro-batch's")
+    # Both differentiate the micro-batch's output slots.
+    if stage_positions(other) != stage_positions(stage):
+        raise _NoSplit("traced per replica, its differentiated inputs differ from the micro-batch's")
     operands = {op.position: op for op in layout.stage_operands[s]}
     input_dims, folded = [], set()
     for k, (ref, mi, re) in enumerate(zip(stage.inputs, stage.jaxpr.in_avals, other.jaxpr.in_avals)):
@@ -171,14 +166,21 @@ def _stage_replicas(s: int, graph: StageGraph, replica: StageGraph, parts: Stage
                 raise _NoSplit(f"output {k}, an aux value taken from the last micro-batch, reduces over the "
                                f"examples")
         output_dims.append(dim)
+    # Traced (a linearization of the stage) only once the stage is known to split: it then
+    # runs these parts, and no parts at the micro-batch's size are traced for it (stage_parts).
+    replica_parts = stage_parts(other, graph.differentiated_slots(s))
+    verify_stage_parts(other, replica_parts)
+    replica_parts = dataclasses.replace(replica_parts, **{
+        f: manual_mesh_axis(getattr(replica_parts, f), axis)
+        for f in ("forward", "backward", "backward_input", "backward_weight")})
     # A replica's loss is one term of the micro-batch's mean over D replicas (or of its sum).
     seed = micro_batching.reduction.share(micro_batching.loss_seed, count)
     return StageReplicas(count, axis, replica_parts, tuple(input_dims), frozenset(folded), tuple(output_dims), seed)
 
 
 @compiler_pass
-def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: StepLayout, meshes: Sequence[Mesh],
-                       home: Sequence[int], micro_batching: MicroBatching, options: GradientOptions, axis: str,
+def plan_data_replicas(graph: StageGraph, layout: StepLayout, meshes: Sequence[Mesh], home: Sequence[int],
+                       micro_batching: MicroBatching, options: GradientOptions, axis: str,
                        replica_graph: Callable[[int], StageGraph]) -> DataReplicas:
     """Each stage's ``StageAccumulation`` (module doc). ``replica_graph(D)`` is the stage graph of the
     step traced at ``micro_batch / D`` examples, its sharding annotations without ``axis``; it
@@ -186,7 +188,7 @@ def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: S
     micro-batch."""
     graphs: dict[int, StageGraph | str] = {}
     out = []
-    for stage, stage_parts_, shardings in zip(graph.stages, parts, layout.grad_shardings):
+    for stage, shardings in zip(graph.stages, layout.grad_shardings):
         mesh = meshes[home[stage.index]]
         count = dict(mesh.shape).get(axis, 1)
         avals = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
@@ -208,8 +210,7 @@ def plan_data_replicas(graph: StageGraph, parts: Sequence[StageParts], layout: S
                     raise _NoSplit(traced)
                 if traced.num_stages != graph.num_stages:
                     raise _NoSplit(f"traced per replica it has {traced.num_stages} stages, not {graph.num_stages}")
-                replicas = _stage_replicas(stage.index, graph, traced, stage_parts_, layout, micro_batching, count,
-                                           axis)
+                replicas = _stage_replicas(stage.index, graph, traced, layout, micro_batching, count, axis)
             except _NoSplit as e:
                 why = str(e)
         accumulators = []
