@@ -83,7 +83,7 @@ __all__ = [
     "dce_jaxpr", "dce_rule", "detect_distributed_params", "distributed_client", "distributed_params",
     "eval_jaxpr", "inline_requested", "jaxpr_as_fun", "join_effects", "nested_jaxprs", "new_jaxpr_eqn",
     "new_source_info", "no_effects", "random_wrap_p", "register_effect_type", "register_primitive_rules",
-    "scan_operand_counts", "trace_context_flag", "typematch", "user_frames", "with_context_mesh",
+    "scan_operand_counts", "staged_fun", "trace_context_flag", "typematch", "user_frames", "with_context_mesh",
 ]
 
 join_effects: Callable[..., Effects] = _core.join_effects
@@ -131,6 +131,28 @@ def inline_requested(eqn: JaxprEqn) -> bool:
         return False
     inline = eqn.params.get("inline")
     return inline is True or getattr(inline, "name", None) in ("JAX_EARLY", "JAX_LATE")
+
+
+def staged_fun(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
+    """``closed`` as a function, as ``jaxpr_as_fun`` makes it, but called while a program is being
+    traced (``jax.jit``, a ``shard_map`` body) it copies ``closed``'s equations into that program
+    as they are, as JAX inlines a nested ``jax.jit(..., inline=True)``
+    (``partial_eval.inline_jaxpr_into_trace``, the same in 0.10.2 to 0.12). ``jaxpr_as_fun``
+    binds each equation again; on JAX 0.10.2 that (each one's abstract evaluation and sharding
+    rules) was most of the time the main job's runtime programs took to trace. Called otherwise
+    (eagerly, under ``vmap`` or ``grad``) it is ``jaxpr_as_fun``."""
+    evaluate = jaxpr_as_fun(closed)
+
+    def call(*args: Any) -> list[Any]:
+        trace = _core.trace_ctx.trace
+        if not isinstance(trace, _pe.DynamicJaxprTrace):
+            return evaluate(*args)
+        source_info = source_info_util.current()
+        tracers = [trace.to_jaxpr_tracer(a, source_info) for a in args]
+        outs = _pe.inline_jaxpr_into_trace(trace, source_info, closed.jaxpr, closed.consts, *tracers)
+        return [trace.to_jaxpr_tracer(x, source_info) for x in outs]
+
+    return call
 
 
 def scan_operand_counts(eqn: JaxprEqn) -> tuple[int, int]:

@@ -22,7 +22,7 @@ __all__ = ["HANDLERS"]
 
 
 def prepare_compute(ex: StepExecutable, ins: RunCompute) -> Callable:
-    fn = jax_ir.jaxpr_as_fun(ins.jaxpr)
+    fn = jax_ir.staged_fun(ins.jaxpr)
     targets = ins.output_shardings
 
     def run(*args):

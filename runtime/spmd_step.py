@@ -52,7 +52,7 @@ class SpmdStep:
         self.description = description
         self.in_shardings = tuple(in_shardings)
         traced_as = [(v.aval.shape, v.aval.dtype) for v in jaxpr.jaxpr.invars]
-        run = jax_ir.jaxpr_as_fun(jaxpr)
+        run = jax_ir.staged_fun(jaxpr)
 
         def step(*leaves: jax.Array) -> tuple[jax.Array, ...]:
             # jax.jit traces again for operands of other shapes (``run_as_given``): the jaxpr

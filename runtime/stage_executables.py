@@ -172,10 +172,10 @@ def compile_stage(kernel: StageKernel, timeout_s: float) -> StageExecutables:
     batch_pos = [o.position for o in kernel.batch_operands]
     act_pos = list(kernel.act_inputs)
     out_avals = kernel.out_avals
-    forward_fn = jax_ir.jaxpr_as_fun(parts.forward)
-    backward_fn = jax_ir.jaxpr_as_fun(parts.backward)
-    input_fn = jax_ir.jaxpr_as_fun(parts.backward_input)
-    weight_fn = jax_ir.jaxpr_as_fun(parts.backward_weight)
+    forward_fn = jax_ir.staged_fun(parts.forward)
+    backward_fn = jax_ir.staged_fun(parts.backward)
+    input_fn = jax_ir.staged_fun(parts.backward_input)
+    weight_fn = jax_ir.staged_fun(parts.backward_weight)
     num_acts = parts.num_act_cotangents
     in_avals = kernel.in_avals
     state_from_residual = tuple(
