@@ -22,6 +22,7 @@ from meshpar.passes.simulation.timeline import write_chrome_trace
 from meshpar.pipeshard_parallel import AUTO, PipeshardParallel
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.spmd_step import SpmdStep
+from meshpar.runtime.frozen_heap import frozen_heap
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.step_trace import StepRecorder, StepTrace
 from meshpar.passes.program.wire_format import leaf_dtype
@@ -203,7 +204,7 @@ class ParallelizedStep:
         if key not in self._cache:
             # Planning, tracing and the layout all read flax's logical axis rules: the method's
             # when it names them, else the caller's.
-            with rules_in_force(self.method.logical_axis_rules):
+            with rules_in_force(self.method.logical_axis_rules), frozen_heap():
                 if self.method.planned:
                     self._plan(args)
                 self.method.check_devices()

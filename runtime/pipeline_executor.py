@@ -30,6 +30,7 @@ from meshpar.passes.program.pipeline_instructions import PipelineProgram, Reduce
 from meshpar.passes.program.stage_kernel import StageKernel
 from meshpar.passes.program.step_instructions import JoinStackedLeaves, RunPipeline, StepProgram
 from meshpar.runtime.compile_ahead import AheadOfTime, wait_deferred
+from meshpar.runtime.frozen_heap import frozen_heap
 from meshpar.runtime.coordination import Arrival, agree, owns_a_device_of, raise_lost_peer, wait_ready
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
 from meshpar.runtime.move_handlers import Move, prepare_move
@@ -221,8 +222,9 @@ class PipelineExecutable:
             grads.append([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                           for a in kernel.accumulation.accumulators])
         compiler = AheadOfTime()
-        compile_step_ahead(self, compiler, leaves, self.stage_inputs(operands), grads)
-        count = compiler.finish()
+        with frozen_heap():
+            compile_step_ahead(self, compiler, leaves, self.stage_inputs(operands), grads)
+            count = compiler.finish()
         wait_deferred()
         if jax.process_count() > 1:
             agree("pipeline/compiled_ahead", {"stages": len(self._kernels)}, list(range(jax.process_count())),
