@@ -405,9 +405,8 @@ def _estimate_durations(st: CompileState) -> CompileState:
     inter, intra = st.options.transfers.inter_host_bandwidth, st.options.transfers.intra_host_bandwidth
     meshes = st.placed.meshes
     reductions = stage_gradients(st.gradients.stages, meshes, st.home, st.options.placement.data_axis, inter, intra)
-    copies = [g.replicas.count if g.replicas is not None else 1 for g in st.gradients.stages]
     durations = estimate_durations(st.parts, st.placed.stage_meshes, st.transfers, len(st.edges), inter, intra,
-                                   gradients=reductions, copies=copies)
+                                   gradients=reductions, copies=[g.copies for g in st.gradients.stages])
     # A collective program holds both meshes; any other move runs beside their compute.
     overlap = not all(t.kind is TransferKind.COLLECTIVE for t in st.transfers)
     schedule = st.options.schedule

@@ -74,6 +74,12 @@ class StageAccumulation:
     per_micro_batch: str = ""
 
     @property
+    def copies(self) -> int:
+        """How many copies of the stage's parts make one micro-batch's work: the replica
+        count, or 1 for a stage run over the whole micro-batch."""
+        return self.replicas.count if self.replicas is not None else 1
+
+    @property
     def needs_reduction(self) -> bool:
         """Whether the accumulators need a program at the end of the step (a replica sum or a cast)."""
         return self.replicas is not None or any(

@@ -51,7 +51,7 @@ def _grid():
 
 
 def _replica_counts(compiled):
-    return [g.replicas.count if g.replicas is not None else 1 for g in compiled.gradients.stages]
+    return [g.copies for g in compiled.gradients.stages]
 
 
 @pytest.mark.parametrize("schedule, M, data", list(_grid()))
@@ -274,7 +274,9 @@ class _BatchSizeBranch(nn.Module):
         return nn.Dense(4)(2 * h if x.shape[0] % 8 == 0 else jnp.sin(h))
 
 
-def test_a_stage_that_does_not_split_keeps_the_per_micro_batch_reduction_and_says_why():
+def _run_batch_size_branch():
+    """``_BatchSizeBranch``'s step run against jax.jit (equal); its first stage runs as 2
+    replicas, its second does not. Returns the parallelized step, its state and the batch."""
     rng = np.random.default_rng(0)
     batch = {"x": rng.standard_normal((16, 6)).astype(np.float32),
              "y": rng.standard_normal((16, 4)).astype(np.float32)}
@@ -282,9 +284,14 @@ def test_a_stage_that_does_not_split_keeps_the_per_micro_batch_reduction_and_say
     method = meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 1), devices=jax.devices()[:4])
     ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, method, steps=2)
     assert_trees_close(par_state, ref_state)
+    assert _replica_counts(parallel.get_compiled(par_state, batch)) == [2, 1]
+    return parallel, par_state, batch
+
+
+def test_a_stage_that_does_not_split_keeps_the_per_micro_batch_reduction_and_says_why():
+    parallel, par_state, batch = _run_batch_size_branch()
     executable = parallel.get_executable(par_state, batch)
     compiled = parallel.get_compiled(par_state, batch)
-    assert _replica_counts(compiled) == [2, 1]
     why = "traced per replica, its equations differ from the micro-batch's"
     assert compiled.gradients.stages[1].per_micro_batch == why
     assert f"gradients of stage 1: reduced in every micro-batch's backward ({why})" in executable.describe()
@@ -305,15 +312,8 @@ def test_each_stage_is_linearized_once_at_the_size_it_runs(monkeypatch):
 
     monkeypatch.setattr(pipeline_driver, "stage_parts", counted)
     monkeypatch.setattr(data_replicas, "stage_parts", counted)
-    rng = np.random.default_rng(0)
-    batch = {"x": rng.standard_normal((16, 6)).astype(np.float32),
-             "y": rng.standard_normal((16, 4)).astype(np.float32)}
-    state = make_state(_BatchSizeBranch(), batch["x"][:8])
-    method = meshpar.PipeshardParallel(num_micro_batches=2, stage_mesh_shape=(2, 1), devices=jax.devices()[:4])
-    ref_state, par_state, parallel = run_both(supervised_step(mse), state, batch, method, steps=2)
-    assert_trees_close(par_state, ref_state)
+    parallel, par_state, batch = _run_batch_size_branch()
     compiled = parallel.get_compiled(par_state, batch)
-    assert _replica_counts(compiled) == [2, 1]
     # Stage 0 per replica (4 of a micro-batch's 8 examples), stage 1 per micro-batch; once each.
     assert sorted(traced) == [(0, 4), (1, 8)]
     assert compiled.parts[0] is compiled.gradients.stages[0].replicas.parts
