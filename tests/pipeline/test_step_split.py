@@ -57,9 +57,12 @@ def test_global_norm_moves_only_scalars_and_runs_level_by_level():
     # goes back to mesh 1, whose gradient is the larger operand of its update: two scalars.
     assert [(len(m.values), split.avals[m.values[0]].shape, m.src, m.dst) for m in moves] == [(1, (), 1, 0), (1, (), 0, 1)]
     computes = [s for s in split.after if isinstance(s, OuterCompute)]
-    # Level by level: both partial sums, the combine and mesh 0's update, mesh 1's update.
-    assert [c.mesh for c in computes] == [0, 1, 0, 1]
-    assert split.after.index(moves[0]) == 2 and split.after.index(moves[1]) == 4
+    # Level by level, each as late as its readers allow: mesh 1's partial sum alone (all it
+    # sends); mesh 0's partial sum, the combine and mesh 0's update in one program; mesh 1's update.
+    assert [c.mesh for c in computes] == [1, 0, 1]
+    assert split.after.index(moves[0]) == 1 and split.after.index(moves[1]) == 3
+    assert computes[0].outputs == moves[0].values
+    assert [e.primitive.name for e in computes[0].jaxpr.jaxpr.eqns] == ["integer_pow", "reduce_sum"]
     # Each parameter's update happens on its own mesh; the norm is returned from mesh 0.
     homes = [meshes for _, meshes in split.outputs]
     assert homes[:2] == [(0,), (1,)] and homes[3] == (0,)

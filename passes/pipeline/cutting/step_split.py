@@ -18,9 +18,12 @@ whole update becomes one cond per mesh, reading the same predicate, which crosse
 scalars the branches combine (a global norm's partial sums); a part reading only scalars and
 values of no mesh is computed, like an uncoloured equation, by every mesh that needs its results.
 
-Computations are grouped by mesh and by *level*, the number of moves on the longest path
-into them; a phase runs level by level: every mesh's computation of the level, then the moves
-out of it, packed into one transfer per pair of meshes and dtype. Every process walks the same steps in the same order, so moves never deadlock.
+Computations are grouped by mesh and by *level*: a phase runs level by level, every mesh's
+computation of the level, then the moves out of it, packed into one transfer per pair of meshes
+and dtype. An equation runs at the latest level its readers allow (one before a reader across a
+move, else its mesh's last level), which is never before the moves on its longest input path
+have brought its inputs: a mesh runs one program per level it waits at. Every process walks the
+same steps in the same order, so moves never deadlock.
 """
 
 from __future__ import annotations
@@ -341,7 +344,15 @@ def _moves(planner: _Planner, phase: str) -> list[tuple[OuterRef, int, int]]:
 
 def _levels(jaxpr: jax_ir.Jaxpr, planner: _Planner, ref_of: dict[jax_ir.Var, OuterRef], phase: str
             ) -> dict[tuple[int, int], int]:
-    """Each of the phase's (equation, mesh) instances' level: the moves on its longest input path."""
+    """Each of the phase's (equation, mesh) instances' level: as late as its readers allow
+    (``_latest_levels``), never before its inputs can be there (``_earliest_levels``)."""
+    return _latest_levels(jaxpr, planner, ref_of, phase, _earliest_levels(jaxpr, planner, ref_of, phase))
+
+
+def _earliest_levels(jaxpr: jax_ir.Jaxpr, planner: _Planner, ref_of: dict[jax_ir.Var, OuterRef], phase: str
+                     ) -> dict[tuple[int, int], int]:
+    """Each of the phase's (equation, mesh) instances' earliest level: the moves on its longest
+    input path."""
     level: dict[tuple[int, int], int] = {}
     produced_at: dict[tuple[OuterRef, int], int] = {}
     move_into = {(ref, dst): src for ref, src, dst in _moves(planner, phase)}
@@ -366,6 +377,37 @@ def _levels(jaxpr: jax_ir.Jaxpr, planner: _Planner, ref_of: dict[jax_ir.Var, Out
             level[(n, mesh)] = lvl
             for v in e.outvars:
                 produced_at[(ref_of[v], mesh)] = lvl
+    return level
+
+
+def _latest_levels(jaxpr: jax_ir.Jaxpr, planner: _Planner, ref_of: dict[jax_ir.Var, OuterRef], phase: str,
+                   earliest: dict[tuple[int, int], int]) -> dict[tuple[int, int], int]:
+    """Each instance's latest level: that of its earliest reader on its mesh, one before the
+    earliest reader of a value it sends to another mesh, else the last level its mesh computes
+    at. Work that feeds no move joins the program reading its results, so a mesh runs one
+    program per level it waits at: placed as early as possible instead, an update's half that
+    needs no global norm (Adam's decayed moments, a copy of the whole optimizer state) was a
+    program of its own on every mesh, written out and read back by the next, and its kernels
+    compiled twice. A latest level is never before the earliest (the readers' earliest levels
+    are at least their producers', plus one across a move)."""
+    last: dict[int, int] = {}
+    for (_, mesh), lvl in earliest.items():
+        last[mesh] = max(last.get(mesh, lvl), lvl)
+    move_into = {(ref, dst): src for ref, src, dst in _moves(planner, phase)}
+    producer = {v: n for n, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    bound: dict[tuple[int, int], int] = {}
+    level: dict[tuple[int, int], int] = {}
+    for (n, mesh) in sorted(earliest, reverse=True):  # readers before what they read
+        level[(n, mesh)] = lvl = min(bound.get((n, mesh), last[mesh]), last[mesh])
+        for v in jaxpr.eqns[n].invars:
+            if not isinstance(v, jax_ir.Var) or v not in producer:
+                continue
+            p = producer[v]
+            if (p, mesh) in earliest:
+                bound[(p, mesh)] = min(bound.get((p, mesh), lvl), lvl)
+            elif (ref_of[v], mesh) in move_into and (p, move_into[(ref_of[v], mesh)]) in earliest:
+                at = (p, move_into[(ref_of[v], mesh)])
+                bound[at] = min(bound.get(at, lvl - 1), lvl - 1)
     return level
 
 
