@@ -34,7 +34,12 @@ def put(value: Any, sharding: NamedSharding, what: str = "a value") -> jax.Array
             value.sharding is sharding or _places_alike(value.sharding, sharding, value.ndim)):
         return value
     if isinstance(value, jax.Array) and value.is_fully_addressable and jax.process_count() == 1:
-        return jax.device_put(value, sharding)
+        if not _on_one_cpu_device(value):
+            return jax.device_put(value, sharding)
+        # JAX cuts an array on one device into shards with a program it compiles per shape and
+        # layout (40 ms each on XLA:CPU, every one on the first step); a CPU array's host view is
+        # its own buffer, cut as numpy without compiling.
+        value = np.asarray(value)
     if isinstance(value, jax.Array) and not value.is_fully_addressable:
         raise ValueError(
             f"{what}: a jax.Array spanning processes, laid out as {value.sharding}, is to be placed as {sharding} "
@@ -45,6 +50,13 @@ def put(value: Any, sharding: NamedSharding, what: str = "a value") -> jax.Array
     host = np.asarray(value)
     host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
+
+
+def _on_one_cpu_device(value: jax.Array) -> bool:
+    """Whether ``value`` lies on one CPU device, with a host view (keys have none)."""
+    devices = value.devices()
+    return (len(devices) == 1 and next(iter(devices)).platform == "cpu"
+            and not jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -66,6 +66,8 @@ ALLOWED = {
         "a dataclass field's name",
     ("runtime/stage_executables.py", 'devices[0].platform == "cpu"'):
         "the devices' platform (XLA:CPU orders cross-process collectives differently), not a user's choice",
+    ("runtime/placement.py", 'next(iter(devices)).platform == "cpu"'):
+        "the device's platform (a CPU array's host view is its own buffer), not a user's choice",
     ("meshpar/calibration.py", 'platform != "cpu"'):
         "the devices' platform, not a user's choice",
     ("passes/planning/planner_amp.py", 'sorted(placement) != ["dp", "pp", "tp"]'):
