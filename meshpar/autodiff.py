@@ -75,9 +75,11 @@ def tracing_pipeline() -> Iterator[None]:
 _STOP_AT_LOSS: contextvars.ContextVar[bool] = contextvars.ContextVar("meshpar_stop_at_loss", default=False)
 
 
-class LossTraced(Exception):
+class LossTraced(BaseException):
     """Raised by ``value_and_grad`` under ``stop_at_loss`` once its call is traced: ``call`` is
-    what the trace was for; the rest of the step (the update, its metrics) is not traced."""
+    what the trace was for; the rest of the step (the update, its metrics) is not traced. Not
+    an ``Exception``, as ``GeneratorExit`` is not: it ends the trace, and a step's own
+    ``except Exception`` around its gradient call must not catch it."""
 
     def __init__(self, call: GradCall) -> None:
         super().__init__("the step's gradient call is traced")

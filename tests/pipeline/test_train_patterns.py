@@ -419,3 +419,24 @@ def test_global_norm_clipping_and_logging_match_jit():
     moves = split.moved()
     assert [(m.src, m.dst) for m in moves] == [(1, 0), (0, 1), (0, 1)]
     assert len(moves[0].values) == 4 and all(split.avals[v].shape == () for m in moves for v in m.values)
+
+
+def test_a_step_guarding_its_gradient_call_with_except_exception_matches_jit():
+    # meshpar's traces at the micro-batch's size stop at the gradient call by raising past the
+    # step (autodiff.LossTraced); a user's own ``except Exception`` must not catch that.
+    batch = _batch()
+    state = _state(TwoStages(), batch["x"])
+
+    def step(state, batch):
+        def loss_fn(params):
+            return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+        try:
+            loss, grads = meshpar.value_and_grad(loss_fn)(state.params)
+        except Exception as e:
+            raise RuntimeError("the train step failed") from e
+        return state.apply_gradients(grads=grads), loss
+
+    (ref, ref_loss), (par, par_loss), _ = _run(step, state, batch)
+    np.testing.assert_allclose(float(par_loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(par.params, ref.params)
