@@ -135,8 +135,7 @@ for M in (1, 8):
         run_m = meshpar.parallelize(mlp_step, method=meshpar.PipeshardParallel(
             num_micro_batches=M, num_stages=2, stage_mesh_shape=(2, 2), gradient_reduction=reduction))
         check_mlp_step(run_m)
-        replicas = [g.replicas.count if g.replicas else 1
-                    for g in run_m.get_compiled(mlp_state, mlp_batch).gradients.stages]
+        replicas = [g.copies for g in run_m.get_compiled(mlp_state, mlp_batch).gradients.stages]
         assert replicas == ([2, 2] if reduction == "per_step" else [1, 1]), replicas
         print(f"process {pid}: gradient_reduction={reduction} M={M} matches", flush=True)
 
