@@ -394,7 +394,7 @@ def _latest_levels(jaxpr: jax_ir.Jaxpr, planner: _Planner, ref_of: dict[jax_ir.V
     for (_, mesh), lvl in earliest.items():
         last[mesh] = max(last.get(mesh, lvl), lvl)
     move_into = {(ref, dst): src for ref, src, dst in _moves(planner, phase)}
-    producer = {v: n for n, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    producer = planner.producer
     bound: dict[tuple[int, int], int] = {}
     level: dict[tuple[int, int], int] = {}
     for (n, mesh) in sorted(earliest, reverse=True):  # readers before what they read
