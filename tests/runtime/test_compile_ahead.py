@@ -6,8 +6,6 @@ compiles nothing; a second process running the same step reads every program fro
 persistent compilation cache. (Across processes, where the processes then meet once:
 tests/multiprocess/mp_pipeline_worker.py and mp_four_worker.py run every step through it.)"""
 
-import contextlib
-
 import jax
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ import pytest
 import meshpar
 from examples.gpt import GPT, gpt_batch, gpt_loss
 from examples.train_step import supervised_step
+from compile_events import compiled
 from pipeline_models import make_state
 
 # The pipeline's own programs, as JAX names them when it compiles one.
@@ -29,30 +28,6 @@ LAYOUTS = {
                        devices=jax.devices()[:1], fuse_compute=None),
     "data replicas reduced once per step": dict(num_stages=2, stage_mesh_shape=(2, 1), devices=jax.devices()[:4]),
 }
-
-
-# Per recording in progress, the names of the programs XLA compiled (from any thread: the
-# pipeline's programs compile on a pool).
-_recordings: list[list[str]] = []
-
-
-def _record(event, duration, fun_name="", **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-        for names in _recordings:
-            names.append(fun_name)
-
-
-jax.monitoring.register_event_duration_secs_listener(_record)
-
-
-@contextlib.contextmanager
-def compiled():
-    names: list[str] = []
-    _recordings.append(names)
-    try:
-        yield names
-    finally:
-        _recordings.remove(names)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -5,20 +5,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import monitoring
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from compile_events import compiled
 from meshpar.runtime.placement import put
-
-_compiles: list[str] = []
-
-
-def _count(event: str, duration: float, **kwargs: object) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compiles.append(str(kwargs.get("fun_name", "?")))
-
-
-monitoring.register_event_duration_secs_listener(_count)
 
 
 @pytest.fixture
@@ -32,9 +22,9 @@ def test_an_array_on_one_cpu_device_is_placed_without_compiling(mesh, spec, dtyp
     # Shapes no other test uses: JAX's own slicing program would compile for each.
     value = jax.device_put(np.arange(6 * 10, dtype=dtype).reshape(6, 10) * 3, jax.devices()[1])
     expected = np.asarray(value)
-    _compiles.clear()
-    placed = put(value, NamedSharding(mesh, spec))
-    assert _compiles == []
+    with compiled() as names:
+        placed = put(value, NamedSharding(mesh, spec))
+    assert names == []
     assert placed.sharding.is_equivalent_to(NamedSharding(mesh, spec), 2)
     np.testing.assert_array_equal(np.asarray(placed), expected)
     for shard in placed.addressable_shards:
