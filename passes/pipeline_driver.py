@@ -25,14 +25,22 @@ print-after-all. In order:
 - ``layout_step``: where every value lives -> ``StepLayout``;
 - ``stacked_arrays`` (with pieces): how the user sees each split leaf, held in pieces or
   gathered -> ``StackedArray``s, ``GatheredArray``s;
-- ``plan_data_replicas``: how each stage's parameter gradients accumulate and reduce (once per
-  step: the stage run as data-parallel replicas, each replica's parts traced) -> ``DataReplicas``;
-- ``stage_parts``: each stage's forward, backward and split backward jaxprs, as it runs them
-  (a stage run as replicas: its replicas') -> ``StageParts``;
 - ``plan_edge_transfers``: how each boundary value moves, both ways -> ``EdgeTransfer``s
   (``LOCAL`` between stages on one mesh);
 - ``global_batch_feeds`` and ``global_batch_placements``: how a batch laid out over processes
   reaches the stages and the work around the pipeline;
+- ``lower_step``: the whole step around the pipeline (inputs placed, the work before and
+  after it, the stages' feeds, micro-batches combined, gradients reduced on their owners'
+  meshes, outputs assembled) -> ``StepProgram``; ``fuse_packing``: a packed move's packing
+  and unpacking into the programs making and reading its values; ``free_step_values``: each
+  value of the step dropped right after its last use (a ``FreeValues``). These need nothing
+  of the pipeline's plan, so they run before the passes that trace the stages: the caller's
+  observer (``meshpar.step_compiler``) starts compiling the step's programs after
+  ``free_step_values``, and XLA compiles them on other threads while the passes below run;
+- ``plan_data_replicas``: how each stage's parameter gradients accumulate and reduce (once per
+  step: the stage run as data-parallel replicas, each replica's parts traced) -> ``DataReplicas``;
+- ``stage_parts``: each stage's forward, backward and split backward jaxprs, as it runs them
+  (a stage run as replicas: its replicas') -> ``StageParts``;
 - ``plan_moves``: every value crossing meshes (boundary values, parameter fetches, gradients,
   the moves around the pipeline) planned, lowered by its executor and verified -> ``MoveTable``;
 - ``estimate_durations``: task durations from the cost model (each stage's gradient reduction
@@ -43,13 +51,8 @@ print-after-all. In order:
 - ``lower_to_program``: per-mesh instructions over typed buffers, each mesh's gradient
   reduction among them -> ``PipelineProgram``; ``fuse_compute_runs`` (``fuse_compute`` other
   than 1): back-to-back compute on a mesh as one program;
-- ``lower_step``: the whole step around it (inputs placed, the work before and after the
-  pipeline, micro-batches combined, gradients reduced on their owners' meshes, outputs
-  assembled) -> ``StepProgram``;
-- ``fuse_packing``: a packed move's packing and unpacking into the programs making and
-  reading its values -> ``StepProgram``;
-- ``free_step_values``: each value of the step dropped right after its last use (a
-  ``FreeValues``) -> ``StepProgram``;
+- ``combine_replicas``: the loss and aux values a stage run as replicas leaves one per replica
+  combined over them too; the step is then checked against the pipeline program;
 - ``launch_sequences``: per process, the programs it launches on each mesh and the
   cross-process transfers it numbers -> ``LaunchSequences``, whose verifier refuses a step
   whose processes would launch a mesh's programs, or number a transfer, differently (a
@@ -64,7 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax.extend.core.primitives import scan_p
@@ -89,7 +92,7 @@ from .pipeline.lowering.pipeline_program import lower_to_program, stage_io, veri
 from .pipeline.lowering.program_text import program_text
 from .pipeline.lowering.stage_kernels import stage_kernels, verify_stage_kernels
 from .pipeline.lowering.step_frees import free_step_values, verify_step_frees
-from .pipeline.lowering.step_program import lower_step, verify_step_program
+from .pipeline.lowering.step_program import combine_replicas, lower_step, verify_step_program
 from .pipeline.pipeline_options import PipelineOptions
 from .pipeline.placing.batch_rows import (
     global_batch_feeds, global_batch_placements, verify_global_batch_feeds, verify_global_batch_placements,
@@ -459,8 +462,8 @@ def _fuse_compute_runs(st: CompileState) -> CompileState:
 
 def _lower_step(st: CompileState) -> CompileState:
     return dataclasses.replace(st, step=lower_step(
-        st.graph, st.split, st.layout, st.program, st.micro_batching, st.placed.meshes, st.gradients,
-        st.options.micro_batch_size, st.pieces, st.held, st.gathered, list(st.feeds), list(st.batch_placements)))
+        st.graph, st.split, st.layout, st.home, st.micro_batching, st.placed.meshes, st.options.micro_batch_size,
+        st.pieces, st.held, st.gathered, list(st.feeds), list(st.batch_placements)))
 
 
 def _launch_sequences(st: CompileState) -> CompileState:
@@ -494,9 +497,6 @@ PIPELINE_PASSES: tuple[Pass, ...] = (
          ("layout",)),
     Pass("stacked_arrays", _stacked_arrays, _verify_stacked_arrays, ("held", "gathered"),
          when=lambda st: st.pieces is not None),
-    Pass("plan_data_replicas", _plan_data_replicas,
-         lambda st: verify_data_replicas(st.gradients, st.graph, st.placed.meshes, st.home), ("gradients",)),
-    Pass("stage_parts", _stage_parts, _verify_stage_parts, ("parts",)),
     Pass("plan_edge_transfers", _plan_edge_transfers,
          lambda st: verify_edge_transfers(st.transfers, _edge_triples(st), st.placed.stage_meshes), ("transfers",)),
     Pass("global_batch_feeds", _global_batch_feeds,
@@ -505,6 +505,18 @@ PIPELINE_PASSES: tuple[Pass, ...] = (
     Pass("global_batch_placements", _global_batch_placements,
          lambda st: verify_global_batch_placements(st.batch_placements, st.layout, list(st.leaves), st.batch_leaves),
          ("batch_placements",)),
+    # The step around the pipeline, before the passes that trace the stages (replicas, parts):
+    # it needs only the layout, and the caller's observer compiles its programs meanwhile.
+    Pass("lower_step", _lower_step, lambda st: verify_step_program(st.step, st.split, st.graph), ("step",)),
+    Pass("fuse_packing", lambda st: dataclasses.replace(st, step=fuse_packing(st.step)),
+         lambda st: (verify_step_program(st.step, st.split, st.graph), verify_fused_packing(st.step)),
+         ("step",)),
+    Pass("free_step_values", lambda st: dataclasses.replace(st, step=free_step_values(st.step)),
+         lambda st: (verify_step_program(st.step, st.split, st.graph), verify_step_frees(st.step)),
+         ("step",)),
+    Pass("plan_data_replicas", _plan_data_replicas,
+         lambda st: verify_data_replicas(st.gradients, st.graph, st.placed.meshes, st.home), ("gradients",)),
+    Pass("stage_parts", _stage_parts, _verify_stage_parts, ("parts",)),
     Pass("plan_moves", _plan_moves, lambda st: verify_move_table(st.moves, _move_keys(st)), ("moves",)),
     Pass("estimate_durations", _estimate_durations, _verify_durations, ("durations", "delays")),
     Pass("make_schedule", _make_schedule, _verify_schedule, ("schedule",)),
@@ -512,14 +524,8 @@ PIPELINE_PASSES: tuple[Pass, ...] = (
          ("program",)),
     Pass("fuse_compute_runs", _fuse_compute_runs, lambda st: verify_pipeline_program(st.program, st.reduced),
          ("program",), when=lambda st: st.options.schedule.fuse_compute != 1),
-    Pass("lower_step", _lower_step, lambda st: verify_step_program(st.step, st.split, st.graph, st.program),
-         ("step",)),
-    Pass("fuse_packing", lambda st: dataclasses.replace(st, step=fuse_packing(st.step)),
-         lambda st: (verify_step_program(st.step, st.split, st.graph, st.program), verify_fused_packing(st.step)),
-         ("step",)),
-    Pass("free_step_values", lambda st: dataclasses.replace(st, step=free_step_values(st.step)),
-         lambda st: (verify_step_program(st.step, st.split, st.graph, st.program), verify_step_frees(st.step)),
-         ("step",)),
+    Pass("combine_replicas", lambda st: dataclasses.replace(st, step=combine_replicas(st.step, st.gradients)),
+         lambda st: verify_step_program(st.step, st.split, st.graph, st.program), ("step",)),
     Pass("launch_sequences", _launch_sequences, lambda st: verify_launch_sequences(st.launches), ("launches",)),
     Pass("stage_kernels", _stage_kernels, lambda st: verify_stage_kernels(st.kernels, st.program), ("kernels",)),
 )
@@ -586,14 +592,19 @@ class CompiledPipeline:
                          for field in made)
 
 
-def run_passes(state: CompileState, passes: Sequence[Pass] = PIPELINE_PASSES
+def run_passes(state: CompileState, passes: Sequence[Pass] = PIPELINE_PASSES,
+               observers: Mapping[str, Callable[[CompileState], None]] | None = None
                ) -> tuple[CompileState, tuple[tuple[str, CompileState], ...]]:
     """Runs each of ``passes`` that applies to ``state`` in order, each followed by its verifier;
     returns the last state and, per pass run, its name and the state it returned.
+    ``observers`` maps a pass's name to a callback given the state that pass returned, once its
+    verifier passed (as MLIR's pass instrumentation sees each pass's output): the caller starts
+    work on an IR while the later passes still run.
 
     Raises:
       PlanVerificationError: naming the pass whose output a verifier refused.
     """
+    observers = observers or {}
     ran = []
     for p in passes:
         if not p.when(state):
@@ -604,6 +615,8 @@ def run_passes(state: CompileState, passes: Sequence[Pass] = PIPELINE_PASSES
         except PlanVerificationError as e:
             raise PlanVerificationError(f"after pass {p.name}: {e}") from e
         ran.append((p.name, state))
+        if p.name in observers:
+            observers[p.name](state)
     return state, tuple(ran)
 
 
@@ -620,6 +633,7 @@ def compile_pipeline(
     options: PipelineOptions,
     check_stages: Callable[[StageGraph], None] = lambda graph: None,
     replica_loss: Callable[[int], jax_ir.ClosedJaxpr] | None = None,
+    observers: Mapping[str, Callable[[CompileState], None]] | None = None,
 ) -> CompiledPipeline:
     """Runs ``PIPELINE_PASSES`` (module doc) on a traced step ``outer`` (at the whole batch's
     shapes) whose gradient equation, traced per micro-batch, has ``grad_params``, combining
@@ -632,7 +646,7 @@ def compile_pipeline(
                          tuple(counterparts), tuple(devices), options, check_stages, replica_loss,
                          user_specs=tuple(specs), leaf_avals=tuple(v.aval for v in outer.jaxpr.invars),
                          num_user_outputs=len(counterparts))
-    st, ran = run_passes(start)
+    st, ran = run_passes(start, observers=observers)
     return CompiledPipeline(st.graph, st.split, st.placed.meshes, st.layout, st.parts, st.schedule, st.program,
                             st.durations, st.micro_batching, st.moves, st.options.micro_batch_size, st.step,
                             st.kernels, st.gradients, st.pieces, st.held, st.gathered, st.launches, ran)

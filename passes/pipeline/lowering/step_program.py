@@ -5,7 +5,9 @@ step. Around it a step places its inputs, computes and moves what the loss
 reads, feeds each stage its operands, and afterwards combines each
 micro-batch's loss and aux values, reduces each parameter's gradient on its
 owner's mesh, runs the update and assembles the outputs. ``lower_step`` makes
-all of that instructions, deciding every reduction and every sharding here, each
+all of that instructions before the pipeline itself is planned (it needs only the
+layout), so the programs around the pipeline compile while it is; ``lower_step``
+decides every reduction and every sharding here, each
 instruction carrying what it needs (the runtime reads no layout), so the runtime
 (``meshpar.runtime.step_handlers``) is one handler per instruction kind:
 
@@ -23,7 +25,8 @@ instruction carrying what it needs (the runtime reads no layout), so the runtime
   from where their rows lie);
 - ``RunPipeline``: the pipeline program;
 - ``CombineMicroBatches``: the loss or an aux value, its micro-batches combined as
-  ``how`` says, decoded from its wire form and laid out as ``sharding``;
+  ``how`` says, decoded from its wire form and laid out as ``sharding`` (over a stage's
+  replicas too: ``combine_replicas``, once the replicas are planned);
 - ``ReduceGradient``: one stage's accumulated gradient of one parameter, moved to
   its owner's mesh and added to what other stages contributed;
 - ``AwaitArrivals``: the bounded wait for values other processes send here;
@@ -41,6 +44,7 @@ jaxpr): ``program_text`` prints a step with them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,7 +72,7 @@ from ..cutting.step_split import OuterCompute, StepSplit
 from ..placing.data_replicas import DataReplicas
 from ..placing.step_layout import StageOperand, StepLayout
 
-__all__ = ["lower_step", "verify_step_program"]
+__all__ = ["combine_replicas", "lower_step", "verify_step_program"]
 
 
 def _outer(step: Any, layout: StepLayout, split: StepSplit) -> StepInstruction:
@@ -118,27 +122,24 @@ def _leaf_shardings(layout: StepLayout, pieces: LeafPieces | None, held: Mapping
 
 
 @compiler_pass
-def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program: PipelineProgram,
-               micro_batching: MicroBatching, meshes: Sequence[Mesh], gradients: DataReplicas,
-               micro_batch_size: int, pieces: LeafPieces | None = None,
+def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, home: Sequence[int],
+               micro_batching: MicroBatching, meshes: Sequence[Mesh], micro_batch_size: int,
+               pieces: LeafPieces | None = None,
                held: Mapping[int, StackedArray] | None = None,
                gathered: Mapping[int, GatheredArray] | None = None,
                global_batches: Sequence[GlobalBatchFeed] = (),
                batch_placements: Sequence[GlobalBatchPlacement] = ()) -> StepProgram:
-    """The step around ``program``: its reductions are ``micro_batching``'s (the loss by its
-    ``reduction``, each aux value by its own, over micro-batches and the replicas of
-    ``gradients``), every sharding is ``layout``'s (a value it leaves free replicated on its
-    mesh); with ``pieces``, the user's stacked leaves split before and joined after, as
-    ``held`` and ``gathered`` say; ``global_batches`` feed stages per micro-batch from a global
-    batch, ``batch_placements`` place such a batch's leaves whole."""
-
-    def per_replica(stage: int, slot: int) -> bool:
-        replicas = gradients.stages[stage].replicas
-        return replicas is not None and replicas.per_replica(slot)
-
+    """The step around the pipeline of ``micro_batching.num_micro_batches`` micro-batches, its
+    stages on meshes ``home``: its reductions are ``micro_batching``'s (the loss by its
+    ``reduction``, each aux value by its own, over micro-batches; over a stage's replicas too
+    once ``combine_replicas`` has marked them), every sharding is ``layout``'s (a value it
+    leaves free replicated on its mesh); with ``pieces``, the user's stacked leaves split before
+    and joined after, as ``held`` and ``gathered`` say; ``global_batches`` feed stages per
+    micro-batch from a global batch, ``batch_placements`` place such a batch's leaves whole.
+    Nothing here reads the pipeline's plan: the step is lowered before it, so the programs
+    around the pipeline can compile while the pipeline is planned."""
     held, gathered = dict(held or {}), dict(gathered or {})
-    home = program.stage_mesh
-    M = program.num_micro_batches
+    M = micro_batching.num_micro_batches
     by_operand = {(f.stage, f.position): f for f in global_batches}
     feeds = [_feed(s, home[s], op, layout, M, micro_batch_size, by_operand.get((s, op.position)))
              for s, ops in enumerate(layout.stage_operands) for op in ops]
@@ -152,13 +153,12 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
     loss = graph.loss
     ins.append(CombineMicroBatches(
         OuterRef(OuterKind.LOSS), tuple(BufferId(BufferKind.RESULT, loss.index, m, loss.slot) for m in range(M)),
-        home[loss.index], micro_batching.reduction.aux,
-        split.avals[OuterRef(OuterKind.LOSS)], None, per_replica(loss.index, loss.slot)))
+        home[loss.index], micro_batching.reduction.aux, split.avals[OuterRef(OuterKind.LOSS)], None))
     for k, (ref, how) in enumerate(zip(graph.aux, micro_batching.aux)):
         aux = OuterRef(OuterKind.AUX, k)
         ins.append(CombineMicroBatches(
             aux, tuple(BufferId(BufferKind.RESULT, ref.index, m, ref.slot) for m in range(M)), home[ref.index], how,
-            split.avals[aux], layout.value_shardings.get((aux, home[ref.index])), per_replica(ref.index, ref.slot)))
+            split.avals[aux], layout.value_shardings.get((aux, home[ref.index]))))
     reduced: set[tuple[int, int]] = set()
     for stage, moves, shardings in zip(graph.stages, layout.gradient_moves, layout.grad_shardings):
         avals = [a for r, a in zip(stage.inputs, stage.jaxpr.in_avals) if r.kind is RefKind.PARAM]
@@ -184,6 +184,22 @@ def lower_step(graph: StageGraph, split: StepSplit, layout: StepLayout, program:
         ins.append(JoinStackedLeaves(*stacked))
     return StepProgram(tuple(ins), tuple(split.consts), dict(split.avals),
                        _leaf_shardings(layout, pieces, held, gathered))
+
+
+@compiler_pass
+def combine_replicas(step: StepProgram, gradients: DataReplicas) -> StepProgram:
+    """``step`` with each ``CombineMicroBatches`` of a value its stage leaves one per replica
+    (``gradients``: the stage runs as data-parallel replicas) combining over the replicas too."""
+
+    def marked(ins: StepInstruction) -> StepInstruction:
+        if not isinstance(ins, CombineMicroBatches):
+            return ins
+        buffer = ins.buffers[0]
+        replicas = gradients.stages[buffer.index].replicas
+        per_replica = replicas is not None and replicas.per_replica(buffer.slot)
+        return dataclasses.replace(ins, per_replica=per_replica) if per_replica != ins.per_replica else ins
+
+    return dataclasses.replace(step, instructions=tuple(marked(ins) for ins in step))
 
 
 def share_outputs(outputs: Sequence[OutputSource], avals: Mapping[OuterRef, jax_ir.AbstractValue],
@@ -220,7 +236,8 @@ def share_outputs(outputs: Sequence[OutputSource], avals: Mapping[OuterRef, jax_
     return ShareOutputs(tuple(shared)) if shared else None
 
 
-def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, program: PipelineProgram) -> None:
+def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph,
+                        program: PipelineProgram | None = None) -> None:
     """The pipeline runs once, after the inputs are placed (a global batch leaf moved to its own
     placement) and every stage operand fed once; every value an instruction reads on a mesh was made there
     earlier (or is an input or constant); the loss and every aux value are combined once,
@@ -229,7 +246,8 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
     (a gradient's second contribution adds to the first); nothing uses a value after it is
     freed, and each is freed once, after it was made; the outputs come last. Every instruction is read
     through ``StepInstruction`` (what it reads, makes, frees, combines and reduces, its own check),
-    whatever its kind; only the order of the step's phases names kinds.
+    whatever its kind; only the order of the step's phases names kinds. Each instruction's wiring
+    against the pipeline ``program`` is checked once it is planned (``None``: not yet).
 
     Raises:
       PlanVerificationError: naming the instruction.
@@ -273,7 +291,7 @@ def verify_step_program(step: StepProgram, split: StepSplit, graph: StageGraph, 
     made: set[Located] = set()
     freed: set[Located] = set()
     for ins in step:
-        wiring = ins.check(program, param_owner)
+        wiring = ins.check(program, param_owner) if program is not None else None
         if wiring:
             raise PlanVerificationError(f"{ins}: {wiring}")
         for ref, mesh in (*ins.reads, *ins.writes):
