@@ -37,6 +37,7 @@ from meshpar.passes.program.step_values import OuterKind
 from meshpar.passes.program.wire_format import leaf_dtype
 from meshpar.pipeshard_parallel import PipeshardParallel
 from meshpar.runtime.coordination import agree
+from meshpar.runtime.early_programs import EarlyPrograms
 from meshpar.runtime.pipeline_executor import PipelineExecutable
 from meshpar.runtime.spmd_step import SpmdStep
 
@@ -187,10 +188,17 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
             raise ValueError(f"micro-batches of {micro_batch_size} examples do not split into {count} replicas")
         return stepped.share_loss(grad_call_at(micro_batch_size // count).params["loss_jaxpr"], M * count)
 
+    # The work around the pipeline starts compiling once the compiler has lowered the step
+    # program (its last pass before those tracing the stages), while those passes run
+    # (``runtime.early_programs``). A step that may run as one program (``single_program``)
+    # compiles only that.
+    early = None if method.single_program and M == 1 else EarlyPrograms(leaves, method.timeout_s)
+    observers = {} if early is None else {
+        "free_step_values": lambda st: early.start(st.step, st.placed.meshes, st.home)}
     compiled = compile_pipeline(
         outer, params, micro_batching, leaves, partition_specs(args), frozenset(batch_leaves), replaced,
         devices, method.pipeline_options(micro_batch_size), functools.partial(_check_num_stages, method),
-        replica_loss,
+        replica_loss, observers,
     )
     # A forward-only step leaves the inputs it does not read unplaced (a train state's optimizer
     # state stays where the train step keeps it), which one jitted program cannot express.
@@ -200,7 +208,7 @@ def compile_step(fun: Callable, method: PipeshardParallel, args: tuple, leaves: 
                             in_tree)
     executable = PipelineExecutable(compiled.step, compiled.program, compiled.moves, compiled.kernels, out_tree,
                                     jax.tree.leaves(out_shapes), timeout_s=method.timeout_s,
-                                    description=describe_pipeline(compiled))
+                                    description=describe_pipeline(compiled), early=early)
     if jax.process_count() > 1:
         # One agreement for the whole pipeline: every process compiled the
         # same stages, schedule and moves, or all of them fail here.

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from meshpar.passes import jax_ir
 from meshpar.passes.program.flat_values import flatten, unflatten
@@ -18,10 +18,11 @@ from meshpar.runtime.remote import absent
 from meshpar.runtime.stage_executables import on_mesh
 from meshpar.runtime.step_state import AheadWalk, StepExecutable, StepHandler, StepState
 
-__all__ = ["HANDLERS"]
+__all__ = ["HANDLERS", "compute_program", "moved_shape"]
 
 
-def prepare_compute(ex: StepExecutable, ins: RunCompute) -> Callable:
+def compute_program(ins: RunCompute, mesh: Mesh, timeout_s: float) -> Callable:
+    """The program computing ``ins`` on ``mesh`` (``on_mesh``: waits bounded by ``timeout_s``)."""
     fn = jax_ir.staged_fun(ins.jaxpr)
     targets = ins.output_shardings
 
@@ -30,7 +31,17 @@ def prepare_compute(ex: StepExecutable, ins: RunCompute) -> Callable:
         return [o if t is None else jax.lax.with_sharding_constraint(o, t) for o, t in zip(outs, targets)]
 
     # Declared (``None``: as XLA lays it out) so that what reads them compiles ahead at once.
-    return on_mesh(jax.jit(run, out_shardings=list(targets)), ex.meshes[ins.mesh], ex.timeout_s)
+    return on_mesh(jax.jit(run, out_shardings=list(targets)), mesh, timeout_s)
+
+
+def prepare_compute(ex: StepExecutable, ins: RunCompute) -> Callable:
+    return compute_program(ins, ex.meshes[ins.mesh], ex.timeout_s)
+
+
+def moved_shape(ins: RunMove, value: Any) -> jax.ShapeDtypeStruct:
+    """The type of the one value ``ins`` moves, typed ``value`` on its source, on arrival."""
+    weak = bool(getattr(value, "weak_type", False))
+    return jax.ShapeDtypeStruct(ins.via.shape, ins.via.dtype, sharding=ins.via.dst, weak_type=weak)
 
 
 def run_compute(ex: StepExecutable, ins: RunCompute, program: Callable, state: StepState) -> None:
@@ -112,9 +123,7 @@ def move_ahead(walk: AheadWalk, ins: RunMove, ready: tuple[Callable, Callable | 
         value = walk.value(ins.values[0], ins.src)
         if value is not None and getattr(move, "jitted", None) is not None:
             walk.program(move, value)
-        weak = bool(getattr(value, "weak_type", False))
-        walk.values[(ins.values[0], ins.dst)] = jax.ShapeDtypeStruct(via.shape, via.dtype, sharding=via.dst,
-                                                                     weak_type=weak)
+        walk.values[(ins.values[0], ins.dst)] = moved_shape(ins, value)
         return
     if walk.ex.mesh_local[ins.src]:
         walk.program(pack, *[walk.value(r, ins.src) for r in ins.values])

@@ -30,6 +30,7 @@ from meshpar.passes.program.pipeline_instructions import PipelineProgram, Reduce
 from meshpar.passes.program.stage_kernel import StageKernel
 from meshpar.passes.program.step_instructions import JoinStackedLeaves, RunPipeline, StepProgram
 from meshpar.runtime.compile_ahead import AheadOfTime, wait_deferred
+from meshpar.runtime.early_programs import EarlyPrograms
 from meshpar.runtime.frozen_heap import frozen_heap
 from meshpar.runtime.coordination import Arrival, agree, owns_a_device_of, raise_lost_peer, wait_ready
 from meshpar.runtime.live_bytes_meter import LiveBytesMeter
@@ -62,6 +63,9 @@ class PipelineExecutable:
       timeout_s: how long a process waits, at the end of a step, for values
         other processes send it (multi-process runs only).
       description: what ``describe()`` returns (``passes.pipeline.describe_pipeline``).
+      early: the programs around the pipeline made (and queued to compile) while the compiler
+        ran (``runtime.early_programs``): this launches those, and compiles the rest ahead on
+        the same queue.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class PipelineExecutable:
         out_avals: Sequence[Any],
         timeout_s: float = 120.0,
         description: str = "",
+        early: EarlyPrograms | None = None,
     ) -> None:
         self.step_program, self.program, self.moves = step, program, moves
         self.description = description
@@ -99,6 +104,7 @@ class PipelineExecutable:
         self.mesh_local = [owns_a_device_of(m) for m in self.meshes]
         self.local = [self.mesh_local[m] for m in self.home]
         self._prepared: dict[MoveKey, Move] = {}
+        self._early = early
         self.executables = [compile_stage(k, timeout_s) for k in kernels]
         self._kernels = tuple(kernels)
         # How many programs ``compile_ahead`` compiled; ``None`` until it has run.
@@ -136,7 +142,10 @@ class PipelineExecutable:
         self._ready: dict[int, Any] = {}
         for ins in step:
             handler = STEP_HANDLERS[type(ins)]
-            ready = self._ready[id(ins)] = handler.prepare(self, ins) if handler.prepare is not None else None
+            ready = early.ready(ins) if early is not None else None
+            if ready is None and handler.prepare is not None:
+                ready = handler.prepare(self, ins)
+            self._ready[id(ins)] = ready
             self._runs.append((ins, handler.run, ready))
 
     def move(self, key: MoveKey) -> Move:
@@ -221,7 +230,10 @@ class PipelineExecutable:
                 operands[(kernel.stage, o.position)] = [shaped] * self.num_micro_batches if o.per_micro_batch else shaped
             grads.append([jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
                           for a in kernel.accumulation.accumulators])
-        compiler = AheadOfTime()
+        # The programs around the pipeline started compiling while the compiler ran, on ``early``'s;
+        # the rest compile on the whole pool.
+        compiler = self._early.compiler if self._early is not None else AheadOfTime()
+        compiler.compile_on(None)
         with frozen_heap():
             compile_step_ahead(self, compiler, leaves, self.stage_inputs(operands), grads)
             count = compiler.finish()

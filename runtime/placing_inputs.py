@@ -20,7 +20,7 @@ from meshpar.runtime.move_handlers import Move
 from meshpar.runtime.placement import on_meshes, place
 from meshpar.runtime.step_state import AheadWalk, StepExecutable, StepHandler, StepState
 
-__all__ = ["HANDLERS", "Placing"]
+__all__ = ["HANDLERS", "Placing", "placed_shapes"]
 
 
 class Placing:
@@ -94,15 +94,22 @@ def _place_global_batch(ex: StepExecutable, i: int, leaf: Any, batch: GlobalBatc
     return placed
 
 
-def place_ahead(walk: AheadWalk, ins: PlaceInputs, placing: Placing) -> None:
-    if walk.leaves is None:
-        return
-    for i, (leaf, placement) in enumerate(zip(walk.leaves, ins.placements)):
+def placed_shapes(leaves: Sequence[Any], ins: PlaceInputs) -> list[dict[int, jax.ShapeDtypeStruct]]:
+    """Per input leaf of ``leaves``, per mesh ``ins`` places it on, its type there."""
+    moved = {p.leaf for p in ins.global_batches}
+    placed = []
+    for i, (leaf, placement) in enumerate(zip(leaves, ins.placements)):
         # ``put`` keeps a jax.Array's weak type (one array per mesh); a view of one array
         # over several meshes, or host data, is not weak.
-        weak = bool(getattr(leaf, "weak_type", False)) and placement.union is None and i not in placing.moved
-        walk.placed.append({m: jax.ShapeDtypeStruct(np.shape(leaf), leaf_dtype(leaf), sharding=placement.on(m),
-                                                    weak_type=weak) for m in placement.meshes})
+        weak = bool(getattr(leaf, "weak_type", False)) and placement.union is None and i not in moved
+        placed.append({m: jax.ShapeDtypeStruct(np.shape(leaf), leaf_dtype(leaf), sharding=placement.on(m),
+                                               weak_type=weak) for m in placement.meshes})
+    return placed
+
+
+def place_ahead(walk: AheadWalk, ins: PlaceInputs, placing: Placing) -> None:
+    if walk.leaves is not None:
+        walk.placed.extend(placed_shapes(walk.leaves, ins))
 
 
 HANDLERS = {PlaceInputs: StepHandler(place_inputs, prepare_placing, place_ahead)}

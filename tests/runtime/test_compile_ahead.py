@@ -108,7 +108,7 @@ def test_a_program_reading_declared_results_compiles_before_its_producer_has(mon
 
     held: list[tuple[concurrent.futures.Future, object]] = []
 
-    def hold(lowered):
+    def hold(lowered, pool=None):
         future = concurrent.futures.Future()
         held.append((future, lowered))
         return future
