@@ -159,13 +159,15 @@ class _Task:
     """One program to compile: ``jitted`` for ``args`` (leaves ``jax.ShapeDtypeStruct``s, or
     ``Pending`` results of other tasks), inside ``mesh``."""
 
-    __slots__ = ("jitted", "mesh", "args", "deps", "name", "future", "outputs", "error", "optional", "same_as",
-                 "out_tree", "out_avals", "declared")
+    __slots__ = ("jitted", "mesh", "args", "deps", "name", "future", "lowered", "outputs", "error", "optional",
+                 "same_as", "out_tree", "out_avals", "declared")
 
     def __init__(self, jitted: Any, mesh: Any, args: tuple, deps: list[_Task], optional: bool) -> None:
         self.jitted, self.mesh, self.args, self.deps, self.optional = jitted, mesh, args, deps, optional
         self.name = getattr(jitted, "__name__", "program")
         self.future: concurrent.futures.Future | None = None
+        # What it compiles, once lowered, until compiled (``compile_on`` may move it to another pool).
+        self.lowered: Any = None
         # The compiled program's results (``ShapeDtypeStruct``s with shardings), once compiled.
         self.outputs: list[jax.ShapeDtypeStruct] | None = None
         self.error: BaseException | None = None
@@ -214,9 +216,14 @@ class AheadOfTime:
         self._held: list[Any] = []  # functions keyed by id, kept alive while their ids are keys
 
     def compile_on(self, pool: concurrent.futures.Executor | None) -> None:
-        """Compiles the programs queued from now on on ``pool`` (``None``: the process's compile
-        pool); those already compiling finish where they are."""
+        """Compiles on ``pool`` (``None``: the process's compile pool) the programs queued from now
+        on, and those still waiting for a thread of the pool they were queued on; those already
+        compiling finish where they are (so the pools never compile more programs at once than
+        the new one has threads, and one more per program already started)."""
         self._pool = pool
+        for task in self._tasks:
+            if task.future is not None and task.outputs is None and task.future.cancel():
+                task.future = _submit_compile(task.lowered, pool)
 
     @property
     def compiled(self) -> int:
@@ -289,6 +296,7 @@ class AheadOfTime:
         task.out_tree, task.out_avals = traced.out_tree, jax.tree.leaves(traced.out_avals)
         task.declared = _declared_shardings(traced.out_info)
         self._by_operands[key] = task
+        task.lowered = lowered
         task.future = _submit_compile(lowered, self._pool)
         return traced.out_avals
 
@@ -352,6 +360,7 @@ class AheadOfTime:
             return
         try:
             compiled = task.future.result()
+            task.lowered = None
             # The compiled results' types drop weak typing, which JAX's cache keys on: the traced
             # weak types are kept (``resolve``).
             task.outputs = jax.tree.leaves(compiled.out_info)

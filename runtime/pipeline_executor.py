@@ -237,6 +237,7 @@ class PipelineExecutable:
         with frozen_heap():
             compile_step_ahead(self, compiler, leaves, self.stage_inputs(operands), grads)
             count = compiler.finish()
+        self._early = None  # its programs are compiled, and held by the handlers that launch them
         wait_deferred()
         if jax.process_count() > 1:
             agree("pipeline/compiled_ahead", {"stages": len(self._kernels)}, list(range(jax.process_count())),
