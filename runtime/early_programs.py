@@ -29,9 +29,10 @@ from meshpar.passes.program.step_instructions import (
 )
 from meshpar.passes.program.step_values import OuterKind, OuterRef
 from meshpar.runtime.around_pipeline import compute_program, moved_shape
-from meshpar.runtime.compile_ahead import AheadOfTime, NotCompiledAhead, beside_python_pool
+from meshpar.runtime.compile_ahead import AheadOfTime, beside_python_pool
 from meshpar.runtime.coordination import owns_a_device_of
 from meshpar.runtime.placing_inputs import placed_shapes
+from meshpar.runtime.step_ahead import queue_program, shaped_value
 
 __all__ = ["EarlyPrograms"]
 
@@ -72,14 +73,9 @@ class EarlyPrograms:
         if not walk.local[ins.mesh]:
             return
         program = self._programs[ins] = compute_program(ins, walk.meshes[ins.mesh], self._timeout_s)
-        args = [walk.value(r, ins.mesh) for r in ins.inputs]
-        if any(a is None for a in args):
-            return
-        try:
-            outs = self.compiler.program(program.jitted, *args, mesh=program.mesh, optional=True)
-        except NotCompiledAhead:
-            return
-        walk.values.update({(ref, ins.mesh): o for ref, o in zip(ins.outputs, outs)})
+        outs = queue_program(self.compiler, program, *[walk.value(r, ins.mesh) for r in ins.inputs])
+        if outs is not None:
+            walk.values.update({(ref, ins.mesh): o for ref, o in zip(ins.outputs, outs)})
 
 
 class _Shapes:
@@ -97,12 +93,7 @@ class _Shapes:
 
     def value(self, ref: OuterRef, mesh: int) -> Any:
         """``ref`` on ``mesh`` as the step reads it (``StepState.value``); ``None``: unknown."""
-        if ref.kind is OuterKind.IN:
-            arrays = self.placed[ref.index] if ref.index < len(self.placed) else {}
-            return arrays.get(mesh, next(iter(arrays.values()), None))
-        if ref.kind is OuterKind.CONST:
-            return self.step.consts[ref.index]
-        return self.values.get((ref, mesh))
+        return shaped_value(ref, mesh, self.placed, self.step.consts, self.values)
 
 
 def _split(ins: SplitStackedLeaves, walk: _Shapes) -> None:

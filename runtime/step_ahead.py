@@ -28,7 +28,7 @@ from meshpar.runtime.compile_ahead import AheadOfTime, NotCompiledAhead
 from meshpar.runtime.program_interpreter import ProgramRun, StageInputs
 from meshpar.runtime.step_handlers import STEP_HANDLERS
 
-__all__ = ["StepShapes", "compile_step_ahead"]
+__all__ = ["StepShapes", "compile_step_ahead", "queue_program", "shaped_value"]
 
 
 def compile_step_ahead(executable: Any, compiler: AheadOfTime, leaves: Sequence[Any] | None,
@@ -66,21 +66,34 @@ class StepShapes:
     def program(self, fn: Any, *args: Any) -> Any:
         """``fn``'s results for ``args`` (``None``: unknown, or not compiled ahead); ``fn`` made
         by ``on_mesh``, or a plain ``jax.jit``."""
-        if any(a is None for a in jax.tree.leaves(args, is_leaf=lambda x: x is None)):
-            return None
-        jitted = getattr(fn, "jitted", fn)
-        try:
-            return self.compiler.program(jitted, *args, mesh=getattr(fn, "mesh", None), optional=True)
-        except NotCompiledAhead:
-            return None
+        return queue_program(self.compiler, fn, *args)
 
     def value(self, ref: OuterRef, mesh: int) -> Any:
         """``ref`` on ``mesh`` as ``StepState.value`` reads it; ``None``: unknown."""
-        if ref.kind is OuterKind.IN:
-            if ref.index >= len(self.placed):
-                return None
-            arrays = self.placed[ref.index]
-            return arrays.get(mesh, next(iter(arrays.values()), None))
-        if ref.kind is OuterKind.CONST:
-            return self.ex.step_program.consts[ref.index]
-        return self.values.get((ref, mesh))
+        return shaped_value(ref, mesh, self.placed, self.ex.step_program.consts, self.values)
+
+
+def queue_program(compiler: AheadOfTime, fn: Any, *args: Any) -> Any:
+    """``fn``'s results for ``args`` as ``compiler`` queues it (``None``: an operand unknown, or
+    not compiled ahead); ``fn`` made by ``on_mesh``, or a plain ``jax.jit``."""
+    if any(a is None for a in jax.tree.leaves(args, is_leaf=lambda x: x is None)):
+        return None
+    jitted = getattr(fn, "jitted", fn)
+    try:
+        return compiler.program(jitted, *args, mesh=getattr(fn, "mesh", None), optional=True)
+    except NotCompiledAhead:
+        return None
+
+
+def shaped_value(ref: OuterRef, mesh: int, placed: Sequence[dict[int, Any]], consts: Sequence[Any],
+                 values: dict[tuple[OuterRef, int], Any]) -> Any:
+    """``ref`` on ``mesh`` as ``StepState.value`` reads it, from the inputs' types once ``placed``
+    (per leaf, per mesh), the step's ``consts`` and the other ``values``' types; ``None``: unknown."""
+    if ref.kind is OuterKind.IN:
+        if ref.index >= len(placed):
+            return None
+        arrays = placed[ref.index]
+        return arrays.get(mesh, next(iter(arrays.values()), None))
+    if ref.kind is OuterKind.CONST:
+        return consts[ref.index]
+    return values.get((ref, mesh))
