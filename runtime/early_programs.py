@@ -116,18 +116,17 @@ def _move(ins: RunMove, walk: _Shapes) -> None:
 
 
 def _gradient(ins: ReduceGradient, walk: _Shapes) -> None:
-    # The gradient as the pipeline leaves it on its stage's mesh (the parameter's dtype, the
-    # layout's sharding: what the stage's programs declare), then as its move lays it out on the
-    # owner's mesh; a second stage's adds into the first's, laid out alike.
-    if ins.adds:
-        return
+    # As ``micro_batch_results.gradient_ahead`` walks it: the gradient as the pipeline leaves it
+    # on its stage's mesh (the parameter's dtype, the layout's sharding: what the stage's
+    # programs declare), then as its move lays it out on the owner's mesh; unknown where the
+    # stage is another process's. A second stage's adds into the first's, laid out alike.
+    g = None
+    if walk.local[walk.stage_mesh[ins.stage]]:
+        g = (jax.ShapeDtypeStruct(ins.aval.shape, ins.aval.dtype, sharding=ins.sharding) if ins.move is None
+             else jax.ShapeDtypeStruct(ins.move.shape, ins.move.dtype, sharding=ins.move.dst))
     key = (OuterRef(OuterKind.GRAD, ins.param), ins.mesh)
-    if not walk.local[walk.stage_mesh[ins.stage]]:
-        walk.values.pop(key, None)
-    elif ins.move is None:
-        walk.values[key] = jax.ShapeDtypeStruct(ins.aval.shape, ins.aval.dtype, sharding=ins.sharding)
-    else:
-        walk.values[key] = jax.ShapeDtypeStruct(ins.move.shape, ins.move.dtype, sharding=ins.move.dst)
+    if not ins.adds or g is None:
+        walk.values[key] = g
 
 
 def _unknown(ins: StepInstruction, walk: _Shapes) -> None:
