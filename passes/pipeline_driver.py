@@ -603,8 +603,14 @@ def run_passes(state: CompileState, passes: Sequence[Pass] = PIPELINE_PASSES,
 
     Raises:
       PlanVerificationError: naming the pass whose output a verifier refused.
+      ValueError: an observer named for no pass of ``passes``, or not callable.
     """
     observers = observers or {}
+    names = [p.name for p in passes]
+    for name, observer in observers.items():
+        if name not in names or not callable(observer):
+            raise ValueError(f"observers: {name!r} -> {observer!r}: expected a callable for one of the passes "
+                             f"{names}")
     ran = []
     for p in passes:
         if not p.when(state):

@@ -45,6 +45,19 @@ def test_passes_run_in_the_declared_order(compiled):
             "launch_sequences", "stage_kernels"} <= set(ran)
 
 
+def test_an_observer_sees_the_state_its_pass_returned_and_a_bad_one_is_refused(compiled):
+    start = _state_after(compiled, "layout_step")
+    rest = _rest("layout_step")
+    seen = []
+    final, ran = run_passes(start, rest, observers={"lower_step": seen.append})
+    assert len(seen) == 1 and seen[0] is dict(ran)["lower_step"]
+    assert seen[0].program is None, "lower_step ran after the pipeline was planned"
+    with pytest.raises(ValueError, match="observers: 'no_such_pass'"):
+        run_passes(start, rest, observers={"no_such_pass": seen.append})
+    with pytest.raises(ValueError, match="observers: 'lower_step'"):
+        run_passes(start, rest, observers={"lower_step": "not a function"})
+
+
 def test_each_pass_sets_what_it_says_it_makes(compiled):
     states = dict(compiled.passes)
     previous = None
